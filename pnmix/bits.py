@@ -1,0 +1,136 @@
+"""Bit-width accounting: the tuner's constraint (DESIGN.md section 3) and KV byte totals.
+
+Average key bits per cached key element, counted as the paper does: the fp16 residual buffer is
+left out of storage and element count; `quantized_tokens` (T_q) tokens sit in the packed region
+and `n_sink` fp16 sink tokens in front of them.
+
+    payload  = T_q * d * (f * b_H + (1 - f) * b_L)      f = 2 * salient_pairs / d
+    sinks    = n_sink * d * 16
+    scales   = (T_q / G) * d * 2 * 16                    fp16 scale + zero per channel per group
+    key_bits = (payload + sinks + scales) / ((T_q + n_sink) * d)
+    metadata = d/2-bit salient mask per (layer, KV head, sequence) / ((T_q + n_sink) * d)
+    total    = key_bits + metadata
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pnmix.config import UNQUANTIZED_BITS, PNMixConfig
+
+DEFAULT_QUANTIZED_TOKENS = 32768
+FP16_BITS = 16
+
+
+@dataclass(frozen=True)
+class KeyBits:
+    """Key bits per element, term by term (each term already divided by the element count)."""
+
+    payload: float
+    sinks: float
+    scales: float
+    key_bits: float  # payload + sinks + scales: the number the paper reports
+    metadata: float
+    total: float  # key_bits + metadata: the number the tuner's budget constrains
+    salient_fraction: float
+    head_dim: int
+    quantized_tokens: int
+
+
+def key_bits(
+    config: PNMixConfig, head_dim: int = 128, quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS
+) -> KeyBits:
+    d, t_q = head_dim, quantized_tokens
+    if not config.keys_quantized:
+        return KeyBits(FP16_BITS, 0.0, 0.0, FP16_BITS, 0.0, FP16_BITS, 0.0, d, t_q)
+    config.check_head_dim(d)
+    f = 2 * config.salient_pairs(d) / d
+    elements = (t_q + config.n_sink) * d
+    payload = t_q * d * (f * config.b_high + (1 - f) * config.b_low)
+    sinks = config.n_sink * d * FP16_BITS
+    scales = (t_q / config.group_size) * d * 2 * FP16_BITS
+    # The salient set is a d/2-bit mask per (layer, KV head, sequence); a uniform config needs none.
+    metadata = (d / 2) if config.b_high != config.b_low else 0.0
+    kb = (payload + sinks + scales) / elements
+    return KeyBits(
+        payload=payload / elements,
+        sinks=sinks / elements,
+        scales=scales / elements,
+        key_bits=kb,
+        metadata=metadata / elements,
+        total=kb + metadata / elements,
+        salient_fraction=f,
+        head_dim=d,
+        quantized_tokens=t_q,
+    )
+
+
+def value_bits(config: PNMixConfig) -> float:
+    """Average value bits per element: b_V plus an fp16 scale and zero per group of G_V channels."""
+    if not config.values_quantized:
+        return float(UNQUANTIZED_BITS)
+    return config.value_bits + 2 * FP16_BITS / config.value_group_size
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV-cache size of a model depends on."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """Bytes a PN-Mix cache holds for `batch` sequences of `seq_len` tokens, by region.
+
+    Layout as after a prefill of `seq_len` tokens: `n_sink` fp16 sinks, whole groups of G tokens
+    in the packed region, the remainder (< G tokens) in the fp16 residual buffer.
+    """
+
+    packed_keys: int
+    key_scales: int
+    salient_sets: int
+    packed_values: int
+    value_scales: int
+    sinks: int
+    residual: int
+    total: int
+    fp16_total: int  # the same tokens in an unquantized fp16 cache
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def kv_cache_bytes(config: PNMixConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:
+    d = shape.head_dim
+    heads = shape.num_layers * shape.num_kv_heads * batch  # independent (layer, KV head, sequence) slots
+    fp16_total = heads * seq_len * d * 2 * 2
+    if not config.keys_quantized and not config.values_quantized:
+        return KVBytes(0, 0, 0, 0, 0, 0, fp16_total, fp16_total, fp16_total)
+    config.check_head_dim(d)
+    n_sink = min(config.n_sink, seq_len)
+    quantized = (seq_len - n_sink) // config.group_size * config.group_size
+    residual = seq_len - n_sink - quantized
+    n_sal = config.salient_pairs(d)
+    groups = quantized // config.group_size
+    if config.keys_quantized:
+        key_payload_bits = quantized * (d * config.b_low + 2 * n_sal * config.high_planes)
+        packed_keys = heads * key_payload_bits // 8
+        key_scales = heads * groups * d * 2 * 2
+        salient = heads * n_sal * 2  # int16 pair indices
+    else:
+        packed_keys, key_scales, salient = heads * quantized * d * 2, 0, 0
+    if config.values_quantized:
+        packed_values = heads * quantized * d * config.value_bits // 8
+        value_scales = heads * quantized * (d // config.value_group_size) * 2 * 2
+    else:
+        packed_values, value_scales = heads * quantized * d * 2, 0
+    sinks = heads * n_sink * d * 2 * 2
+    residual_bytes = heads * residual * d * 2 * 2
+    total = packed_keys + key_scales + salient + packed_values + value_scales + sinks + residual_bytes
+    return KVBytes(
+        packed_keys, key_scales, salient, packed_values, value_scales, sinks, residual_bytes, total, fp16_total
+    )
