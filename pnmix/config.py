@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from pnmix.errors import PNMixError
+
 KEY_BITS = (1, 2, 3, 4)
 UNQUANTIZED_BITS = 16
 GROUP_SIZES = (32, 64, 128)
@@ -19,7 +21,7 @@ VALUE_BITS = (1, 2, 4, 8, 16)
 CRITERIA = ("qk_pair_norm", "k_pair_norm", "k_magnitude", "k_range", "random")
 
 
-class ConfigError(ValueError):
+class ConfigError(PNMixError, ValueError):
     """A config field holds a value that is not allowed. The message is one line, fit for users."""
 
     def __init__(self, field: str, value: object, allowed: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pnmix.bits import ModelShape
+from pnmix.errors import PNMixError
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 Purpose = Literal["accuracy", "performance"]
 
 
-class ModelError(RuntimeError):
+class ModelError(PNMixError, RuntimeError):
     """A model cannot be resolved or loaded. The message is one line and says what to do."""
 
 

@@ -1,0 +1,40 @@
+"""The `pnmix` command: the root Typer app that gathers every package's commands.
+
+It lives in `api/`, the outermost layer, because only this layer may depend on all the others
+(DESIGN.md section 1). Commands import their heavy dependencies lazily, so `pnmix bits` starts
+without loading torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from pnmix import cli as method_cli
+from pnmix.errors import PNMixError
+
+app = typer.Typer(
+    name="pnmix",
+    help="PN-Mix mixed-precision KV-cache quantization: method, tuner and service.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("bits")(method_cli.bits)
+app.command("models")(method_cli.list_models)
+app.command("generate")(method_cli.generate)
+app.command("run")(method_cli.run_main_job)
+
+
+def main() -> None:
+    """Entry point: user mistakes end in one line on stderr and exit code 2, never a traceback."""
+    try:
+        app()
+    except PNMixError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

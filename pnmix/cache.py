@@ -1,0 +1,303 @@
+"""PNMixCache: a `transformers.Cache` holding keys and values in the PN-Mix storage format.
+
+Per layer and sequence, in token order (DESIGN.md section 2):
+    [ n_sink fp sinks | packed region, whole groups of G tokens | fp residual buffer ]
+The residual buffer is quantized into the packed region when it reaches `residual_len` tokens.
+Sinks and residual stay in the model's dtype (fp16/bf16 on GPU; fp32 on the CPU reference).
+
+Each sequence keeps only its real tokens: left-padding columns are dropped at prefill, so a
+sequence in a batch gets the same sinks, groups and salient set as when generated alone.
+
+`update` stores nothing by itself: it returns a `LayerStep` handle that the registered "pnmix"
+attention function consumes, because the prefill's saliency needs the post-RoPE queries, which
+only the attention function sees. The CPU reference path keeps a dequantized, token-ordered view
+of each layer (`view_k`, `view_v`), written from the packed bytes when a group is quantized;
+the GPU path (kernels/) reads the packed bytes directly instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pnmix import packing
+from pnmix.config import PNMixConfig
+from pnmix.families import check_model
+from pnmix.saliency import Pairing, pair_channels, saliency_scores, select_salient_pairs
+
+REGIONS = ("packed_keys", "key_scales", "salient_sets", "packed_values", "value_scales", "sinks", "residual")
+
+
+@dataclass
+class LayerStep:
+    """What `update` hands to the attention function: the layer and this step's new states."""
+
+    layer: PNMixLayer
+    keys: torch.Tensor  # [B, H_kv, q_len, d], post-RoPE
+    values: torch.Tensor  # [B, H_kv, q_len, d]
+
+
+class PNMixLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, config: PNMixConfig, pairing: Pairing, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.pairing = pairing
+        self.layer_idx = layer_idx
+        self.seen = 0  # tokens processed, left padding included: what the model's masks count
+        self.prefilled = False
+
+    # -- transformers' layer protocol ------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        cfg, dev, dt = self.config, key_states.device, key_states.dtype
+        self.batch, self.kv_heads, self.head_dim, self.dtype, self.device = b, h, d, dt, dev
+        self.n_salient = cfg.salient_pairs(d)
+        self.flushes = cfg.keys_quantized or cfg.values_quantized
+        self.lengths = [0] * b  # real tokens held per sequence
+        self.n_groups = [0] * b  # groups in the packed region per sequence
+        self.res_len = [0] * b  # tokens in the residual buffer per sequence
+        self.k_sink = torch.zeros((b, h, cfg.n_sink, d), dtype=dt, device=dev)
+        self.v_sink = torch.zeros_like(self.k_sink)
+        res_cap = cfg.residual_len if self.flushes else 0
+        self.k_res = torch.zeros((b, h, res_cap, d), dtype=dt, device=dev)
+        self.v_res = torch.zeros_like(self.k_res)
+        self.salient_pairs = torch.zeros((b, h, self.n_salient), dtype=torch.int16, device=dev)
+        self.packed: dict[str, torch.Tensor] = {}  # packed region, grown a group at a time
+        self.group_capacity = 0
+        self.view_k = torch.zeros((b, h, 0, d), dtype=dt, device=dev)
+        self.view_v = torch.zeros_like(self.view_k)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        step = LayerStep(self, key_states, value_states)
+        return step, step
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.prefilled = False
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PN-Mix cache does not support beam search")
+
+    # -- storage ---------------------------------------------------------------------------------
+
+    def salient_channels(self, b: int) -> torch.Tensor:
+        """Channels of sequence b's salient pairs, [H_kv, 2 * n_salient], ascending."""
+        return pair_channels(self.salient_pairs[b].long(), self.head_dim, self.pairing)
+
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, token_mask: torch.Tensor) -> None:
+        """Chooses each sequence's salient pairs from the prefill and stores its real tokens."""
+        cfg = self.config
+        if self.n_salient:
+            scores = saliency_scores(cfg.criterion, query, key, token_mask, self.pairing, cfg.seed + self.layer_idx)
+            self.salient_pairs = select_salient_pairs(scores, self.n_salient).to(torch.int16)
+        self.prefilled = True
+        for b in range(self.batch):
+            real = token_mask[b].nonzero().squeeze(-1)
+            self._append(b, key[b][:, real], value[b][:, real], prefill=True)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Decode-time append: key/value [B, H_kv, n, d], every token real."""
+        for b in range(self.batch):
+            self._append(b, key[b], value[b])
+
+    def _append(self, b: int, k: torch.Tensor, v: torch.Tensor, prefill: bool = False) -> None:
+        """Adds tokens k/v [H_kv, n, d] to sequence b: sinks first, then the residual buffer."""
+        cfg = self.config
+        start = self.lengths[b]
+        end = start + k.shape[-2]
+        self._grow_view(end)
+        self.view_k[b, :, start:end] = k
+        self.view_v[b, :, start:end] = v
+        n_sink_new = max(0, min(cfg.n_sink, end) - start)
+        if n_sink_new:
+            self.k_sink[b, :, start : start + n_sink_new] = k[:, :n_sink_new]
+            self.v_sink[b, :, start : start + n_sink_new] = v[:, :n_sink_new]
+        self.lengths[b] = end
+        k, v = k[:, n_sink_new:], v[:, n_sink_new:]
+        if k.shape[-2] == 0:
+            return
+        self._grow_residual(self.res_len[b] + k.shape[-2])
+        r = self.res_len[b]
+        self.k_res[b, :, r : r + k.shape[-2]] = k
+        self.v_res[b, :, r : r + v.shape[-2]] = v
+        self.res_len[b] = r + k.shape[-2]
+        if not self.flushes:  # unquantized: the residual buffer simply holds everything
+            return
+        if prefill:  # prefill tokens past the sinks go straight into whole groups
+            self._flush(b, self.res_len[b] // cfg.group_size * cfg.group_size)
+        while self.res_len[b] >= cfg.residual_len:
+            self._flush(b, cfg.residual_len)
+
+    def _flush(self, b: int, n_tokens: int) -> None:
+        """Quantizes the oldest n_tokens of sequence b's residual into the packed region."""
+        if n_tokens == 0:
+            return
+        cfg = self.config
+        g0 = self.n_groups[b]
+        n_new = n_tokens // cfg.group_size
+        k = self.k_res[b, :, :n_tokens]
+        v = self.v_res[b, :, :n_tokens]
+        self._grow_packed(g0 + n_new)
+        p = self.packed
+        channels = self.salient_channels(b)
+        gs = slice(g0, g0 + n_new)
+        ts = slice(g0 * cfg.group_size, (g0 + n_new) * cfg.group_size)
+        if cfg.keys_quantized:
+            pk = packing.quantize_keys(k, channels, cfg.b_low, cfg.b_high, cfg.group_size)
+            p["k_low"][b, :, gs], p["k_high"][b, :, gs] = pk.low, pk.high
+            p["k_scale"][b, :, gs], p["k_zero"][b, :, gs] = pk.scale, pk.zero
+            stored = packing.PackedKeys(p["k_low"][b, :, gs], p["k_high"][b, :, gs],
+                                        p["k_scale"][b, :, gs], p["k_zero"][b, :, gs])
+            k_hat = packing.dequantize_keys(stored, channels, cfg.b_low).to(self.dtype)
+        else:
+            p["k_raw"][b, :, ts] = k
+            k_hat = k
+        if cfg.values_quantized:
+            pv = packing.quantize_values(v, cfg.value_bits, cfg.value_group_size)
+            p["v_packed"][b, :, ts], p["v_scale"][b, :, ts], p["v_zero"][b, :, ts] = pv.packed, pv.scale, pv.zero
+            stored_v = packing.PackedValues(p["v_packed"][b, :, ts], p["v_scale"][b, :, ts], p["v_zero"][b, :, ts])
+            v_hat = packing.dequantize_values(stored_v, cfg.value_bits, cfg.value_group_size).to(self.dtype)
+        else:
+            p["v_raw"][b, :, ts] = v
+            v_hat = v
+        # The reference view now holds what the packed bytes decode to.
+        pos = cfg.n_sink + g0 * cfg.group_size
+        self.view_k[b, :, pos : pos + n_tokens] = k_hat
+        self.view_v[b, :, pos : pos + n_tokens] = v_hat
+        self.n_groups[b] = g0 + n_new
+        rest = self.res_len[b] - n_tokens
+        self.k_res[b, :, :rest] = self.k_res[b, :, n_tokens : n_tokens + rest].clone()
+        self.v_res[b, :, :rest] = self.v_res[b, :, n_tokens : n_tokens + rest].clone()
+        self.res_len[b] = rest
+
+    def _grow_view(self, length: int) -> None:
+        have = self.view_k.shape[-2]
+        if length <= have:
+            return
+        extra = max(length - have, have // 2, 64)  # amortised growth
+        pad = torch.zeros((self.batch, self.kv_heads, extra, self.head_dim), dtype=self.dtype, device=self.device)
+        self.view_k = torch.cat([self.view_k, pad], dim=-2)
+        self.view_v = torch.cat([self.view_v, pad], dim=-2)
+
+    def _grow_residual(self, length: int) -> None:
+        have = self.k_res.shape[-2]
+        if length <= have:
+            return
+        pad = torch.zeros((self.batch, self.kv_heads, length - have, self.head_dim), dtype=self.dtype,
+                          device=self.device)
+        self.k_res = torch.cat([self.k_res, pad], dim=-2)
+        self.v_res = torch.cat([self.v_res, pad], dim=-2)
+
+    def _grow_packed(self, n_groups: int) -> None:
+        """Grows the packed region to exactly n_groups groups, so its bytes are the bytes held."""
+        cfg, d = self.config, self.head_dim
+        lead = (self.batch, self.kv_heads)
+        have = self.group_capacity
+        if n_groups <= have:
+            return
+        self.group_capacity = n_groups
+        n, g, n_sc = n_groups - have, cfg.group_size, 2 * self.n_salient
+        u8, f16, dev = torch.uint8, torch.float16, self.device
+        new: dict[str, torch.Tensor] = {}
+        if cfg.keys_quantized:
+            new["k_low"] = torch.zeros((*lead, n, cfg.b_low, d, g // 8), dtype=u8, device=dev)
+            new["k_high"] = torch.zeros((*lead, n, cfg.high_planes, n_sc, g // 8), dtype=u8, device=dev)
+            new["k_scale"] = torch.zeros((*lead, n, d), dtype=f16, device=dev)
+            new["k_zero"] = torch.zeros((*lead, n, d), dtype=f16, device=dev)
+        else:
+            new["k_raw"] = torch.zeros((*lead, n * g, d), dtype=self.dtype, device=dev)
+        if cfg.values_quantized:
+            vg = d // cfg.value_group_size
+            new["v_packed"] = torch.zeros((*lead, n * g, d * cfg.value_bits // 8), dtype=u8, device=dev)
+            new["v_scale"] = torch.zeros((*lead, n * g, vg), dtype=f16, device=dev)
+            new["v_zero"] = torch.zeros((*lead, n * g, vg), dtype=f16, device=dev)
+        else:
+            new["v_raw"] = torch.zeros((*lead, n * g, d), dtype=self.dtype, device=dev)
+        for name, t in new.items():
+            self.packed[name] = torch.cat([self.packed[name], t], dim=2) if name in self.packed else t
+
+    # -- reference attention -----------------------------------------------------------------------
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the newest q_len tokens of every sequence over its cache (causal).
+
+        query [B, Hq, q_len, d] -> [B, q_len, Hq, d]. Reads the dequantized view: sinks and
+        residual exact, packed groups as their stored bytes decode.
+        """
+        b, hq, q_len, d = query.shape
+        group = hq // self.kv_heads
+        lengths = torch.tensor(self.lengths, device=query.device)
+        length = int(max(self.lengths))
+        k = self.view_k[:, :, :length]
+        v = self.view_v[:, :, :length]
+        # Query head h' reads KV head h' // group: fold the group into the query axis.
+        q = query.view(b, self.kv_heads, group * q_len, d)
+        pos = torch.arange(length, device=query.device)
+        q_pos = (lengths[:, None] - q_len + torch.arange(q_len, device=query.device))  # [B, q_len]
+        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
+        mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        return out.view(b, hq, q_len, d).transpose(1, 2).contiguous()
+
+    # -- accounting --------------------------------------------------------------------------------
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of every tensor this layer holds in the storage format, by region."""
+        if not self.is_initialized:
+            return dict.fromkeys(REGIONS, 0)
+        p = self.packed
+
+        def size(*names: str) -> int:
+            return sum(p[n].nbytes for n in names if n in p)
+
+        return {
+            "packed_keys": size("k_low", "k_high", "k_raw"),
+            "key_scales": size("k_scale", "k_zero"),
+            "salient_sets": self.salient_pairs.nbytes,
+            "packed_values": size("v_packed", "v_raw"),
+            "value_scales": size("v_scale", "v_zero"),
+            "sinks": self.k_sink.nbytes + self.v_sink.nbytes,
+            "residual": self.k_res.nbytes + self.v_res.nbytes,
+        }
+
+
+class PNMixCache(Cache):
+    """A PN-Mix KV cache for one `generate` call (or one forward sequence).
+
+    Pass it to `generate` with `pnmix.generation.cache_kwargs`, and select the "pnmix" attention
+    implementation (`pnmix.attention.use_pnmix_attention`).
+    """
+
+    def __init__(self, model_config: Any, config: PNMixConfig) -> None:
+        pairing, _ = check_model(model_config, config)
+        text = model_config.get_text_config(decoder=True)
+        self.pnmix_config = config
+        super().__init__(layers=[PNMixLayer(config, pairing, i) for i in range(text.num_hidden_layers)])
+
+    def nbytes(self) -> dict[str, Any]:
+        """{"layers": [per-layer region bytes], "regions": summed by region, "total": all bytes}."""
+        per_layer = [layer.nbytes() for layer in self.layers]  # type: ignore[attr-defined]
+        regions = {r: sum(layer[r] for layer in per_layer) for r in REGIONS}
+        return {"layers": per_layer, "regions": regions, "total": sum(regions.values())}

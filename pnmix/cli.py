@@ -1,0 +1,158 @@
+"""The method's own CLI commands (`pnmix bits`, `pnmix generate`); the root app lives in api/cli.py.
+
+Heavy dependencies (torch, transformers) are imported inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
+from pnmix.config import PRESETS, PNMixConfig, preset
+
+console = Console()
+
+
+def config_from_options(
+    preset_name: str | None,
+    b_high: int | None = None,
+    b_low: int | None = None,
+    group_size: int | None = None,
+    salient_ratio: float | None = None,
+    n_sink: int | None = None,
+    residual_len: int | None = None,
+    value_bits: int | None = None,
+    value_group_size: int | None = None,
+    criterion: str | None = None,
+) -> PNMixConfig:
+    """A preset (default `pnmix-paper`) with every explicitly given knob applied on top."""
+    base = preset(preset_name) if preset_name else PNMixConfig()
+    changes = {
+        k: v
+        for k, v in dict(
+            b_high=b_high, b_low=b_low, group_size=group_size, salient_ratio=salient_ratio, n_sink=n_sink,
+            residual_len=residual_len, value_bits=value_bits, value_group_size=value_group_size,
+            criterion=criterion,
+        ).items()
+        if v is not None
+    }
+    # A lone --b-high 16 (or --b-low) means "unquantized keys": set both so the pair is valid.
+    if changes.get("b_high") == 16 and "b_low" not in changes:
+        changes["b_low"] = 16
+    return PNMixConfig(**{**base.to_dict(), **changes})
+
+
+PresetOpt = Annotated[str | None, typer.Option("--preset", help=f"one of {', '.join(PRESETS)}")]
+BHighOpt = Annotated[int | None, typer.Option("--b-high", help="bits of salient channels (1..4, 16 = fp16)")]
+BLowOpt = Annotated[int | None, typer.Option("--b-low", help="bits of other channels (1..4)")]
+GroupOpt = Annotated[int | None, typer.Option("--group-size", "-G", help="key token group: 32, 64, 128")]
+RatioOpt = Annotated[float | None, typer.Option("--salient-ratio", "-r", help="salient pair fraction in [0, 1]")]
+SinkOpt = Annotated[int | None, typer.Option("--sinks", help="fp16 attention-sink tokens")]
+ResidualOpt = Annotated[int | None, typer.Option("--residual", help="fp16 residual buffer length")]
+VBitsOpt = Annotated[int | None, typer.Option("--value-bits", help="1, 2, 4, 8, 16")]
+VGroupOpt = Annotated[int | None, typer.Option("--value-group", help="value channel group size")]
+CriterionOpt = Annotated[str | None, typer.Option("--criterion", help="saliency criterion")]
+
+
+def bits(
+    preset_name: PresetOpt = None,
+    b_high: BHighOpt = None,
+    b_low: BLowOpt = None,
+    group_size: GroupOpt = None,
+    salient_ratio: RatioOpt = None,
+    sinks: SinkOpt = None,
+    residual: ResidualOpt = None,
+    value_bits_: VBitsOpt = None,
+    value_group: VGroupOpt = None,
+    head_dim: Annotated[int | None, typer.Option(help="head dim (default: the model's, else 128)")] = None,
+    tokens: Annotated[int, typer.Option(help="quantized tokens T_q in the formula")] = 32768,
+    model: Annotated[str | None, typer.Option(help="also report KV bytes for this model's shape")] = None,
+    batch: Annotated[int, typer.Option(help="batch for the KV byte total")] = 1,
+    seq_len: Annotated[int, typer.Option(help="sequence length for the KV byte total")] = 8192,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Bit-width breakdown of one PN-Mix config (DESIGN.md section 3)."""
+    config = config_from_options(
+        preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
+    )
+    shape: ModelShape | None = None
+    if model is not None:
+        from pnmix.models import model_shape
+
+        shape = model_shape(model)
+    d = head_dim or (shape.head_dim if shape else 128)
+    kb = key_bits(config, d, tokens)
+    report: dict[str, object] = {
+        "config": config.to_dict(),
+        "key_bits": asdict(kb),
+        "value_bits": value_bits(config),
+    }
+    if shape is not None:
+        report["model"] = model
+        report["kv_bytes"] = kv_cache_bytes(config, shape, batch, seq_len).as_dict()
+        report["batch"], report["seq_len"] = batch, seq_len
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table(title=f"PN-Mix key bits, d={d}, T_q={tokens}")
+    table.add_column("term")
+    table.add_column("bits / element", justify="right")
+    for name in ("payload", "sinks", "scales", "key_bits", "metadata", "total"):
+        table.add_row(name, f"{getattr(kb, name):.5f}")
+    table.add_row("value bits", f"{value_bits(config):.5f}")
+    console.print(table)
+    if shape is not None:
+        kv = kv_cache_bytes(config, shape, batch, seq_len)
+        console.print(
+            f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
+            f"(fp16 {kv.fp16_total / 2**20:.2f} MiB, {kv.fp16_total / max(kv.total, 1):.2f}x smaller)"
+        )
+
+
+def budget_table(model: str, seq_len: int = 8192) -> Table:
+    """Key bits and KV bytes of the presets and a small grid, for one model: what a budget buys."""
+    from pnmix.models import model_shape
+
+    shape = model_shape(model)
+    d = shape.head_dim
+    rows: list[tuple[str, PNMixConfig]] = list(PRESETS.items())
+    for b_high, b_low in ((2, 1), (3, 1), (3, 2), (4, 1), (4, 2)):
+        for r in (0.25, 0.5):
+            rows.append((f"{b_high}/{b_low} r={r}", PNMixConfig(b_high=b_high, b_low=b_low, salient_ratio=r)))
+    table = Table(title=f"PN-Mix bit budgets for {model} (d={d}, {seq_len} tokens, batch 1)")
+    for col in ("config", "b_H/b_L", "G", "r", "sinks", "key bits", "total", "value bits", "KV MiB", "vs fp16"):
+        table.add_column(col, justify="right")
+    for name, cfg in sorted(rows, key=lambda row: key_bits(row[1], d).total):
+        kb = key_bits(cfg, d)
+        kv = kv_cache_bytes(cfg, shape, 1, seq_len)
+        table.add_row(
+            name, f"{cfg.b_high}/{cfg.b_low}", str(cfg.group_size), f"{cfg.salient_ratio:g}", str(cfg.n_sink),
+            f"{kb.key_bits:.3f}", f"{kb.total:.3f}", f"{value_bits(cfg):.2f}", f"{kv.total / 2**20:.2f}",
+            f"{kv.fp16_total / kv.total:.2f}x",
+        )
+    return table
+
+
+def list_models() -> None:
+    """Models the registry knows by name (plus any local checkpoint or Hugging Face id)."""
+    from pnmix.models import EMBEDDED, SHAPE_MODELS
+
+    table = Table(title="registered models")
+    for col in ("name", "kind", "layers", "heads", "KV heads", "head dim"):
+        table.add_column(col)
+    for name, spec in EMBEDDED.items():
+        s = spec.shape
+        table.add_row(name, "embedded", str(s.num_layers), str(s.num_heads), str(s.num_kv_heads), str(s.head_dim))
+    for name, shape_model in SHAPE_MODELS.items():
+        s = shape_model.shape
+        table.add_row(
+            name, "shape (random weights, performance only)", str(s.num_layers), str(s.num_heads),
+            str(s.num_kv_heads), str(s.head_dim),
+        )
+    console.print(table)

@@ -1,0 +1,58 @@
+"""Running `model.generate` with a PN-Mix cache, on any supported transformers 5.x."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from pnmix.attention import ATTENTION_NAME, register
+from pnmix.cache import PNMixCache
+from pnmix.config import PNMixConfig
+from pnmix.families import check_model
+
+
+def use_pnmix_attention(model: Any) -> None:
+    """Switches the model's attention to "pnmix" (SDPA when no PN-Mix cache is passed)."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword under which this transformers version takes a cache (`cache` or `past_key_values`)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def new_cache(model: Any, config: PNMixConfig) -> PNMixCache:
+    """A fresh PN-Mix cache for one generation; validates the (model, config) pair first."""
+    check_model(model.config, config)
+    use_pnmix_attention(model)
+    return PNMixCache(model.config, config)
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    config: PNMixConfig,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    **generate_kwargs: Any,
+) -> tuple[torch.Tensor, PNMixCache]:
+    """Greedy generation (unless told otherwise) with a PN-Mix cache; returns (new tokens, cache)."""
+    cache = new_cache(model, config)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    generate_kwargs.setdefault("do_sample", False)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=generate_kwargs.pop("pad_token_id", model.config.eos_token_id),
+        **cache_kwargs(model, cache),
+        **generate_kwargs,
+    )
+    return out[:, input_ids.shape[1] :], cache
