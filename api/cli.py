@@ -13,6 +13,7 @@ import typer
 
 from pnmix import cli as method_cli
 from pnmix.errors import PNMixError
+from tuner import cli as tuner_cli
 
 app = typer.Typer(
     name="pnmix",
@@ -24,7 +25,7 @@ app = typer.Typer(
 app.command("bits")(method_cli.bits)
 app.command("models")(method_cli.list_models)
 app.command("generate")(method_cli.generate)
-app.command("run")(method_cli.run_main_job)
+app.command("run")(tuner_cli.run_main_job)
 
 
 def main() -> None:

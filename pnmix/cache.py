@@ -298,6 +298,6 @@ class PNMixCache(Cache):
 
     def nbytes(self) -> dict[str, Any]:
         """{"layers": [per-layer region bytes], "regions": summed by region, "total": all bytes}."""
-        per_layer = [layer.nbytes() for layer in self.layers]  # type: ignore[attr-defined]
+        per_layer = [layer.nbytes() for layer in self.layers if isinstance(layer, PNMixLayer)]
         regions = {r: sum(layer[r] for layer in per_layer) for r in REGIONS}
         return {"layers": per_layer, "regions": regions, "total": sum(regions.values())}

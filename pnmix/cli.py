@@ -156,3 +156,52 @@ def list_models() -> None:
             str(s.num_kv_heads), str(s.head_dim),
         )
     console.print(table)
+
+
+def generate(
+    prompt: Annotated[str, typer.Option(help="user message (the model's chat template is applied)")],
+    model: Annotated[str, typer.Option(help="model name, local directory or Hugging Face id")] = "smollm2-135m",
+    preset_name: PresetOpt = "pnmix-paper",
+    b_high: BHighOpt = None,
+    b_low: BLowOpt = None,
+    group_size: GroupOpt = None,
+    salient_ratio: RatioOpt = None,
+    sinks: SinkOpt = None,
+    residual: ResidualOpt = None,
+    value_bits_: VBitsOpt = None,
+    value_group: VGroupOpt = None,
+    criterion: CriterionOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+) -> None:
+    """Greedy generation with a PN-Mix cache; prints the text and the bytes the cache held."""
+    config = config_from_options(
+        preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group, criterion
+    )
+    import time
+
+    from pnmix import generation, models
+
+    loaded = models.load(model, purpose="accuracy")
+    tok = loaded.tokenizer
+    ids = chat_ids(tok, prompt)
+    start = time.perf_counter()
+    out, cache = generation.generate(loaded.model, ids["input_ids"], config, ids["attention_mask"], max_new_tokens)
+    seconds = time.perf_counter() - start
+    console.print(tok.decode(out[0], skip_special_tokens=True))
+    held = cache.nbytes()
+    console.print(
+        f"[dim]{out.shape[1]} tokens in {seconds:.1f} s (CPU torch reference) | prompt {ids['input_ids'].shape[1]} "
+        f"tokens | cache {held['total'] / 2**20:.2f} MiB: "
+        + ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in held["regions"].items() if v)
+        + "[/dim]"
+    )
+
+
+def chat_ids(tokenizer: object, prompt: str) -> dict:
+    """Tokenized single-turn chat (plain text when the tokenizer has no chat template)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")  # type: ignore[operator]

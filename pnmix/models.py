@@ -188,7 +188,7 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or torch.float32)
     except OSError as exc:
         raise ModelError(f"cannot load {name!r} from {location}: {str(exc).splitlines()[0]}") from None
-    model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(source, model, tokenizer)

@@ -1,0 +1,73 @@
+import json
+
+import pytest
+
+from pnmix.config import PRESETS, ConfigError, PNMixConfig, preset, salient_pair_count
+
+
+def test_presets_are_valid_and_named():
+    assert set(PRESETS) >= {"fp16", "kivi2", "pnmix-paper"}
+    paper = preset("pnmix-paper")
+    assert (paper.b_high, paper.b_low, paper.salient_ratio, paper.group_size) == (3, 1, 0.5, 128)
+    assert (paper.n_sink, paper.residual_len, paper.value_bits) == (32, 128, 2)
+    kivi = preset("kivi2")
+    assert (kivi.b_high, kivi.b_low, kivi.salient_ratio, kivi.n_sink, kivi.group_size) == (2, 2, 0.0, 0, 128)
+    fp16 = preset("fp16")
+    assert not fp16.keys_quantized and not fp16.values_quantized
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_json_round_trip(name):
+    cfg = PRESETS[name]
+    assert PNMixConfig.from_json(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json())["b_high"] == cfg.b_high
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"b_high": 1, "b_low": 3}, "b_low"),
+        ({"b_high": 5}, "b_high"),
+        ({"b_low": 0}, "b_low"),
+        ({"b_high": 16, "b_low": 2}, "b_high"),
+        ({"group_size": 48}, "group_size"),
+        ({"salient_ratio": 1.5}, "salient_ratio"),
+        ({"salient_ratio": -0.1}, "salient_ratio"),
+        ({"n_sink": -1}, "n_sink"),
+        ({"residual_len": 100}, "residual_len"),
+        ({"residual_len": 0}, "residual_len"),
+        ({"value_bits": 3}, "value_bits"),
+        ({"value_group_size": 0}, "value_group_size"),
+        ({"criterion": "magic"}, "criterion"),
+        ({"b_high": 2.5}, "b_high"),
+    ],
+)
+def test_invalid_values_name_the_field(changes, field):
+    with pytest.raises(ConfigError) as err:
+        PNMixConfig(**changes)
+    assert err.value.field == field
+    msg = str(err.value)
+    assert field in msg and "allowed" in msg and "\n" not in msg
+
+
+def test_value_group_must_divide_head_dim():
+    cfg = PNMixConfig(value_group_size=48)
+    cfg.check_head_dim(96)
+    with pytest.raises(ConfigError, match="value_group_size"):
+        cfg.check_head_dim(128)
+
+
+def test_malformed_json_is_refused_clearly():
+    with pytest.raises(ConfigError, match="valid JSON"):
+        PNMixConfig.from_json("{b_high: 3")
+    with pytest.raises(ConfigError, match="bogus"):
+        PNMixConfig.from_dict({"bogus": 1})
+
+
+def test_salient_pair_count_rounds_half_up():
+    assert salient_pair_count(0.5, 128) == 32
+    assert salient_pair_count(0.375, 128) == 24
+    assert salient_pair_count(0.1, 64) == 3  # 3.2
+    assert salient_pair_count(0.15625, 64) == 5  # 5.0 exactly
+    assert salient_pair_count(0.140625, 64) == 5  # 4.5 rounds up (banker's rounding would give 4)
+    assert salient_pair_count(1.0, 64) == 32
