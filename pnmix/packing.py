@@ -123,7 +123,7 @@ def quantize_keys(
         idx = salient_channels.long()[..., None, None, :].expand(*lead, n_groups, group_size, n_sc)
         high = pack_planes(torch.gather(q, -1, idx), b_low, b_high - b_low)
     else:
-        high = torch.zeros((*lead, n_groups, 0, n_sc, group_size // 8), dtype=torch.uint8, device=k.device)
+        high = torch.zeros((*lead, n_groups, b_high - b_low, n_sc, group_size // 8), dtype=torch.uint8, device=k.device)
     return PackedKeys(low, high, scale.squeeze(-2), zero.squeeze(-2))
 
 
