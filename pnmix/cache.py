@@ -136,6 +136,10 @@ class PNMixLayer(CacheLayerMixin):
             self.v_sink[b, :, start : start + n_sink_new] = v[:, :n_sink_new]
         self.lengths[b] = end
         k, v = k[:, n_sink_new:], v[:, n_sink_new:]
+        if prefill and self.flushes:  # prefill tokens past the sinks go straight into whole groups
+            whole = k.shape[-2] // cfg.group_size * cfg.group_size
+            self._quantize(b, k[:, :whole], v[:, :whole])
+            k, v = k[:, whole:], v[:, whole:]
         if k.shape[-2] == 0:
             return
         self._grow_residual(self.res_len[b] + k.shape[-2])
@@ -145,20 +149,22 @@ class PNMixLayer(CacheLayerMixin):
         self.res_len[b] = r + k.shape[-2]
         if not self.flushes:  # unquantized: the residual buffer simply holds everything
             return
-        if prefill:  # prefill tokens past the sinks go straight into whole groups
-            self._flush(b, self.res_len[b] // cfg.group_size * cfg.group_size)
         while self.res_len[b] >= cfg.residual_len:
-            self._flush(b, cfg.residual_len)
+            n = cfg.residual_len
+            self._quantize(b, self.k_res[b, :, :n], self.v_res[b, :, :n])
+            rest = self.res_len[b] - n
+            self.k_res[b, :, :rest] = self.k_res[b, :, n : n + rest].clone()
+            self.v_res[b, :, :rest] = self.v_res[b, :, n : n + rest].clone()
+            self.res_len[b] = rest
 
-    def _flush(self, b: int, n_tokens: int) -> None:
-        """Quantizes the oldest n_tokens of sequence b's residual into the packed region."""
+    def _quantize(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends tokens k/v [H_kv, n * G, d] of sequence b to its packed region, in whole groups."""
+        n_tokens = k.shape[-2]
         if n_tokens == 0:
             return
         cfg = self.config
         g0 = self.n_groups[b]
         n_new = n_tokens // cfg.group_size
-        k = self.k_res[b, :, :n_tokens]
-        v = self.v_res[b, :, :n_tokens]
         self._grow_packed(g0 + n_new)
         p = self.packed
         channels = self.salient_channels(b)
@@ -187,10 +193,6 @@ class PNMixLayer(CacheLayerMixin):
         self.view_k[b, :, pos : pos + n_tokens] = k_hat
         self.view_v[b, :, pos : pos + n_tokens] = v_hat
         self.n_groups[b] = g0 + n_new
-        rest = self.res_len[b] - n_tokens
-        self.k_res[b, :, :rest] = self.k_res[b, :, n_tokens : n_tokens + rest].clone()
-        self.v_res[b, :, :rest] = self.v_res[b, :, n_tokens : n_tokens + rest].clone()
-        self.res_len[b] = rest
 
     def _grow_view(self, length: int) -> None:
         have = self.view_k.shape[-2]

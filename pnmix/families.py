@@ -41,6 +41,12 @@ def rope_pairing(model_config: Any) -> Pairing:
             f"model type {model_type!r} uses {sorted(set(layer_types))} layers: PN-Mix supports full-attention "
             "layers only (sliding-window and linear-attention layers are not)"
         )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        raise UnsupportedModelError(
+            f"model type {model_type!r} uses sliding-window attention (sliding_window={window}); "
+            "PN-Mix supports full attention only"
+        )
     return "rotate_half"
 
 

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def tiny_model(family: str, seed: int = 0, **overrides):
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     config = AutoConfig.for_model(
         family,
         hidden_size=64,
@@ -26,4 +26,4 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     if family == "mistral":
         config.sliding_window = None
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
