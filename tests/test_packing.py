@@ -11,7 +11,9 @@ BIT_PAIRS = [(lo, hi) for lo, hi in itertools.product(range(1, 5), repeat=2) if 
 def random_salient(lead, head_dim, n_pairs, gen):
     """Random ascending salient channel lists (rotate_half pairing) per leading index."""
     scores = torch.rand((*lead, head_dim // 2), generator=gen)
-    pairs = scores.topk(n_pairs, dim=-1).indices.sort(-1).values if n_pairs else torch.zeros((*lead, 0), dtype=torch.long)
+    if not n_pairs:
+        return torch.zeros((*lead, 0), dtype=torch.long)
+    pairs = scores.topk(n_pairs, dim=-1).indices.sort(-1).values
     return torch.cat([pairs, pairs + head_dim // 2], dim=-1)
 
 
