@@ -25,6 +25,7 @@ app = typer.Typer(
 app.command("bits")(method_cli.bits)
 app.command("models")(method_cli.list_models)
 app.command("generate")(method_cli.generate)
+app.command("analyze")(method_cli.analyze)
 app.command("run")(tuner_cli.run_main_job)
 
 

@@ -205,3 +205,35 @@ def chat_ids(tokenizer: object, prompt: str) -> dict:
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
     return tokenizer(prompt, return_tensors="pt")  # type: ignore[operator]
+
+
+ANALYZE_PROMPT = (
+    "Write a long, detailed essay on how lighthouses were built and kept in the nineteenth century: "
+    "the engineering, the lenses, the keepers' daily work, and the storms they faced."
+)
+
+
+def analyze(
+    model: Annotated[str, typer.Option(help="model name, local directory or Hugging Face id")] = "smollm2-135m",
+    new_tokens: Annotated[int, typer.Option(help="generated tokens to trace (>= 512 for the paper's setup)")] = 512,
+    group_size: GroupOpt = 64,
+    out: Annotated[str, typer.Option(help="output folder")] = "out/analyze",
+) -> None:
+    """Saliency simulation on real post-RoPE traces: key MSE, attention KL, Jaccard, importance share."""
+    import time
+    from pathlib import Path
+
+    from pnmix import analysis, models
+    from pnmix.families import rope_pairing
+
+    start = time.perf_counter()
+    loaded = models.load(model, purpose="accuracy")
+    pairing = rope_pairing(loaded.model.config)
+    ids = chat_ids(loaded.tokenizer, ANALYZE_PROMPT)["input_ids"]
+    trace = analysis.record_trace(loaded.model, ids, new_tokens)
+    console.print(f"traced {trace.keys[0].shape[1]} tokens ({trace.prefill_len} prefill) "
+                  f"in {time.perf_counter() - start:.0f} s")
+    result = analysis.analyze(trace, pairing, group=group_size or 64)
+    paths = analysis.write_report(result, Path(out) / model.replace("/", "_"), model)
+    console.print(paths[1].read_text())
+    console.print("wrote " + ", ".join(str(p) for p in paths) + f" ({time.perf_counter() - start:.0f} s)")
