@@ -1,0 +1,73 @@
+"""SQL storage of models, campaigns and Pareto fronts (SQLAlchemy 2.0 ORM, Alembic migrations).
+
+The write API (`upsert_model`, `create_campaign`, `claim_next_queued_campaign`,
+`update_campaign_progress`, `replace_front`) and the read helpers (`recommend`,
+`list_front_points`, ...) all take a `Session` from `Database.session()`.
+"""
+
+from storage.engine import Database, display_url, make_engine
+from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError, SchemaError, StorageError
+from storage.migrations import check_schema, current_revision, head_revision, upgrade
+from storage.orm import Base, Campaign, FrontPoint, Model
+from storage.read import (
+    OPTIMIZE,
+    ModelSummary,
+    Page,
+    get_campaign,
+    get_model,
+    list_campaigns,
+    list_front_points,
+    list_models,
+    recommend,
+)
+from storage.settings import StorageSettings, load_storage_settings
+from storage.write import (
+    FrontPointIn,
+    ModelIn,
+    check_budgets,
+    claim_next_queued_campaign,
+    create_campaign,
+    registry_model,
+    replace_front,
+    update_campaign_progress,
+    upsert_model,
+)
+
+__all__ = [
+    "OPTIMIZE",
+    "Base",
+    "Campaign",
+    "Database",
+    "FrontPoint",
+    "FrontPointIn",
+    "InvalidValueError",
+    "Model",
+    "ModelIn",
+    "ModelSummary",
+    "NoFeasiblePointError",
+    "NotFoundError",
+    "Page",
+    "SchemaError",
+    "StorageError",
+    "StorageSettings",
+    "check_budgets",
+    "check_schema",
+    "claim_next_queued_campaign",
+    "create_campaign",
+    "current_revision",
+    "display_url",
+    "get_campaign",
+    "get_model",
+    "head_revision",
+    "list_campaigns",
+    "list_front_points",
+    "list_models",
+    "load_storage_settings",
+    "make_engine",
+    "recommend",
+    "registry_model",
+    "replace_front",
+    "update_campaign_progress",
+    "upgrade",
+    "upsert_model",
+]

@@ -1,0 +1,85 @@
+"""`pnmix serve` and `pnmix db ...`. Heavy imports (FastAPI, SQLAlchemy, uvicorn) stay inside
+the functions, so that `pnmix bits` and friends start without them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url", help="SQLAlchemy URL (default: PNMIX_DATABASE_URL, else the SQLite file PNMIX_DB_PATH)"
+    ),
+]
+
+db_app = typer.Typer(help="Database schema: create or upgrade pnmix's tables.", no_args_is_help=True)
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="interface to bind (default PNMIX_HOST or 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default PNMIX_PORT or 8000)")] = None,
+    database_url: DatabaseUrl = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Run the REST service (FastAPI under uvicorn): /v1/recommend, /v1/models, /v1/campaigns, docs at /docs."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.settings import load_settings
+    from storage.engine import Database
+    from storage.migrations import check_schema
+
+    settings = load_settings(host=host, port=port, database_url=database_url)
+    if settings.check_schema:  # say it in one line here, before uvicorn starts
+        db = Database.from_settings(settings)
+        try:
+            check_schema(db)
+        finally:
+            db.dispose()
+    writes = "enabled" if settings.writes_enabled else "disabled (set PNMIX_API_TOKEN to enable)"
+    typer.echo(f"pnmix service on http://{settings.host}:{settings.port}/docs, database {_display(settings.url)}, "
+               f"writes {writes}", err=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database_url: DatabaseUrl = None,
+    revision: Annotated[str, typer.Option(help="target revision")] = "head",
+) -> None:
+    """Create pnmix's tables or bring them to the newest schema (idempotent)."""
+    from storage.engine import Database
+    from storage.migrations import upgrade
+    from storage.settings import load_storage_settings
+
+    db = Database.from_settings(load_storage_settings(database_url=database_url))
+    try:
+        before, after = upgrade(db, revision)
+    finally:
+        db.dispose()
+    change = f"already at {after}" if before == after else f"upgraded {before or 'empty'} -> {after}"
+    typer.echo(f"{db.display_url}: {change}")
+
+
+@db_app.command("current")
+def db_current(database_url: DatabaseUrl = None) -> None:
+    """Print the schema revision of the database and whether it is current."""
+    from storage.engine import Database
+    from storage.migrations import current_revision, head_revision
+    from storage.settings import load_storage_settings
+
+    db = Database.from_settings(load_storage_settings(database_url=database_url))
+    try:
+        current, head = current_revision(db.engine), head_revision()
+    finally:
+        db.dispose()
+    state = "current" if current == head else "needs `pnmix db upgrade`"
+    typer.echo(f"{db.display_url}: revision {current or 'none'} (head {head}, {state})")
+
+
+def _display(url: str) -> str:
+    from storage.engine import display_url
+
+    return display_url(url)

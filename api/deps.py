@@ -1,0 +1,63 @@
+"""Dependencies: the database session per request, settings, and the bearer-token check for writes."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from api.problems import ProblemError
+from api.settings import Settings
+from storage.engine import Database
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_db(request: Request) -> Database:
+    return request.app.state.db
+
+
+def read_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
+    with db.session(readonly=True) as session:
+        yield session
+
+
+def write_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
+    with db.session() as session:
+        yield session
+
+
+_bearer = HTTPBearer(auto_error=False, description="PNMIX_API_TOKEN, needed for writes only")
+
+
+def require_token(
+    settings: Annotated[Settings, Depends(get_settings)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """Writes need `Authorization: Bearer <PNMIX_API_TOKEN>`; without a configured token they are off."""
+    if not settings.writes_enabled:
+        raise ProblemError(403, "Forbidden", "writes are disabled: the server has no PNMIX_API_TOKEN set")
+    challenge = {"WWW-Authenticate": 'Bearer realm="pnmix"'}
+    if credentials is None:
+        raise ProblemError(401, "Unauthorized", "this write needs Authorization: Bearer <token>", headers=challenge)
+    assert settings.api_token is not None
+    expected = settings.api_token.get_secret_value().encode()
+    # compare_digest takes time independent of where the strings differ
+    if not hmac.compare_digest(credentials.credentials.encode(), expected):
+        raise ProblemError(
+            401, "Unauthorized", "invalid token", headers={**challenge, "WWW-Authenticate": challenge[
+                "WWW-Authenticate"] + ', error="invalid_token"'}
+        )
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+DatabaseDep = Annotated[Database, Depends(get_db)]
+ReadSession = Annotated[Session, Depends(read_session)]
+WriteSession = Annotated[Session, Depends(write_session)]
+TokenChecked = Depends(require_token)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+
+from api.deps import ReadSession, TokenChecked, WriteSession
+from api.problems import problem_doc
+from api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
+from api.settings import MAX_PAGE_SIZE
+from storage import read, write
+
+router = APIRouter(tags=["campaigns"])
+
+
+@router.get("/campaigns", response_model=CampaignPage, responses=problem_doc(422, 503))
+def list_campaigns(
+    session: ReadSession,
+    model: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
+    status: Status | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+) -> CampaignPage:
+    """Campaigns, newest first, with status and progress."""
+    page = read.list_campaigns(session, model, status, limit, offset)
+    return CampaignPage(items=[CampaignPublic.of(c) for c in page.items], total=page.total, limit=limit, offset=offset)
+
+
+@router.get("/campaigns/{campaign_id}", response_model=CampaignPublic, responses=problem_doc(404, 422, 503))
+def get_campaign(session: ReadSession, campaign_id: Annotated[int, Path(ge=1, le=2**31 - 1)]) -> CampaignPublic:
+    return CampaignPublic.of(read.get_campaign(session, campaign_id))
+
+
+@router.post(
+    "/campaigns",
+    status_code=201,
+    response_model=CampaignPublic,
+    dependencies=[TokenChecked],
+    responses=problem_doc(401, 403, 404, 422, 503),
+)
+def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Response) -> CampaignPublic:
+    """Enqueues a campaign (status `queued`) for `pnmix worker` to pick up. Needs the bearer token.
+
+    The model must be in the database or be a registry model (`smollm2-135m`, `qwen3-8b-shape`, ...).
+    """
+    campaign = write.create_campaign(
+        session, body.model, body.budgets, body.n_trials, method=body.method, profile=body.profile,
+        objectives=body.objectives, backend=body.backend,
+    )
+    response.headers["Location"] = f"/v1/campaigns/{campaign.id}"
+    return CampaignPublic.of(campaign)

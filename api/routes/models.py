@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api.deps import ReadSession
+from api.problems import problem_doc
+from api.schemas import Budget, ModelPage, ModelPublic, PointPage, PointPublic
+from api.settings import MAX_PAGE_SIZE
+from storage import read
+
+router = APIRouter(tags=["models"])
+
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description=f"page size, at most {MAX_PAGE_SIZE}")]
+Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
+
+
+@router.get("/models", response_model=ModelPage, responses=problem_doc(422, 503))
+def list_models(session: ReadSession, limit: Limit = 50, offset: Offset = 0) -> ModelPage:
+    """Models in the database, by name, with how many front points each has and at which budgets."""
+    page = read.list_models(session, limit, offset)
+    return ModelPage(items=[ModelPublic.of(s) for s in page.items], total=page.total, limit=limit, offset=offset)
+
+
+# `{name:path}` because hub ids contain a slash (org/name); the fronts route must come first.
+@router.get("/models/{name:path}/fronts", response_model=PointPage, responses=problem_doc(404, 422, 503))
+def fronts(
+    session: ReadSession,
+    name: str,
+    budget: Annotated[Budget | None, Query(description="only the front of this budget")] = None,
+    campaign_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> PointPage:
+    """The model's stored Pareto points, by campaign, budget (largest first) and key bits."""
+    page = read.list_front_points(session, name, budget, campaign_id, limit, offset)
+    return PointPage(
+        model=name, items=[PointPublic.of(p) for p in page.items], total=page.total, limit=limit, offset=offset
+    )
+
+
+@router.get("/models/{name:path}", response_model=ModelPublic, responses=problem_doc(404, 503))
+def get_model(session: ReadSession, name: str) -> ModelPublic:
+    return ModelPublic.of(read.summarize(session, read.get_model(session, name)))

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api.deps import ReadSession
+from api.problems import problem_doc
+from api.schemas import Budget, Optimize, PointPublic, Recommendation
+from storage import read
+
+router = APIRouter(tags=["recommend"])
+
+
+@router.get("/recommend", response_model=Recommendation, responses=problem_doc(404, 422, 503))
+def recommend(
+    session: ReadSession,
+    model: Annotated[str, Query(min_length=1, max_length=255)],
+    target_bits: Annotated[Budget, Query(description="largest acceptable key bits per element")],
+    optimize: Optimize = "accuracy",
+    min_accuracy: Annotated[float, Query(ge=0, le=1, allow_inf_nan=False)] = 0.0,
+    campaign_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+) -> Recommendation:
+    """The best stored config of `model` within `target_bits` key bits.
+
+    `optimize=accuracy` ranks by accuracy, then decode throughput, then measured KV bytes;
+    `throughput` and `memory` rank by those first. 404 `urn:pnmix:problem:no-feasible-point`
+    when nothing fits, with `smallest_feasible_bits`.
+    """
+    point = read.recommend(session, model, target_bits, optimize, min_accuracy, campaign_id)
+    return Recommendation(
+        model=model, target_bits=target_bits, optimize=optimize, min_accuracy=min_accuracy,
+        point=PointPublic.of(point), pnmix_config=point.config.to_json(),
+    )

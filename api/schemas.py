@@ -1,0 +1,191 @@
+"""Request and response bodies (pydantic v2), in families: `...Public` out, `...Create` in."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from storage.orm import Campaign, FrontPoint
+from storage.read import ModelSummary
+from storage.write import BACKENDS, MAX_BITS, METHODS, OBJECTIVES, PROFILES
+
+Budget = Annotated[float, Field(gt=0, le=MAX_BITS, allow_inf_nan=False, description="key bits per element")]
+Status = Literal["queued", "running", "done", "failed"]
+Optimize = Literal["accuracy", "throughput", "memory"]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    version: str
+    database: str  # the URL, password masked
+    backend: str
+    schema_revision: str | None
+    schema_head: str
+    ready: bool
+    detail: str | None = None
+
+
+class ModelPublic(BaseModel):
+    name: str
+    family: str
+    source: str
+    location: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    front_points: int = Field(description="stored Pareto points over all campaigns")
+    budgets: list[float] = Field(description="budgets that have points, largest first")
+
+    @classmethod
+    def of(cls, s: ModelSummary) -> ModelPublic:
+        m = s.model
+        return cls(
+            name=m.name, family=m.family, source=m.source, location=m.location, num_layers=m.num_layers,
+            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            front_points=s.front_points, budgets=s.budgets,
+        )
+
+
+class ConfigPublic(BaseModel):
+    """Every `PNMixConfig` field; `PNMixConfig.from_dict(...)` accepts it as is."""
+
+    b_high: int
+    b_low: int
+    group_size: int
+    salient_ratio: float
+    n_sink: int
+    residual_len: int
+    value_bits: int
+    value_group_size: int
+    criterion: str
+    seed: int
+
+
+class PointPublic(BaseModel):
+    id: int
+    campaign_id: int
+    budget: float
+    trial_number: int
+    config: ConfigPublic
+    accuracy: float
+    accuracy_parts: dict[str, float]
+    key_bits: float = Field(description="pnmix.bits.key_bits(config, head_dim).total at T_q = 32768")
+    kv_bytes: int = Field(description="measured KV-cache bytes on the campaign's workload")
+    throughput: float = Field(description="measured decode tokens/s on the campaign's workload")
+    backend: str
+    device: str
+    versions: dict[str, str]
+    created_at: datetime
+
+    @classmethod
+    def of(cls, p: FrontPoint) -> PointPublic:
+        return cls(
+            id=p.id, campaign_id=p.campaign_id, budget=p.budget, trial_number=p.trial_number,
+            config=ConfigPublic(**p.config.to_dict()), accuracy=p.accuracy,
+            accuracy_parts={k: float(v) for k, v in p.accuracy_parts.items() if _finite(v)},
+            key_bits=p.key_bits, kv_bytes=p.kv_bytes, throughput=p.throughput, backend=p.backend, device=p.device,
+            versions={str(k): str(v) for k, v in p.versions.items()}, created_at=p.created_at,
+        )
+
+
+class Recommendation(BaseModel):
+    model: str
+    target_bits: float
+    optimize: Optimize
+    min_accuracy: float
+    point: PointPublic
+    pnmix_config: str = Field(description="the PNMixConfig as JSON (PNMixConfig.from_json reads it)")
+
+
+class Page(BaseModel):
+    total: int
+    limit: int
+    offset: int
+
+
+class ModelPage(Page):
+    items: list[ModelPublic]
+
+
+class PointPage(Page):
+    model: str
+    items: list[PointPublic]
+
+
+class CampaignPublic(BaseModel):
+    id: int
+    model: str
+    method: str
+    budgets: list[float]
+    n_trials: int
+    profile: str
+    objectives: list[str]
+    backend: str
+    search_space: dict[str, Any] | None
+    status: Status
+    trials_done: int
+    trials_total: int
+    progress: float = Field(description="trials_done / trials_total, 0 when there is no total yet")
+    study_names: dict[str, str]
+    message: str | None
+    worker_id: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    heartbeat_at: datetime | None
+
+    @classmethod
+    def of(cls, c: Campaign) -> CampaignPublic:
+        return cls(
+            id=c.id, model=c.model.name, method=c.method, budgets=[float(b) for b in c.budgets], n_trials=c.n_trials,
+            profile=c.profile, objectives=list(c.objectives), backend=c.backend, search_space=c.search_space,
+            status=c.status,  # type: ignore[arg-type]
+            trials_done=c.trials_done, trials_total=c.trials_total,
+            progress=c.trials_done / c.trials_total if c.trials_total else 0.0,
+            study_names={str(k): str(v) for k, v in c.study_names.items()}, message=c.message,
+            worker_id=c.worker_id, created_at=c.created_at, started_at=c.started_at, finished_at=c.finished_at,
+            heartbeat_at=c.heartbeat_at,
+        )
+
+
+class CampaignPage(Page):
+    items: list[CampaignPublic]
+
+
+class CampaignCreate(BaseModel):
+    """A campaign to enqueue; a `pnmix worker` picks it up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name")
+    budgets: list[Budget] = Field(min_length=1, max_length=16)
+    n_trials: int = Field(default=30, ge=1, le=10_000, description="trials per budget")
+    method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
+    profile: Literal[PROFILES] = "quick"  # type: ignore[valid-type]
+    objectives: list[Literal[OBJECTIVES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["accuracy", "key_bits"], min_length=2, max_length=len(OBJECTIVES),
+        description="must include accuracy and key_bits",
+    )
+    backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
+
+    @field_validator("budgets")
+    @classmethod
+    def _distinct_budgets(cls, v: list[float]) -> list[float]:
+        if len(set(v)) != len(v):
+            raise ValueError("budgets must be distinct")
+        return v
+
+    @field_validator("objectives")
+    @classmethod
+    def _objectives(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or not {"accuracy", "key_bits"} <= set(v):
+            raise ValueError("objectives must be distinct and include accuracy and key_bits")
+        return v
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)

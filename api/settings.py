@@ -1,0 +1,46 @@
+"""Service settings: one pydantic-settings class, `PNMIX_*` environment variables.
+
+The database settings (`PNMIX_DATABASE_URL`, `PNMIX_DB_PATH`, `PNMIX_DB_BUSY_TIMEOUT_S`) come from
+`storage.settings.StorageSettings`, so the service reads the database the tuner writes.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import SettingsConfigDict
+
+from pnmix.errors import PNMixError
+from storage.settings import StorageSettings
+
+MAX_PAGE_SIZE = 500
+
+
+class SettingsError(PNMixError, ValueError):
+    pass
+
+
+class Settings(StorageSettings):
+    model_config = SettingsConfigDict(env_prefix="PNMIX_", extra="ignore")
+
+    api_token: SecretStr | None = Field(
+        default=None, description="bearer token for writes (POST /v1/campaigns); unset disables writes"
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    default_page_size: int = Field(default=50, ge=1, le=MAX_PAGE_SIZE)
+    check_schema: bool = Field(default=True, description="refuse to start unless the schema is at head")
+
+    @property
+    def writes_enabled(self) -> bool:
+        return self.api_token is not None and bool(self.api_token.get_secret_value())
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit overrides (None means "not given")."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise SettingsError(f"bad setting PNMIX_{loc.upper()}: {err['msg']}") from None

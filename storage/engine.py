@@ -1,0 +1,154 @@
+"""Engines and sessions: SQLite (WAL, busy timeout, foreign keys) or PostgreSQL, chosen by URL.
+
+    db = Database.from_settings()                # PNMIX_DATABASE_URL, or the SQLite file PNMIX_DB_PATH
+    with db.session() as s:                      # one transaction: commit on success, rollback on error
+        replace_front(s, campaign_id, 2.25, points)
+    with db.session(readonly=True) as s:         # what the service's GET routes use
+        point = recommend(s, "smollm2-135m", 2.25)
+
+Every SQLAlchemy error leaving `Database.session()` becomes a `StorageError` whose message names
+the database URL without its password.
+
+SQLite: the driver's own transaction handling is switched off and each transaction starts with
+`BEGIN IMMEDIATE` (write sessions) or `BEGIN` (read-only sessions). A write session takes the
+write lock at its start and waits up to the busy timeout for it; with a deferred `BEGIN`, a
+transaction that read first and then writes fails at once when another writer got in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.errors import StorageError
+from storage.settings import StorageSettings, load_storage_settings
+
+_READONLY = "pnmix_readonly"
+
+
+def display_url(url: str | Any) -> str:
+    """The URL as safe to print: password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "<unparseable database URL>"
+
+
+def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -> Engine:
+    """An engine for `url`; SQLite files get WAL mode, a busy timeout and enforced foreign keys."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise StorageError(f"invalid database URL {display_url(url)!r}: expected e.g. sqlite:///path/to/pnmix.db "
+                           "or postgresql+psycopg2://user@host:5432/db") from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:") or database.startswith("file:"):
+            raise StorageError(
+                f"SQLite database {display_url(url)!r} must be a file path (several connections share it)"
+            )
+        try:
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the folder of {database}: {exc.strerror}") from None
+        engine = create_engine(parsed, echo=echo, connect_args={"timeout": busy_timeout_s})
+        _configure_sqlite(engine, busy_timeout_s)
+        return engine
+    try:
+        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+    except (ArgumentError, ImportError) as exc:
+        raise StorageError(f"cannot use database {display_url(url)}: {exc}") from None
+
+
+def _configure_sqlite(engine: Engine, busy_timeout_s: float) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we emit BEGIN ourselves (see the module docstring)
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a power cut may lose the last commit
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READONLY) else "BEGIN IMMEDIATE")
+
+
+class Database:
+    """An engine plus a session factory; the one object the tuner, worker and service pass around."""
+
+    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -> None:
+        self.url = url
+        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s, echo=echo)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @classmethod
+    def from_settings(cls, settings: StorageSettings | None = None) -> Database:
+        settings = settings or load_storage_settings()
+        return cls(settings.url, busy_timeout_s=settings.db_busy_timeout_s)
+
+    @property
+    def display_url(self) -> str:
+        return display_url(self.engine.url)
+
+    @property
+    def backend(self) -> str:
+        return self.engine.dialect.name  # "sqlite" | "postgresql"
+
+    @contextmanager
+    def session(self, readonly: bool = False) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back if it raises.
+
+        `readonly=True` takes no write lock on SQLite and runs a READ ONLY transaction on PostgreSQL.
+        """
+        session = self._sessions()
+        try:
+            with wrap_errors(self.display_url):
+                if readonly:
+                    options: dict[str, Any] = {_READONLY: True}
+                    if self.backend == "postgresql":
+                        options["postgresql_readonly"] = True
+                    session.connection(execution_options=options)
+                yield session
+                session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def ping(self) -> None:
+        """Raises StorageError unless the database answers a trivial query."""
+        with wrap_errors(self.display_url), self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+@contextmanager
+def wrap_errors(where: str) -> Iterator[None]:
+    """Turns SQLAlchemy and driver errors into a one-line StorageError naming `where`."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except SQLAlchemyError as exc:
+        raise StorageError(f"database error on {where}: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: SQLAlchemyError) -> str:
+    original = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    text = str(original).strip().splitlines()
+    first = text[0] if text else type(original).__name__
+    return f"{type(original).__name__}: {first}"[:300]

@@ -1,0 +1,147 @@
+"""Read helpers: what the service (and `pnmix recommend`) ask of the database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.orm import Session, joinedload
+
+from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
+from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
+from storage.write import BITS_EPS
+
+T = TypeVar("T")
+OPTIMIZE = ("accuracy", "throughput", "memory")
+
+# What "best" means for each objective; later keys break ties. Memory is the measured KV bytes
+# (keys and values, on the campaign's workload), then the formula's key bits. The id comes last,
+# so that the answer is the same on every call.
+_ORDER: dict[str, tuple[ColumnElement[Any], ...]] = {
+    "accuracy": (FrontPoint.accuracy.desc(), FrontPoint.throughput.desc(), FrontPoint.kv_bytes.asc()),
+    "throughput": (FrontPoint.throughput.desc(), FrontPoint.kv_bytes.asc(), FrontPoint.accuracy.desc()),
+    "memory": (FrontPoint.kv_bytes.asc(), FrontPoint.key_bits.asc(), FrontPoint.throughput.desc(),
+               FrontPoint.accuracy.desc()),
+}
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    items: list[T]
+    total: int
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    model: Model
+    front_points: int
+    budgets: list[float]
+
+
+def get_model(session: Session, name: str) -> Model:
+    row = session.scalars(select(Model).where(Model.name == name)).one_or_none()
+    if row is None:
+        raise NotFoundError(f"unknown model {name!r}")
+    return row
+
+
+def list_models(session: Session, limit: int = 50, offset: int = 0) -> Page[ModelSummary]:
+    """Models by name, each with its number of front points and the budgets they were tuned at."""
+    total = session.scalar(select(func.count()).select_from(Model)) or 0
+    models = list(session.scalars(select(Model).order_by(Model.name).limit(limit).offset(offset)))
+    return Page([summarize(session, m) for m in models], total, limit, offset)
+
+
+def summarize(session: Session, model: Model) -> ModelSummary:
+    rows = session.execute(
+        select(FrontPoint.budget, func.count())
+        .where(FrontPoint.model_id == model.id)
+        .group_by(FrontPoint.budget)
+        .order_by(FrontPoint.budget.desc())
+    ).all()
+    return ModelSummary(model, sum(int(n) for _, n in rows), [float(b) for b, _ in rows])
+
+
+def list_front_points(
+    session: Session,
+    model: str,
+    budget: float | None = None,
+    campaign_id: int | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> Page[FrontPoint]:
+    """A model's front points (optionally of one budget and/or campaign), ordered by campaign,
+    budget (descending), then key bits. Raises NotFoundError for an unknown model."""
+    model_row = get_model(session, model)
+    query = select(FrontPoint).where(FrontPoint.model_id == model_row.id)
+    if budget is not None:
+        query = query.where(FrontPoint.budget.between(budget - BITS_EPS, budget + BITS_EPS))
+    if campaign_id is not None:
+        query = query.where(FrontPoint.campaign_id == campaign_id)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    query = query.order_by(
+        FrontPoint.campaign_id, FrontPoint.budget.desc(), FrontPoint.key_bits, FrontPoint.trial_number
+    ).offset(offset)
+    if limit is not None:
+        query = query.limit(limit)
+    return Page(list(session.scalars(query)), total, limit if limit is not None else total, offset)
+
+
+def recommend(
+    session: Session,
+    model: str,
+    target_bits: float,
+    optimize: str = "accuracy",
+    min_accuracy: float = 0.0,
+    campaign_id: int | None = None,
+) -> FrontPoint:
+    """The best stored point of `model` with key bits <= `target_bits` and accuracy >= `min_accuracy`.
+
+    Looks at every front of the model (all campaigns and budgets, or one campaign). `optimize`:
+    "accuracy" (highest accuracy; ties broken by higher throughput, then fewer KV bytes),
+    "throughput" (highest decode tokens/s) or "memory" (fewest measured KV bytes). Raises
+    NotFoundError for an unknown model, NoFeasiblePointError (with the smallest key bits that
+    would fit) when nothing satisfies the constraints.
+    """
+    if optimize not in OPTIMIZE:
+        raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
+    model_row = get_model(session, model)
+    base = select(FrontPoint).where(FrontPoint.model_id == model_row.id, FrontPoint.accuracy >= min_accuracy)
+    if campaign_id is not None:
+        base = base.where(FrontPoint.campaign_id == campaign_id)
+    best = session.scalars(
+        base.where(FrontPoint.key_bits <= target_bits + BITS_EPS).order_by(*_ORDER[optimize], FrontPoint.id).limit(1)
+    ).first()
+    if best is None:
+        feasible = base.subquery()
+        smallest = session.scalar(select(func.min(feasible.c.key_bits)))
+        raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest))
+    return best
+
+
+def get_campaign(session: Session, campaign_id: int) -> Campaign:
+    row = session.scalars(
+        select(Campaign).options(joinedload(Campaign.model, innerjoin=True)).where(Campaign.id == campaign_id)
+    ).one_or_none()
+    if row is None:
+        raise NotFoundError(f"no campaign with id {campaign_id}")
+    return row
+
+
+def list_campaigns(
+    session: Session, model: str | None = None, status: str | None = None, limit: int = 50, offset: int = 0
+) -> Page[Campaign]:
+    """Campaigns, newest first, optionally of one model and/or status."""
+    query = select(Campaign)
+    if model is not None:
+        query = query.join(Campaign.model).where(Model.name == model)
+    if status is not None:
+        if status not in CAMPAIGN_STATUSES:
+            raise InvalidValueError(f"invalid status={status!r}: allowed {', '.join(CAMPAIGN_STATUSES)}")
+        query = query.where(Campaign.status == status)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    query = query.options(joinedload(Campaign.model, innerjoin=True)).order_by(Campaign.id.desc())
+    return Page(list(session.scalars(query.limit(limit).offset(offset))), total, limit, offset)

@@ -1,0 +1,407 @@
+"""The write API: what the tuner, `pnmix worker` and the service call to change the database.
+
+Every function takes an open `Session` and runs inside the caller's transaction, which
+`Database.session()` commits at the end of its block (or rolls back if anything raised):
+
+    with db.session() as s:
+        model = upsert_model(s, ModelIn("smollm2-135m", "llama", "embedded", 30, 9, 3, 64))
+        campaign = create_campaign(s, "smollm2-135m", [3.0, 2.25], n_trials=30, status="running")
+    ...
+    with db.session() as s:                          # after each completed trial
+        replace_front(s, campaign.id, 2.25, [FrontPointIn(config, accuracy=0.9, kv_bytes=..., ...)])
+        update_campaign_progress(s, campaign.id, trials_done=17)
+
+Values are checked before anything is written; a refused write raises `InvalidValueError`
+(a `StorageError`, so a `PNMixError`) and leaves the database as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from pnmix.bits import key_bits
+from pnmix.config import PNMixConfig
+from storage.errors import InvalidValueError, NotFoundError
+from storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
+
+METHODS = ("pnmix", "kivi", "kitty")
+PROFILES = ("quick", "full")
+BACKENDS = ("auto", "torch", "triton")
+OBJECTIVES = ("accuracy", "key_bits", "kv_bytes", "throughput")
+MODEL_SOURCES = ("embedded", "shape", "local", "hub")
+MAX_BITS = 16.0
+# A budget and the formula's key bits are compared with this slack, so that a config whose bits
+# equal the budget up to float rounding counts as within it.
+BITS_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ModelIn:
+    """A model as `upsert_model` stores it. `family` is the transformers `model_type`."""
+
+    name: str
+    family: str
+    source: str  # embedded | shape | local | hub
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    location: str = ""  # GGUF path, checkpoint directory or hub id
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 255:
+            raise InvalidValueError(f"invalid model name {self.name!r}: 1 to 255 characters")
+        if self.source not in MODEL_SOURCES:
+            raise InvalidValueError(f"invalid model source {self.source!r}: allowed {', '.join(MODEL_SOURCES)}")
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidValueError(f"invalid {name}={value!r} for model {self.name!r}: a positive integer")
+        if self.head_dim % 2:
+            raise InvalidValueError(f"invalid head_dim={self.head_dim} for model {self.name!r}: RoPE needs it even")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidValueError(
+                f"invalid num_kv_heads={self.num_kv_heads} for model {self.name!r}: "
+                f"must divide num_heads={self.num_heads}"
+            )
+
+
+@dataclass(frozen=True)
+class FrontPointIn:
+    """One Pareto point as the tuner measured it. Key bits are not given: `replace_front` computes
+    them from `config` and the model's head_dim with `pnmix.bits.key_bits(...).total`.
+
+    accuracy:       aggregate score in [0, 1] (what the front maximizes)
+    accuracy_parts: the score's parts by name, e.g. {"passkey": 0.8, "top1_agreement": 0.93, "kl": 0.04}
+    kv_bytes:       measured `cache.nbytes()["total"]` on the profile's workload
+    throughput:     measured decode tokens/s on that workload
+    trial_number:   the Optuna trial number (unique within one front)
+    backend:        "torch" (CPU/GPU reference) or "triton"
+    device:         what it ran on, e.g. "cpu" or "NVIDIA H200"
+    versions:       package -> version, e.g. {"torch": "2.13.0", "transformers": "5.24.0"}
+    """
+
+    config: PNMixConfig
+    accuracy: float
+    kv_bytes: int
+    throughput: float
+    trial_number: int
+    backend: str
+    device: str
+    accuracy_parts: Mapping[str, float] = field(default_factory=dict)
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, PNMixConfig):
+            raise InvalidValueError(f"config must be a PNMixConfig, got {type(self.config).__name__}")
+        _check_number("accuracy", self.accuracy, low=0.0, high=1.0)
+        _check_number("throughput", self.throughput, low=0.0)
+        if isinstance(self.kv_bytes, bool) or not isinstance(self.kv_bytes, int) or self.kv_bytes < 0:
+            raise InvalidValueError(f"invalid kv_bytes={self.kv_bytes!r}: an integer >= 0")
+        if isinstance(self.trial_number, bool) or not isinstance(self.trial_number, int) or self.trial_number < 0:
+            raise InvalidValueError(f"invalid trial_number={self.trial_number!r}: an integer >= 0")
+        for name in ("backend", "device"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise InvalidValueError(f"invalid {name}={value!r}: a non-empty string")
+        for part, value in self.accuracy_parts.items():
+            _check_number(f"accuracy_parts[{part!r}]", value)
+
+
+def upsert_model(session: Session, model: ModelIn) -> Model:
+    """Inserts the model, or updates family/source/location/shape of the one with the same name."""
+    row = session.scalars(select(Model).where(Model.name == model.name)).one_or_none()
+    if row is None:
+        row = Model(name=model.name)
+        session.add(row)
+    row.family = model.family
+    row.source = model.source
+    row.location = model.location
+    row.num_layers = model.num_layers
+    row.num_heads = model.num_heads
+    row.num_kv_heads = model.num_kv_heads
+    row.head_dim = model.head_dim
+    session.flush()
+    return row
+
+
+def registry_model(name: str) -> ModelIn | None:
+    """The `ModelIn` of a model that `pnmix.models` knows without loading anything (embedded and
+    shape models), or None for other names (local directories and hub ids: the tuner registers
+    those itself after reading their config)."""
+    from pnmix import models
+
+    if name in models.EMBEDDED:
+        shape = models.EMBEDDED[name].shape
+        # The embedded SmolLM2 is a Llama-architecture model (DESIGN.md section 6).
+        family, source = "llama", "embedded"
+    elif name in models.SHAPE_MODELS:
+        spec = models.SHAPE_MODELS[name]
+        shape, family, source = spec.shape, str(spec.config["model_type"]), "shape"
+    else:
+        return None
+    return ModelIn(name, family, source, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+
+
+def create_campaign(
+    session: Session,
+    model: str,
+    budgets: Sequence[float],
+    n_trials: int,
+    *,
+    method: str = "pnmix",
+    profile: str = "quick",
+    objectives: Sequence[str] = ("accuracy", "key_bits"),
+    backend: str = "auto",
+    search_space: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
+    status: str = "queued",
+    worker_id: str | None = None,
+) -> Campaign:
+    """Creates a campaign of `model` (already stored, or a registry model, which is stored first).
+
+    `status="queued"` (the default) leaves it for `claim_next_queued_campaign`; a tuner that runs
+    the campaign itself passes `status="running"` (and its `worker_id`). `trials_total` starts at
+    `n_trials * len(budgets)`; `study_names` starts empty (set it with `update_campaign_progress`).
+    """
+    budgets = check_budgets(budgets)
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials <= 0:
+        raise InvalidValueError(f"invalid n_trials={n_trials!r}: a positive integer")
+    _check_choice("method", method, METHODS)
+    _check_choice("profile", profile, PROFILES)
+    _check_choice("backend", backend, BACKENDS)
+    _check_choice("status", status, ("queued", "running"))
+    objectives = list(objectives)
+    for name in objectives:
+        _check_choice("objective", name, OBJECTIVES)
+    if len(set(objectives)) != len(objectives) or not {"accuracy", "key_bits"} <= set(objectives):
+        raise InvalidValueError(
+            f"invalid objectives={objectives}: distinct names that include accuracy and key_bits"
+        )
+    model_row = _model_or_registry(session, model)
+    now = utcnow()
+    campaign = Campaign(
+        model_id=model_row.id,
+        method=method,
+        budgets=budgets,
+        n_trials=n_trials,
+        profile=profile,
+        objectives=objectives,
+        backend=backend,
+        search_space=dict(search_space) if search_space is not None else None,
+        options=dict(options or {}),
+        status=status,
+        trials_done=0,
+        trials_total=n_trials * len(budgets),
+        study_names={},
+        worker_id=worker_id,
+        created_at=now,
+        started_at=now if status == "running" else None,
+        heartbeat_at=now if status == "running" else None,
+    )
+    session.add(campaign)
+    session.flush()
+    return campaign
+
+
+def claim_next_queued_campaign(session: Session, worker_id: str) -> Campaign | None:
+    """Marks the oldest queued campaign as running for `worker_id` and returns it (None if none).
+
+    Safe with many workers: on PostgreSQL the row is taken with `SELECT ... FOR UPDATE SKIP LOCKED`,
+    so concurrent workers get different campaigns without waiting on each other; on every backend
+    the status change is a compare-and-set (`UPDATE ... WHERE status = 'queued'`), so one campaign
+    is never claimed twice. Commit promptly (end the session block) to publish the claim.
+    """
+    if not worker_id:
+        raise InvalidValueError("worker_id must be a non-empty string")
+    for _ in range(100):  # another worker may win a candidate between our SELECT and UPDATE (SQLite)
+        candidate = session.scalars(
+            select(Campaign.id)
+            .where(Campaign.status == "queued")
+            .order_by(Campaign.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        ).first()
+        if candidate is None:
+            return None
+        now = utcnow()
+        claimed = session.execute(
+            update(Campaign)
+            .where(Campaign.id == candidate, Campaign.status == "queued")
+            .values(status="running", worker_id=worker_id, started_at=now, heartbeat_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        if claimed.rowcount == 1:  # type: ignore[attr-defined]
+            campaign = session.get(Campaign, candidate, populate_existing=True)
+            assert campaign is not None
+            return campaign
+    return None
+
+
+def update_campaign_progress(
+    session: Session,
+    campaign_id: int,
+    *,
+    trials_done: int | None = None,
+    trials_total: int | None = None,
+    status: str | None = None,
+    study_names: Mapping[str, str] | None = None,
+    search_space: Mapping[str, Any] | None = None,
+    message: str | None = None,
+) -> Campaign:
+    """Records progress of a campaign; arguments left None are not changed. Every call is a heartbeat.
+
+    status: "running" (from queued), "done" or "failed" (from queued or running; sets finished_at).
+    A finished campaign accepts no further change. study_names: budget (as str) -> Optuna study
+    name, merged into what is stored. message: a failure reason or a progress note.
+    """
+    campaign = session.get(Campaign, campaign_id, with_for_update=True, populate_existing=True)
+    if campaign is None:
+        raise NotFoundError(f"no campaign with id {campaign_id}")
+    if campaign.status in TERMINAL_STATUSES:
+        raise InvalidValueError(f"campaign {campaign_id} is {campaign.status}; a finished campaign cannot change")
+    now = utcnow()
+    if status is not None:
+        _check_choice("status", status, CAMPAIGN_STATUSES)
+        if status == "queued":
+            raise InvalidValueError(f"campaign {campaign_id} cannot go back to queued")
+        if status == "running" and campaign.started_at is None:
+            campaign.started_at = now
+        if status in TERMINAL_STATUSES:
+            campaign.finished_at = now
+        campaign.status = status
+    total = campaign.trials_total if trials_total is None else trials_total
+    done = campaign.trials_done if trials_done is None else trials_done
+    for name, value in (("trials_done", done), ("trials_total", total)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidValueError(f"invalid {name}={value!r}: an integer >= 0")
+    if done > total:
+        raise InvalidValueError(f"invalid trials_done={done}: more than trials_total={total}")
+    campaign.trials_done, campaign.trials_total = done, total
+    if study_names is not None:
+        campaign.study_names = {**campaign.study_names, **{str(k): str(v) for k, v in study_names.items()}}
+    if search_space is not None:
+        campaign.search_space = dict(search_space)
+    if message is not None:
+        campaign.message = message
+    campaign.heartbeat_at = now
+    session.flush()
+    return campaign
+
+
+def replace_front(
+    session: Session, campaign_id: int, budget: float, points: Sequence[FrontPointIn]
+) -> list[FrontPoint]:
+    """Replaces the stored front of (campaign, budget) with `points`, atomically.
+
+    `budget` must be one of the campaign's budgets. Each point's key bits are computed here from
+    its config and the model's head_dim (`pnmix.bits.key_bits(config, head_dim).total`, T_q =
+    32768) and must not exceed the budget; trial numbers must be distinct. All points are checked
+    before anything changes, and the old front is deleted and the new one inserted in the caller's
+    transaction, so readers see either the old front or the new one, never a mix. The campaign row
+    is locked first (`FOR UPDATE` on PostgreSQL, the write lock on SQLite), so two workers
+    replacing the same front one after the other cannot interleave. An empty `points` clears it.
+    """
+    campaign = session.get(Campaign, campaign_id, with_for_update=True, populate_existing=True)
+    if campaign is None:
+        raise NotFoundError(f"no campaign with id {campaign_id}")
+    budget = check_budgets([budget])[0]
+    if not any(abs(budget - b) <= BITS_EPS for b in campaign.budgets):
+        raise InvalidValueError(f"budget {budget:g} is not one of campaign {campaign_id}'s budgets {campaign.budgets}")
+    head_dim = campaign.model.head_dim
+    rows: list[FrontPoint] = []
+    seen: set[int] = set()
+    for point in points:
+        if not isinstance(point, FrontPointIn):
+            raise InvalidValueError(f"front points must be FrontPointIn, got {type(point).__name__}")
+        if point.trial_number in seen:
+            raise InvalidValueError(f"trial {point.trial_number} appears twice in the front of budget {budget:g}")
+        seen.add(point.trial_number)
+        try:
+            bits = key_bits(point.config, head_dim).total
+        except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size)
+            raise InvalidValueError(f"trial {point.trial_number}: {exc}") from None
+        if bits > budget + BITS_EPS:
+            raise InvalidValueError(
+                f"trial {point.trial_number} needs {bits:.5f} key bits, over the budget {budget:g}"
+            )
+        rows.append(
+            FrontPoint(
+                campaign_id=campaign.id,
+                model_id=campaign.model_id,
+                budget=budget,
+                trial_number=point.trial_number,
+                **{name: getattr(point.config, name) for name in CONFIG_FIELDS},
+                accuracy=float(point.accuracy),
+                accuracy_parts={str(k): float(v) for k, v in point.accuracy_parts.items()},
+                key_bits=bits,
+                kv_bytes=point.kv_bytes,
+                throughput=float(point.throughput),
+                backend=point.backend,
+                device=point.device,
+                versions={str(k): str(v) for k, v in point.versions.items()},
+            )
+        )
+    session.execute(
+        delete(FrontPoint)
+        .where(FrontPoint.campaign_id == campaign.id, FrontPoint.budget.between(budget - BITS_EPS, budget + BITS_EPS))
+        .execution_options(synchronize_session=False)
+    )
+    session.add_all(rows)
+    campaign.heartbeat_at = utcnow()
+    session.flush()
+    return rows
+
+
+def check_budgets(budgets: Sequence[float]) -> list[float]:
+    """Budgets as floats: at least one, each finite in (0, 16], no duplicates."""
+    if isinstance(budgets, str | bytes) or not isinstance(budgets, Sequence) or len(budgets) == 0:
+        raise InvalidValueError(f"invalid budgets={budgets!r}: a non-empty list of key-bit budgets")
+    out: list[float] = []
+    for b in budgets:
+        _check_number("budget", b, low=0.0, high=MAX_BITS, low_open=True)
+        if any(abs(float(b) - o) <= BITS_EPS for o in out):
+            raise InvalidValueError(f"budget {b} is given twice")
+        out.append(float(b))
+    return out
+
+
+def _model_or_registry(session: Session, name: str) -> Model:
+    row = session.scalars(select(Model).where(Model.name == name)).one_or_none()
+    if row is not None:
+        return row
+    known = registry_model(name)
+    if known is None:
+        raise NotFoundError(
+            f"unknown model {name!r}: not in the database; register it first (the tuner does when it runs "
+            "on a local checkpoint or hub id), or use a registry model such as smollm2-135m"
+        )
+    return upsert_model(session, known)
+
+
+def _check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise InvalidValueError(f"invalid {name}={value!r}: allowed {', '.join(allowed)}")
+
+
+def _check_number(
+    name: str, value: object, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low  # type: ignore[operator]
+    if ok and high is not None:
+        ok = value <= high  # type: ignore[operator]
+    if not ok:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}]"
+        allowed = f"a finite number in {lo}, {hi}" if low is not None and high is not None else "a finite number"
+        if low is not None and high is None:
+            allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
+        raise InvalidValueError(f"invalid {name}={value!r}: {allowed}")
