@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from api import commands as service_cli
 from pnmix import cli as method_cli
 from pnmix.errors import PNMixError
 from tuner import cli as tuner_cli
@@ -27,6 +28,8 @@ app.command("models")(method_cli.list_models)
 app.command("generate")(method_cli.generate)
 app.command("analyze")(method_cli.analyze)
 app.command("run")(tuner_cli.run_main_job)
+app.command("serve")(service_cli.serve)
+app.add_typer(service_cli.db_app, name="db")
 
 
 def main() -> None:
