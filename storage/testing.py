@@ -37,6 +37,30 @@ def postgres_available(admin_url: str = POSTGRES_ADMIN_URL) -> str | None:
         engine.dispose()
 
 
+def postgres_skip_reason(admin_url: str = POSTGRES_ADMIN_URL) -> str | None:
+    """None when the PostgreSQL test server answers, else why PostgreSQL tests may skip.
+
+    With `PNMIX_REQUIRE_POSTGRES` set (CI sets it) a silent server is an error, not a skip.
+    """
+    why = postgres_available(admin_url)
+    if why is None:
+        return None
+    if os.environ.get("PNMIX_REQUIRE_POSTGRES"):
+        raise RuntimeError(f"PNMIX_REQUIRE_POSTGRES is set but PostgreSQL at {admin_url} does not answer: {why}")
+    return f"no PostgreSQL server at {admin_url} ({why}); set PNMIX_REQUIRE_POSTGRES=1 to make this an error"
+
+
+def truncate_all(db: Database) -> None:
+    """Empties pnmix's tables (ids restart at 1 on PostgreSQL)."""
+    tables = ("pnmix_front_points", "pnmix_campaigns", "pnmix_models")
+    with db.engine.begin() as conn:
+        if db.backend == "postgresql":
+            conn.exec_driver_sql(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE")
+        else:
+            for table in tables:
+                conn.exec_driver_sql(f"DELETE FROM {table}")
+
+
 @contextmanager
 def temporary_postgres_url(admin_url: str = POSTGRES_ADMIN_URL) -> Iterator[str]:
     """A fresh, empty database on the server of `admin_url`, dropped afterwards (with its connections)."""
