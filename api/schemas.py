@@ -162,13 +162,17 @@ class CampaignCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name")
-    budgets: list[Budget] = Field(min_length=1, max_length=16)
+    budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
     n_trials: int = Field(default=30, ge=1, le=10_000, description="trials per budget")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
     profile: Literal[PROFILES] = "quick"  # type: ignore[valid-type]
     objectives: list[Literal[OBJECTIVES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: ["accuracy", "key_bits"], min_length=2, max_length=len(OBJECTIVES),
-        description="must include accuracy and key_bits",
+        description="distinct names; must include accuracy and key_bits",
+        json_schema_extra={
+            "uniqueItems": True,
+            "allOf": [{"contains": {"const": "accuracy"}}, {"contains": {"const": "key_bits"}}],
+        },
     )
     backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
 

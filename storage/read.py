@@ -78,7 +78,7 @@ def list_front_points(
     model_row = get_model(session, model)
     query = select(FrontPoint).where(FrontPoint.model_id == model_row.id)
     if budget is not None:
-        query = query.where(FrontPoint.budget.between(budget - BITS_EPS, budget + BITS_EPS))
+        query = query.where(FrontPoint.budget == budget)
     if campaign_id is not None:
         query = query.where(FrontPoint.campaign_id == campaign_id)
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0

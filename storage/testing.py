@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pnmix.config import PNMixConfig
+from storage.engine import Database
 from storage.write import FrontPointIn, ModelIn
 
 RATIOS = [i / 10 for i in range(1, 10)]

@@ -37,7 +37,8 @@ OBJECTIVES = ("accuracy", "key_bits", "kv_bytes", "throughput")
 MODEL_SOURCES = ("embedded", "shape", "local", "hub")
 MAX_BITS = 16.0
 # A budget and the formula's key bits are compared with this slack, so that a config whose bits
-# equal the budget up to float rounding counts as within it.
+# equal the budget up to float rounding counts as within it. Budgets themselves are compared
+# exactly: a float survives JSON, SQLite REAL and PostgreSQL float8 unchanged.
 BITS_EPS = 1e-9
 
 
@@ -312,7 +313,7 @@ def replace_front(
     if campaign is None:
         raise NotFoundError(f"no campaign with id {campaign_id}")
     budget = check_budgets([budget])[0]
-    if not any(abs(budget - b) <= BITS_EPS for b in campaign.budgets):
+    if budget not in campaign.budgets:
         raise InvalidValueError(f"budget {budget:g} is not one of campaign {campaign_id}'s budgets {campaign.budgets}")
     head_dim = campaign.model.head_dim
     rows: list[FrontPoint] = []
@@ -350,7 +351,7 @@ def replace_front(
         )
     session.execute(
         delete(FrontPoint)
-        .where(FrontPoint.campaign_id == campaign.id, FrontPoint.budget.between(budget - BITS_EPS, budget + BITS_EPS))
+        .where(FrontPoint.campaign_id == campaign.id, FrontPoint.budget == budget)
         .execution_options(synchronize_session=False)
     )
     session.add_all(rows)
@@ -366,7 +367,7 @@ def check_budgets(budgets: Sequence[float]) -> list[float]:
     out: list[float] = []
     for b in budgets:
         _check_number("budget", b, low=0.0, high=MAX_BITS, low_open=True)
-        if any(abs(float(b) - o) <= BITS_EPS for o in out):
+        if float(b) in out:
             raise InvalidValueError(f"budget {b} is given twice")
         out.append(float(b))
     return out

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 
 from api.deps import ReadSession
 from api.problems import problem_doc
@@ -14,6 +14,7 @@ router = APIRouter(tags=["models"])
 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description=f"page size, at most {MAX_PAGE_SIZE}")]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
+Name = Annotated[str, Path(min_length=1, max_length=255, description="model name; hub ids contain a slash")]
 
 
 @router.get("/models", response_model=ModelPage, responses=problem_doc(422, 503))
@@ -27,7 +28,7 @@ def list_models(session: ReadSession, limit: Limit = 50, offset: Offset = 0) -> 
 @router.get("/models/{name:path}/fronts", response_model=PointPage, responses=problem_doc(404, 422, 503))
 def fronts(
     session: ReadSession,
-    name: str,
+    name: Name,
     budget: Annotated[Budget | None, Query(description="only the front of this budget")] = None,
     campaign_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     limit: Limit = 100,
@@ -40,6 +41,6 @@ def fronts(
     )
 
 
-@router.get("/models/{name:path}", response_model=ModelPublic, responses=problem_doc(404, 503))
-def get_model(session: ReadSession, name: str) -> ModelPublic:
+@router.get("/models/{name:path}", response_model=ModelPublic, responses=problem_doc(404, 422, 503))
+def get_model(session: ReadSession, name: Name) -> ModelPublic:
     return ModelPublic.of(read.summarize(session, read.get_model(session, name)))
