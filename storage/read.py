@@ -108,18 +108,24 @@ def recommend(
     """
     if optimize not in OPTIMIZE:
         raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
-    model_row = get_model(session, model)
-    base = select(FrontPoint).where(FrontPoint.model_id == model_row.id, FrontPoint.accuracy >= min_accuracy)
+    # One query on the hot path: the model is joined by name; the slower queries that explain an
+    # empty answer (unknown model, or the smallest bits that would fit) run only when it is empty.
+    conditions = [FrontPoint.accuracy >= min_accuracy]
     if campaign_id is not None:
-        base = base.where(FrontPoint.campaign_id == campaign_id)
+        conditions.append(FrontPoint.campaign_id == campaign_id)
     best = session.scalars(
-        base.where(FrontPoint.key_bits <= target_bits + BITS_EPS).order_by(*_ORDER[optimize], FrontPoint.id).limit(1)
+        select(FrontPoint)
+        .join(Model, FrontPoint.model_id == Model.id)
+        .where(Model.name == model, FrontPoint.key_bits <= target_bits + BITS_EPS, *conditions)
+        .order_by(*_ORDER[optimize], FrontPoint.id)
+        .limit(1)
     ).first()
-    if best is None:
-        feasible = base.subquery()
-        smallest = session.scalar(select(func.min(feasible.c.key_bits)))
-        raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest))
-    return best
+    if best is not None:
+        return best
+    model_row = get_model(session, model)
+    feasible = select(FrontPoint.key_bits).where(FrontPoint.model_id == model_row.id, *conditions).subquery()
+    smallest = session.scalar(select(func.min(feasible.c.key_bits)))
+    raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest))
 
 
 def get_campaign(session: Session, campaign_id: int) -> Campaign:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from api.deps import ReadSession
 from api.problems import problem_doc
@@ -20,7 +20,7 @@ def recommend(
     optimize: Optimize = "accuracy",
     min_accuracy: Annotated[float, Query(ge=0, le=1, allow_inf_nan=False)] = 0.0,
     campaign_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
-) -> Recommendation:
+) -> Response:
     """The best stored config of `model` within `target_bits` key bits.
 
     `optimize=accuracy` ranks by accuracy, then decode throughput, then measured KV bytes;
@@ -28,7 +28,10 @@ def recommend(
     when nothing fits, with `smallest_feasible_bits`.
     """
     point = read.recommend(session, model, target_bits, optimize, min_accuracy, campaign_id)
-    return Recommendation(
+    body = Recommendation(
         model=model, target_bits=target_bits, optimize=optimize, min_accuracy=min_accuracy,
         point=PointPublic.of(point), pnmix_config=point.config.to_json(),
     )
+    # The hot route: the body is already a validated Recommendation, so serialize it once here
+    # instead of letting FastAPI validate it again against response_model.
+    return Response(body.model_dump_json(), media_type="application/json")
