@@ -131,12 +131,24 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
+    reconnects = 0  # stale keep-alive connections replaced (uvicorn closes them after 5 s idle)
+
     async def get(self, target: str) -> int:
+        reused = self.writer is not None
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
         self.writer.write(f"GET {target} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
-        head = await self.reader.readuntil(b"\r\n\r\n")
+        try:
+            head = await self.reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionResetError):
+            if not reused:
+                raise
+            # The server closed this idle connection; like any HTTP client, retry the GET on a new one.
+            Connection.reconnects += 1
+            self.close()
+            self.reader = self.writer = None
+            return await self.get(target)
         status = int(head[9:12])
         length = 0
         for line in head.split(b"\r\n"):
@@ -255,6 +267,7 @@ def run_load(args: argparse.Namespace) -> None:
     lookup = [f"/v1/models/{rng.choice(models)}" for _ in range(args.saturate_requests)]
     result["saturated_recommend"] = asyncio.run(saturate(args.base, rec, args.concurrency))
     result["saturated_model_lookup"] = asyncio.run(saturate(args.base, lookup, args.concurrency))
+    result["reconnects"] = Connection.reconnects
     print(json.dumps(result))
 
 
