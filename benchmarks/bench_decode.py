@@ -1,0 +1,262 @@
+"""PN-Mix decode kernels on the GPU: build, check against the torch reference, time, compare with SDPA.
+
+    python benchmarks/bench_decode.py [--out DIR] [--shapes 1x32768,32x8192,...] [--quick]
+
+For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pnmix-paper` config
+(3/1 bits, r = 0.5, G = 128, 32 sinks, residual 128, 2-bit values in groups of 32):
+1. draws fresh random bf16 keys/values, packs them with the Triton quantize+pack kernels (checked
+   bit for bit against `pnmix.packing` on a slice);
+2. runs the fused decode kernel and checks it against `pnmix.backend.decode_reference`
+   (dequantize-then-attend in fp32) on a few sequences, output poisoned before the run;
+3. times it (triton.testing.do_bench, median; do_bench flushes L2 before every call) for a few
+   launch configurations, and SDPA on bf16 K/V of the same shape in the same run;
+4. reports time, bytes read, GB/s, share of the measured device copy bandwidth, speedup over SDPA.
+Also the quantize+pack throughput of a 32K-token prefill (1 sequence, 8 KV heads).
+Imports only `kernels` and the torch-only `pnmix.packing` / `pnmix.backend` (no transformers).
+Prints a table, then one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.decode import decode_attention  # noqa: E402
+from kernels.layout import DecodeCache, channel_order  # noqa: E402
+from kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
+from pnmix import packing  # noqa: E402
+from pnmix.backend import decode_reference  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+B_LOW, B_HIGH, G, N_SALIENT_PAIRS, N_SINK, RESIDUAL, V_BITS, V_GROUP = 1, 3, 128, 32, 32, 128, 2, 32
+SHAPES = [(1, 32768), (32, 8192), (32, 32768), (110, 8192)]
+VARIANTS = [  # (block_t, num_warps, num_stages)
+    (64, 4, 1), (64, 4, 2), (128, 8, 1), (128, 4, 1), (32, 4, 2),
+]
+
+
+def log(msg: str, fh) -> None:
+    print(msg, flush=True)
+    fh.write(msg + "\n")
+    fh.flush()
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 4 GiB, bytes read + written per second (GB/s)."""
+    n = 4 * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    src.random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(functools.partial(dst.copy_, src), warmup=50, rep=300, return_mode="median")
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def random_salient(bsz: int, gen: torch.Generator) -> torch.Tensor:
+    """Ascending salient channels (rotate_half pairs) per (b, h): int64 [B, H_kv, 2 * N_SALIENT_PAIRS]."""
+    scores = torch.rand((bsz, HKV, D // 2), generator=gen, device="cuda")
+    pairs = scores.topk(N_SALIENT_PAIRS, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([pairs, pairs + D // 2], dim=-1)
+
+
+def build(bsz: int, ctx: int, gen: torch.Generator) -> tuple[DecodeCache, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                             dict]:
+    """A layer holding `ctx` tokens per sequence, from fresh random bf16 K/V (also returned for SDPA)."""
+    n_groups = (ctx - N_SINK) // G
+    res = ctx - N_SINK - n_groups * G
+    assert 0 <= res <= RESIDUAL
+    k = torch.randn((bsz, HKV, ctx, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn((bsz, HKV, ctx, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+    k.mul_(1.5).add_(0.25)  # not centred, not unit: scales and zeros both matter
+    sal = random_salient(bsz, gen)
+    region = slice(N_SINK, N_SINK + n_groups * G)
+    pk = quantize_pack_keys(k[:, :, region], sal, B_LOW, B_HIGH, G)
+    pv = quantize_pack_values(v[:, :, region], V_BITS, V_GROUP)
+    k_res = torch.zeros((bsz, HKV, RESIDUAL, D), dtype=torch.bfloat16, device="cuda")
+    v_res = torch.zeros_like(k_res)
+    k_res[:, :, :res] = k[:, :, N_SINK + n_groups * G :]
+    v_res[:, :, :res] = v[:, :, N_SINK + n_groups * G :]
+    full = lambda n: torch.full((bsz,), n, dtype=torch.int32, device="cuda")  # noqa: E731
+    cache = DecodeCache(
+        k[:, :, :N_SINK].contiguous(), v[:, :, :N_SINK].contiguous(), k_res, v_res,
+        pk.low, pk.high, pk.scale, pk.zero, pv.packed, pv.scale, pv.zero, channel_order(sal, D),
+        full(N_SINK), full(n_groups), full(res), B_LOW, B_HIGH, G, V_BITS, V_GROUP,
+    )
+    q = torch.randn((bsz, HQ, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+    info = {"n_groups": n_groups, "residual": res, "salient": sal}
+    return cache, q, k, v, info
+
+
+def cache_bytes_read(cache: DecodeCache, q: torch.Tensor, n_groups: int, res: int) -> int:
+    """Bytes the decode kernel must read: every held byte of the layer once, plus q."""
+    bsz = q.shape[0]
+    per_group = sum(t[0, 0, 0].nbytes for t in (cache.k_low, cache.k_high, cache.k_scale, cache.k_zero))
+    per_token = sum(t[0, 0, 0].nbytes for t in (cache.v_packed, cache.v_scale, cache.v_zero))
+    fp_tokens = N_SINK + res
+    return bsz * HKV * (n_groups * (per_group + G * per_token) + fp_tokens * 2 * D * 2 + D * 4) + q.nbytes
+
+
+def check_pack(k: torch.Tensor, v: torch.Tensor, sal: torch.Tensor) -> bool:
+    """Kernels vs pnmix.packing, bit for bit, on the first sequence's first 2048 packed tokens."""
+    ks = k[:1, :, N_SINK : N_SINK + 16 * G].float()
+    vs = v[:1, :, N_SINK : N_SINK + 16 * G]
+    ref_k = packing.quantize_keys(ks, sal[:1], B_LOW, B_HIGH, G)
+    out_k = quantize_pack_keys(k[:1, :, N_SINK : N_SINK + 16 * G], sal[:1], B_LOW, B_HIGH, G)
+    ref_v = packing.quantize_values(vs, V_BITS, V_GROUP)
+    out_v = quantize_pack_values(vs, V_BITS, V_GROUP)
+    ok = all(torch.equal(getattr(ref_k, f), getattr(out_k, f)) for f in ("low", "high", "scale", "zero"))
+    return ok and all(torch.equal(getattr(ref_v, f), getattr(out_v, f)) for f in ("packed", "scale", "zero"))
+
+
+def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, variant: tuple[int, int, int]) -> float:
+    """Relative error of the kernel against the fp32 reference on up to 4 sequences."""
+    n = min(4, q.shape[0])
+    sub = DecodeCache(*(getattr(cache, f)[:n] if isinstance(getattr(cache, f), torch.Tensor) else getattr(cache, f)
+                        for f in cache.__dataclass_fields__))
+    bt, nw, ns = variant
+    out = torch.full_like(q[:n], float("nan"))  # poisoned: an unwritten element fails the check
+    decode_attention(q[:n], sub, scale, block_t=bt, num_warps=nw, num_stages=ns, out=out)
+    ref = decode_reference(q[:n], sub, scale)
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def bench_pack(gen: torch.Generator, fh) -> dict:
+    """Quantize + pack throughput for a 32K-token prefill (one sequence, 8 KV heads), plus exactness."""
+    kp = torch.randn((1, HKV, 32768, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+    vp = torch.randn((1, HKV, 32768, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+    salp = random_salient(1, gen)
+    pack_k = functools.partial(quantize_pack_keys, kp, salp, B_LOW, B_HIGH, G)
+    pack_v = functools.partial(quantize_pack_values, vp, V_BITS, V_GROUP)
+    pk_ms = do_bench(pack_k, warmup=25, rep=200, return_mode="median")
+    pv_ms = do_bench(pack_v, warmup=25, rep=200, return_mode="median")
+    pk_out, pv_out = pack_k(), pack_v()
+    k_bytes = kp.nbytes + sum(t.nbytes for t in (pk_out.low, pk_out.high, pk_out.scale, pk_out.zero))
+    v_bytes = vp.nbytes + sum(t.nbytes for t in (pv_out.packed, pv_out.scale, pv_out.zero))
+    pack = {
+        "tokens": 32768, "kv_heads": HKV,
+        "keys_us": pk_ms * 1e3, "values_us": pv_ms * 1e3,
+        "keys_GBps": k_bytes / (pk_ms * 1e-3) / 1e9, "values_GBps": v_bytes / (pv_ms * 1e-3) / 1e9,
+        "tokens_per_s": 32768 / ((pk_ms + pv_ms) * 1e-3),
+        "exact": check_pack(kp, vp, salp),
+    }
+    log(f"pack 32K prefill: {json.dumps(pack)}", fh)
+    return pack
+
+
+def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple[int, int, int]], copy_gbps: float,
+                fh) -> dict:
+    cache, q, k, v, info = build(bsz, ctx, gen)
+    scale = D**-0.5
+    exact = check_pack(k, v, info["salient"])
+    nbytes = cache_bytes_read(cache, q, info["n_groups"], info["residual"])
+    # SDPA baselines on bf16 K/V of the same shape: GQA flag, and the group folded into q_len.
+    sdpa_gqa = functools.partial(F.scaled_dot_product_attention, q.view(bsz, HQ, 1, D), k, v, scale=scale,
+                                 enable_gqa=True)
+    sdpa_fold = functools.partial(F.scaled_dot_product_attention, q.view(bsz, HKV, HQ // HKV, D), k, v, scale=scale)
+    ref_sdpa = sdpa_fold().reshape(bsz, HQ, D).float()
+    sdpa_agree = float((sdpa_gqa().reshape(bsz, HQ, D).float() - ref_sdpa).norm() / ref_sdpa.norm())
+    t_gqa = do_bench(sdpa_gqa, warmup=25, rep=200, return_mode="median")
+    t_fold = do_bench(sdpa_fold, warmup=25, rep=200, return_mode="median")
+    t_sdpa = min(t_gqa, t_fold)
+    sdpa_bytes = k.nbytes + v.nbytes + 2 * q.nbytes
+    log(f"[{bsz}x{ctx}] groups {info['n_groups']} residual {info['residual']} pack exact {exact} "
+        f"bytes {nbytes / 1e6:.1f} MB (bf16 K/V {sdpa_bytes / 1e6:.1f} MB); "
+        f"SDPA gqa {t_gqa * 1e3:.1f} us, folded {t_fold * 1e3:.1f} us (agree {sdpa_agree:.1e})", fh)
+    best = None
+    for variant in variants:
+        bt, nw, ns = variant
+        run = functools.partial(decode_attention, q, cache, scale, block_t=bt, num_warps=nw, num_stages=ns)
+        try:
+            err = check_decode(q, cache, scale, variant)
+            out = torch.full_like(q, float("nan"))  # poisoned; the whole batch must be written, finite
+            run(out=out)
+            ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+        except Exception as exc:  # a launch config that does not compile is reported, not fatal
+            log(f"  variant {variant}: FAILED {type(exc).__name__}: {str(exc)[:300]}", fh)
+            continue
+        finite = bool(torch.isfinite(out).all())
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        log(f"  variant bt={bt} warps={nw} stages={ns}: {ms * 1e3:.1f} us  {gbps:.0f} GB/s  "
+            f"rel_err {err:.2e}  finite {finite}  speedup {t_sdpa / ms:.2f}x", fh)
+        if err <= 1e-2 and finite and (best is None or ms < best[0]):
+            best = (ms, variant, err)
+    row = {"batch": bsz, "ctx": ctx, "pack_exact": exact, "sdpa_us": t_sdpa * 1e3,
+           "sdpa_gqa_us": t_gqa * 1e3, "sdpa_folded_us": t_fold * 1e3,
+           "sdpa_GBps": sdpa_bytes / (t_sdpa * 1e-3) / 1e9, "bytes_read": nbytes}
+    if best is not None:
+        ms, variant, err = best
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        row.update({"pnmix_us": ms * 1e3, "variant": variant, "rel_err": err, "GBps": gbps,
+                    "copy_share": gbps / copy_gbps, "speedup": t_sdpa / ms})
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
+    ap.add_argument("--quick", action="store_true", help="first variant only")
+    ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
+    args = ap.parse_args()
+    if args.profile:
+        bsz, ctx = (int(x) for x in args.profile.split("x"))
+        cache, q, *_ = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(0))
+        bt, nw, ns = VARIANTS[0]
+        for _ in range(3):
+            decode_attention(q, cache, D**-0.5, block_t=bt, num_warps=nw, num_stages=ns)
+        torch.cuda.synchronize()
+        return
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(out_dir / "bench_decode.log", "w")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    variants = VARIANTS[:1] if args.quick else VARIANTS
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    log(f"env {json.dumps(env)}", fh)
+    copy_gbps = copy_bandwidth()
+    log(f"device copy bandwidth (read + write, 4 GiB): {copy_gbps:.0f} GB/s", fh)
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    rows = []
+
+    pack = bench_pack(gen, fh)
+    for bsz, ctx in shapes:
+        torch.cuda.empty_cache()
+        rows.append(bench_shape(bsz, ctx, gen, variants, copy_gbps, fh))
+
+    log("", fh)
+    log(f"{'B x ctx':>10} | {'PN-Mix us':>9} | {'MB read':>8} | {'GB/s':>6} | {'of copy':>7} | "
+        f"{'SDPA us':>8} | {'SDPA GB/s':>9} | {'speedup':>7} | {'rel err':>8} | variant", fh)
+    for r in rows:
+        if "pnmix_us" in r:
+            log(f"{r['batch']:>4} x {r['ctx']:<5}| {r['pnmix_us']:9.1f} | {r['bytes_read'] / 1e6:8.1f} | "
+                f"{r['GBps']:6.0f} | {r['copy_share']:7.1%} | {r['sdpa_us']:8.1f} | {r['sdpa_GBps']:9.0f} | "
+                f"{r['speedup']:6.2f}x | {r['rel_err']:8.1e} | {r['variant']}", fh)
+        else:
+            log(f"{r['batch']:>4} x {r['ctx']:<5}| no variant passed the check", fh)
+    log(json.dumps({"env": env, "copy_GBps": copy_gbps, "pack": pack, "decode": rows}), fh)
+
+
+if __name__ == "__main__":
+    main()
