@@ -7,6 +7,7 @@ there lets developers use the `alembic` command too (`alembic revision --autogen
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from sqlalchemy import Engine, inspect
@@ -32,7 +33,9 @@ def alembic_config(url: str | None = None):  # -> alembic.config.Config (importe
     return config
 
 
+@lru_cache(maxsize=1)
 def head_revision() -> str:
+    """The newest revision in alembic/versions (read once per process)."""
     from alembic.script import ScriptDirectory
 
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()

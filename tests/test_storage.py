@@ -10,7 +10,7 @@ from collections import Counter
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
@@ -201,6 +201,27 @@ def test_claim_takes_the_oldest_queued_campaign(db):
             c = claim_next_queued_campaign(s, "worker-a")
             claimed.append(None if c is None else (c.id, c.status, c.worker_id, c.started_at is not None))
     assert claimed == [(i, "running", "worker-a", True) for i in ids] + [None]
+
+
+def test_claim_locks_with_skip_locked_on_postgres(db):
+    with db.session() as s:
+        create_campaign(s, "smollm2-135m", [2.5], n_trials=1)
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args):
+        statements.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        with db.session() as s:
+            assert claim_next_queued_campaign(s, "w") is not None
+    finally:
+        event.remove(db.engine, "before_cursor_execute", record)
+    selects = [st for st in statements if "FROM pnmix_campaigns" in st and st.lstrip().startswith("SELECT")]
+    if db.backend == "postgresql":
+        assert "FOR UPDATE SKIP LOCKED" in selects[0]
+    else:  # SQLite has no row locks: BEGIN IMMEDIATE serializes writers instead
+        assert "FOR UPDATE" not in selects[0]
 
 
 def test_concurrent_workers_never_claim_one_campaign_twice(db):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from api.deps import DatabaseDep
@@ -18,10 +18,8 @@ router = APIRouter(tags=["health"])
     responses={503: {"model": Health, "description": "database unreachable or schema not current",
                      "content": {PROBLEM_JSON: {}}}},
 )
-def health(db: DatabaseDep) -> Health | JSONResponse:
+def health(db: DatabaseDep, request: Request) -> Health | JSONResponse:
     """Liveness and readiness: the database answers and its schema is at this code's head revision."""
-    from importlib.metadata import version
-
     head = head_revision()
     current: str | None = None
     detail: str | None = None
@@ -34,7 +32,7 @@ def health(db: DatabaseDep) -> Health | JSONResponse:
         detail = str(exc)
     ready = detail is None
     body = Health(
-        status="ok" if ready else "unavailable", version=version("pnmix"), database=db.display_url,
+        status="ok" if ready else "unavailable", version=request.app.version, database=db.display_url,
         backend=db.backend, schema_revision=current, schema_head=head, ready=ready, detail=detail,
     )
     if ready:
