@@ -266,6 +266,8 @@ def _sm_count(device_index: int) -> int:
 
 
 def _check_inner_contiguous(name: str, t: torch.Tensor, n_inner: int) -> None:
+    if t.numel() == 0:
+        return
     expected = 1
     for size, stride in zip(reversed(t.shape[-n_inner:]), reversed(t.stride()[-n_inner:]), strict=True):
         if size > 1 and stride != expected:
