@@ -30,6 +30,7 @@ app.command("analyze")(method_cli.analyze)
 app.command("run")(tuner_cli.run_main_job)
 app.command("serve")(service_cli.serve)
 app.add_typer(service_cli.db_app, name="db")
+app.command("eval")(tuner_cli.eval_config)
 
 
 def main() -> None:

@@ -1,0 +1,157 @@
+"""Trial scoring: tasks, filtering, long-output fidelity, the proxy, and the eval command."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from pnmix.analysis import Trace, record_trace
+from pnmix.config import PNMixConfig, preset
+from tuner import tasks
+from tuner.evaluate import Evaluator, combine
+from tuner.fidelity import reference_logits, replay, trajectory
+from tuner.profiles import EvalError, Profile
+from tuner.proxy import proxy_kl
+
+SMALL = PNMixConfig(b_high=3, b_low=1, group_size=32, salient_ratio=0.5, n_sink=4, residual_len=32,
+                    value_bits=2, value_group_size=16)
+
+
+def test_items_are_deterministic_per_seed():
+    a, b = tasks.passkey_items(4, seed=1), tasks.passkey_items(4, seed=1)
+    assert a == b and a != tasks.passkey_items(4, seed=2)
+    kv = tasks.kv_lookup_items(3, seed=1, pairs=(10, 20))
+    assert kv == tasks.kv_lookup_items(3, seed=1, pairs=(10, 20))
+    assert kv[0].answer in kv[0].prompt and kv[0].prompt.count(" number is ") == 10
+    # Context grows along the list.
+    assert len(a[0].prompt) < len(a[-1].prompt)
+
+
+def test_gsm8k_file_and_last_number_rule(tmp_path):
+    path = tmp_path / "math.jsonl"
+    rows = [{"question": "2 + 3?", "answer": 5}, {"question": "Half of 9?", "answer": "#### 4.5"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    items = tasks.gsm8k_items(path)
+    assert [it.answer for it in items] == ["5", "4.5"]
+    assert items[0].is_correct("First 2, then 3, so the answer is 5.")
+    assert not items[0].is_correct("It is 5, no wait, 6")
+    assert items[1].is_correct("the result: 4.50")
+    assert not items[1].is_correct("no number here")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "holds no items"),
+        ('{"question": "x"}\n', "needs the fields"),
+        ("{not json}\n", "not valid JSON"),
+        ('{"question": "x", "answer": "many"}\n', "not a number"),
+    ],
+)
+def test_bad_gsm8k_files_are_refused(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(EvalError, match=message):
+        tasks.gsm8k_items(path)
+
+
+def test_combined_accuracy_weights():
+    assert combine({"passkey": 1.0, "kv_lookup": 0.0, "fidelity": 0.5}) == pytest.approx(0.25 + 0.25)
+    assert combine({"fidelity": 0.8}) == pytest.approx(0.8)
+
+
+def test_fidelity_is_exact_for_an_unquantized_cache_and_drops_when_quantized():
+    model = tiny_model("llama", seed=4)
+    prompt = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    cont = trajectory(model, prompt, 80)
+    assert len(cont) == 80
+    ref = reference_logits(model, prompt, cont)
+    same = replay(model, prompt, cont, preset("fp16"), ref)
+    assert same.agreement == 1.0 and same.mean_kl < 1e-6 and same.score > 0.999999
+    coarse = replay(model, prompt, cont, SMALL.with_(b_high=1, b_low=1, salient_ratio=0.0), ref)
+    fine = replay(model, prompt, cont, SMALL.with_(b_high=4, b_low=4, salient_ratio=0.0, value_bits=8), ref)
+    assert coarse.mean_kl > fine.mean_kl > 0
+    # Chunked replay quantizes generated tokens too: one chunk and token-by-token agree closely.
+    one_by_one = replay(model, prompt, cont, SMALL, ref, chunk=1)
+    chunked = replay(model, prompt, cont, SMALL, ref, chunk=16)
+    assert abs(one_by_one.mean_kl - chunked.mean_kl) < 0.5 * one_by_one.mean_kl + 1e-3
+
+
+def test_proxy_orders_bit_widths_on_a_real_trace():
+    model = tiny_model("llama", seed=6)
+    prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    trace = record_trace(model, prompt, new_tokens=80)
+    kls = [proxy_kl(trace, SMALL.with_(b_high=b, b_low=b, salient_ratio=0.0), "rotate_half") for b in (1, 2, 4)]
+    assert kls[0] > kls[1] > kls[2] > 0
+    assert proxy_kl(trace, preset("fp16"), "rotate_half") == 0.0
+
+
+def test_proxy_is_fast_on_an_embedded_model_sized_trace():
+    # Shaped like smollm2-135m with a 64-token prompt and 512 generated tokens.
+    gen = torch.Generator().manual_seed(0)
+    trace = Trace([torch.randn((9, 576, 64), generator=gen) for _ in range(30)],
+                  [torch.randn((3, 576, 64), generator=gen) for _ in range(30)], 64, 0.125)
+    cfg = preset("pnmix-paper")
+    proxy_kl(trace, cfg, "rotate_half")  # warm-up
+    best = min(_timed(lambda: proxy_kl(trace, cfg, "rotate_half")) for _ in range(3))
+    assert best < 1.0, f"proxy took {best:.2f} s"
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+TEST_PROFILE = Profile("test", passkey_items=2, passkey_filler=(8, 12), kv_items=2, kv_pairs=(10, 20),
+                       fidelity_prompts=1, fidelity_tokens=96, proxy_tokens=160)
+
+
+def test_evaluation_on_the_embedded_model(embedded):
+    ev = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
+    data = ev.prepare()
+    # Filtering: every kept item is one the unquantized model answers correctly.
+    for name in ("passkey", "kv_lookup"):
+        assert data["items"][name], f"no {name} item survived filtering"
+        for item in data["items"][name]:
+            assert item.is_correct(tasks.answer(ev.model, ev.tokenizer, preset("fp16"), item))
+    fp16 = ev.evaluate(preset("fp16"))
+    assert fp16.accuracy == pytest.approx(1.0, abs=1e-6) and fp16.fidelity_kl < 1e-5
+    one_bit = ev.evaluate(preset("kivi1"))
+    # Short test trajectories quantize few groups, so 1-bit keys only dent fidelity; retrieval fails.
+    assert one_bit.accuracy < 0.5 and one_bit.parts["fidelity"] < 0.9
+    assert one_bit.kv_bytes < fp16.kv_bytes / 3
+    assert one_bit.key_bits == pytest.approx(1.25)  # 1 bit + fp16 scale and zero per 128 tokens
+    # Determinism: a second evaluator (from the on-disk cache) gives the same score.
+    again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0).evaluate(preset("kivi1"))
+    assert again.accuracy == one_bit.accuracy and again.parts == one_bit.parts
+    assert ev.proxy(preset("kivi1")) > ev.proxy(preset("kivi2")) > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--profile", "huge"), "unknown profile"),
+        (("--tasks", "passkey,poetry"), "unknown task 'poetry'"),
+        (("--model", "no-such-model"), "unknown model"),
+        (("--tasks", "gsm8k"), "needs a JSONL file"),
+    ],
+)
+def test_eval_bad_input_is_one_line(args, needle):
+    out = subprocess.run([sys.executable, "-m", "api.cli", "eval", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+
+
+def test_eval_empty_gsm8k_file_is_one_line(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    out = subprocess.run([sys.executable, "-m", "api.cli", "eval", "--gsm8k", str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "holds no items" in out.stderr and "Traceback" not in out.stderr
