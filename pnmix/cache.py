@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from pnmix import packing
+from pnmix import backend, packing
 from pnmix.config import PNMixConfig
 from pnmix.families import check_model
 from pnmix.saliency import Pairing, pair_channels, saliency_scores, select_salient_pairs
@@ -74,6 +74,10 @@ class PNMixLayer(CacheLayerMixin):
         self.group_capacity = 0
         self.view_k = torch.zeros((b, h, 0, d), dtype=dt, device=dev)
         self.view_v = torch.zeros_like(self.view_k)
+        # [triton] Kernel path (pnmix/backend.py): pack and attend with kernels/, keep no dequantized view.
+        self.use_kernels = backend.use_triton(dev, cfg, d)
+        self.keep_view = not self.use_kernels
+        self.channel_order: torch.Tensor | None = None  # [triton] set at prefill, from the salient set
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -102,6 +106,10 @@ class PNMixLayer(CacheLayerMixin):
 
     # -- storage ---------------------------------------------------------------------------------
 
+    def salient_channels_all(self) -> torch.Tensor:
+        """Channels of every sequence's salient pairs, [B, H_kv, 2 * n_salient], ascending."""
+        return pair_channels(self.salient_pairs.long(), self.head_dim, self.pairing)
+
     def salient_channels(self, b: int) -> torch.Tensor:
         """Channels of sequence b's salient pairs, [H_kv, 2 * n_salient], ascending."""
         return pair_channels(self.salient_pairs[b].long(), self.head_dim, self.pairing)
@@ -112,6 +120,8 @@ class PNMixLayer(CacheLayerMixin):
         if self.n_salient:
             scores = saliency_scores(cfg.criterion, query, key, token_mask, self.pairing, cfg.seed + self.layer_idx)
             self.salient_pairs = select_salient_pairs(scores, self.n_salient).to(torch.int16)
+        if self.use_kernels:  # [triton] the kernel reads channels in an order that follows the salient set
+            self.channel_order = backend.channel_order(self.salient_channels_all(), self.head_dim)
         self.prefilled = True
         for b in range(self.batch):
             real = token_mask[b].nonzero().squeeze(-1)
@@ -127,9 +137,10 @@ class PNMixLayer(CacheLayerMixin):
         cfg = self.config
         start = self.lengths[b]
         end = start + k.shape[-2]
-        self._grow_view(end)
-        self.view_k[b, :, start:end] = k
-        self.view_v[b, :, start:end] = v
+        if self.keep_view:  # [triton] the kernel path keeps no view
+            self._grow_view(end)
+            self.view_k[b, :, start:end] = k
+            self.view_v[b, :, start:end] = v
         n_sink_new = max(0, min(cfg.n_sink, end) - start)
         if n_sink_new:
             self.k_sink[b, :, start : start + n_sink_new] = k[:, :n_sink_new]
@@ -170,28 +181,34 @@ class PNMixLayer(CacheLayerMixin):
         channels = self.salient_channels(b)
         gs = slice(g0, g0 + n_new)
         ts = slice(g0 * cfg.group_size, (g0 + n_new) * cfg.group_size)
+        # [triton] Same bytes from the kernels on the kernel path.
+        quantize_keys = backend.quantize_keys if self.use_kernels else packing.quantize_keys
+        quantize_values = backend.quantize_values if self.use_kernels else packing.quantize_values
         if cfg.keys_quantized:
-            pk = packing.quantize_keys(k, channels, cfg.b_low, cfg.b_high, cfg.group_size)
+            pk = quantize_keys(k, channels, cfg.b_low, cfg.b_high, cfg.group_size)
             p["k_low"][b, :, gs], p["k_high"][b, :, gs] = pk.low, pk.high
             p["k_scale"][b, :, gs], p["k_zero"][b, :, gs] = pk.scale, pk.zero
-            stored = packing.PackedKeys(p["k_low"][b, :, gs], p["k_high"][b, :, gs],
-                                        p["k_scale"][b, :, gs], p["k_zero"][b, :, gs])
-            k_hat = packing.dequantize_keys(stored, channels, cfg.b_low).to(self.dtype)
+            if self.keep_view:
+                stored = packing.PackedKeys(p["k_low"][b, :, gs], p["k_high"][b, :, gs],
+                                            p["k_scale"][b, :, gs], p["k_zero"][b, :, gs])
+                k_hat = packing.dequantize_keys(stored, channels, cfg.b_low).to(self.dtype)
         else:
             p["k_raw"][b, :, ts] = k
             k_hat = k
         if cfg.values_quantized:
-            pv = packing.quantize_values(v, cfg.value_bits, cfg.value_group_size)
+            pv = quantize_values(v, cfg.value_bits, cfg.value_group_size)
             p["v_packed"][b, :, ts], p["v_scale"][b, :, ts], p["v_zero"][b, :, ts] = pv.packed, pv.scale, pv.zero
-            stored_v = packing.PackedValues(p["v_packed"][b, :, ts], p["v_scale"][b, :, ts], p["v_zero"][b, :, ts])
-            v_hat = packing.dequantize_values(stored_v, cfg.value_bits, cfg.value_group_size).to(self.dtype)
+            if self.keep_view:
+                stored_v = packing.PackedValues(p["v_packed"][b, :, ts], p["v_scale"][b, :, ts],
+                                                p["v_zero"][b, :, ts])
+                v_hat = packing.dequantize_values(stored_v, cfg.value_bits, cfg.value_group_size).to(self.dtype)
         else:
             p["v_raw"][b, :, ts] = v
             v_hat = v
-        # The reference view now holds what the packed bytes decode to.
-        pos = cfg.n_sink + g0 * cfg.group_size
-        self.view_k[b, :, pos : pos + n_tokens] = k_hat
-        self.view_v[b, :, pos : pos + n_tokens] = v_hat
+        if self.keep_view:  # the reference view now holds what the packed bytes decode to
+            pos = cfg.n_sink + g0 * cfg.group_size
+            self.view_k[b, :, pos : pos + n_tokens] = k_hat
+            self.view_v[b, :, pos : pos + n_tokens] = v_hat
         self.n_groups[b] = g0 + n_new
 
     def _grow_view(self, length: int) -> None:
@@ -249,11 +266,15 @@ class PNMixLayer(CacheLayerMixin):
         residual exact, packed groups as their stored bytes decode.
         """
         b, hq, q_len, d = query.shape
+        if self.use_kernels and q_len == 1:  # [triton] fused kernel over the stored bytes
+            return backend.attend_kernels(self, query, scaling)
         group = hq // self.kv_heads
         lengths = torch.tensor(self.lengths, device=query.device)
         length = int(max(self.lengths))
-        k = self.view_k[:, :, :length]
-        v = self.view_v[:, :, :length]
+        # [triton] Without a kept view (kernel path, several query tokens), rebuild it from the bytes.
+        view_k, view_v = (self.view_k, self.view_v) if self.keep_view else backend.dequantized_view(self)
+        k = view_k[:, :, :length]
+        v = view_v[:, :, :length]
         # Query head h' reads KV head h' // group: fold the group into the query axis.
         q = query.view(b, self.kv_heads, group * q_len, d)
         pos = torch.arange(length, device=query.device)

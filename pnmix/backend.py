@@ -1,0 +1,197 @@
+"""Which implementation runs the PN-Mix decode path: the torch reference or the Triton kernels.
+
+    PNMIX_BACKEND=auto    (default) Triton kernels for CUDA tensors, torch everywhere else
+    PNMIX_BACKEND=torch   always the torch reference (dequantized view + SDPA)
+    PNMIX_BACKEND=triton  always the kernels; on the CPU this only works under TRITON_INTERPRET=1
+
+`set_backend` overrides the environment (tests use it). The kernels package is imported lazily,
+only when the Triton path is taken, so `pnmix` imports and runs without a Triton GPU backend.
+
+This module also holds the torch reference of the fused decode kernel, `decode_reference`:
+dequantize the stored bytes with `pnmix.packing`, then attend in fp32. Tests and the benchmark
+compare the kernel with it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pnmix import packing
+
+if TYPE_CHECKING:
+    from kernels.layout import DecodeCache
+
+BACKENDS = ("auto", "torch", "triton")
+_override: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """Forces a backend for this process (None: back to PNMIX_BACKEND / auto)."""
+    global _override
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"invalid backend={name!r}: allowed one of {', '.join(BACKENDS)}")
+    _override = name
+
+
+def backend_name() -> str:
+    name = _override or os.environ.get("PNMIX_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"invalid PNMIX_BACKEND={name!r}: allowed one of {', '.join(BACKENDS)}")
+    return name
+
+
+def kernels_support(config: Any, head_dim: int) -> bool:
+    """Whether the kernels implement this PN-Mix config and head dim (else the torch path runs)."""
+    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
+    vg = config.value_group_size
+    return (
+        pow2
+        and config.keys_quantized
+        and config.values_quantized
+        and not vg & (vg - 1)
+        and head_dim % vg == 0
+    )
+
+
+def use_triton(device: torch.device, config: Any, head_dim: int) -> bool:
+    """True when the decode path of a layer on `device` should run the Triton kernels."""
+    name = backend_name()
+    if name == "torch" or not kernels_support(config, head_dim):
+        return False
+    if name == "triton":
+        return True
+    return device.type == "cuda"
+
+
+# -- torch reference of the fused decode kernel ---------------------------------------------------
+
+
+def salient_channels_from_order(order: torch.Tensor, n_salient_channels: int) -> torch.Tensor:
+    """`kernels.layout.channel_order` output [..., d] -> the salient channels, ascending [..., n_sc]."""
+    d = order.shape[-1]
+    return order[..., d - n_salient_channels :].long()
+
+
+def dequantized_sequences(cache: DecodeCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence b, fp32 (k, v) [H_kv, L_b, d]: [sinks[:sink_len] | dequantized groups | residual[:res_len]]."""
+    sal = salient_channels_from_order(cache.channel_order, cache.n_salient_channels)
+    sink_len, n_groups, res_len = (t.tolist() for t in (cache.sink_len, cache.n_groups, cache.res_len))
+    g = cache.group_size
+    seqs = []
+    for b in range(cache.k_sink.shape[0]):
+        ng = n_groups[b]
+        pk = packing.PackedKeys(cache.k_low[b, :, :ng], cache.k_high[b, :, :ng],
+                                cache.k_scale[b, :, :ng], cache.k_zero[b, :, :ng])
+        pv = packing.PackedValues(cache.v_packed[b, :, : ng * g], cache.v_scale[b, :, : ng * g],
+                                  cache.v_zero[b, :, : ng * g])
+        k = torch.cat([cache.k_sink[b, :, : sink_len[b]].float(),
+                       packing.dequantize_keys(pk, sal[b], cache.b_low),
+                       cache.k_res[b, :, : res_len[b]].float()], dim=-2)
+        v = torch.cat([cache.v_sink[b, :, : sink_len[b]].float(),
+                       packing.dequantize_values(pv, cache.value_bits, cache.value_group_size),
+                       cache.v_res[b, :, : res_len[b]].float()], dim=-2)
+        seqs.append((k, v))
+    return seqs
+
+
+def decode_reference(q: torch.Tensor, cache: DecodeCache, scale: float) -> torch.Tensor:
+    """Dequantize-then-attend in fp32: q [B, H_q, d] -> [B, H_q, d] float32."""
+    bsz, hq, d = q.shape
+    hkv = cache.k_sink.shape[1]
+    group = hq // hkv
+    out = torch.empty((bsz, hq, d), dtype=torch.float32, device=q.device)
+    for b, (k, v) in enumerate(dequantized_sequences(cache)):
+        qb = q[b].float().view(hkv, group, d)
+        weights = torch.softmax(qb @ k.transpose(-1, -2) * scale, dim=-1)  # [H_kv, group, L]
+        out[b] = (weights @ v).reshape(hq, d)
+    return out
+
+
+# -- the Triton path of a PNMixLayer (pnmix/cache.py calls these when `layer.use_kernels`) -------
+
+
+def quantize_keys(k: torch.Tensor, salient_channels: torch.Tensor, b_low: int, b_high: int, group_size: int) -> Any:
+    """`packing.quantize_keys` through the Triton kernel (same bytes; fields low, high, scale, zero)."""
+    from kernels.pack import quantize_pack_keys
+
+    return quantize_pack_keys(k, salient_channels, b_low, b_high, group_size)
+
+
+def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> Any:
+    """`packing.quantize_values` through the Triton kernel (same bytes; fields packed, scale, zero)."""
+    from kernels.pack import quantize_pack_values
+
+    return quantize_pack_values(v, bits, group_size)
+
+
+def channel_order(salient_channels: torch.Tensor, head_dim: int) -> torch.Tensor:
+    from kernels.layout import channel_order as order
+
+    return order(salient_channels, head_dim)
+
+
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints -> int32 device tensor without a host synchronisation (pinned, non-blocking copy)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def layer_decode_cache(layer: Any) -> DecodeCache:
+    """A `PNMixLayer`'s state as the decode kernel's operands (views, no copies of the cache)."""
+    from kernels.layout import DecodeCache
+
+    cfg, p = layer.config, layer.packed
+    if not p:  # nothing packed yet: zero-capacity operands of the right ranks
+        b, h, d, g, dev = layer.batch, layer.kv_heads, layer.head_dim, cfg.group_size, layer.device
+        u8, f16 = torch.uint8, torch.float16
+        n_sc, vg = 2 * layer.n_salient, d // cfg.value_group_size
+        p = {
+            "k_low": torch.empty((b, h, 0, cfg.b_low, d, g // 8), dtype=u8, device=dev),
+            "k_high": torch.empty((b, h, 0, cfg.high_planes, n_sc, g // 8), dtype=u8, device=dev),
+            "k_scale": torch.empty((b, h, 0, d), dtype=f16, device=dev),
+            "k_zero": torch.empty((b, h, 0, d), dtype=f16, device=dev),
+            "v_packed": torch.empty((b, h, 0, d * cfg.value_bits // 8), dtype=u8, device=dev),
+            "v_scale": torch.empty((b, h, 0, vg), dtype=f16, device=dev),
+            "v_zero": torch.empty((b, h, 0, vg), dtype=f16, device=dev),
+        }
+    dev = layer.device
+    return DecodeCache(
+        layer.k_sink, layer.v_sink, layer.k_res, layer.v_res,
+        p["k_low"], p["k_high"], p["k_scale"], p["k_zero"], p["v_packed"], p["v_scale"], p["v_zero"],
+        layer.channel_order,
+        _device_ints([min(cfg.n_sink, n) for n in layer.lengths], dev),
+        _device_ints(layer.n_groups, dev),
+        _device_ints(layer.res_len, dev),
+        cfg.b_low, cfg.b_high, cfg.group_size, cfg.value_bits, cfg.value_group_size,
+    )
+
+
+def attend_kernels(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention of one new token per sequence: query [B, H_q, 1, d] -> [B, 1, H_q, d]."""
+    from kernels.decode import decode_attention
+
+    b, hq, _, d = query.shape
+    out = decode_attention(query[:, :, 0], layer_decode_cache(layer), scaling)
+    return out.view(b, 1, hq, d)
+
+
+def dequantized_view(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-ordered k, v [B, H_kv, max length, d] in the layer's dtype, rebuilt from the stored bytes.
+
+    For the rare calls the kernel does not cover (several query tokens at once) when the layer
+    keeps no dequantized view.
+    """
+    seqs = dequantized_sequences(layer_decode_cache(layer))
+    length = max(k.shape[-2] for k, _ in seqs)
+    shape = (layer.batch, layer.kv_heads, length, layer.head_dim)
+    k_view = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
+    v_view = torch.zeros_like(k_view)
+    for b, (k, v) in enumerate(seqs):
+        k_view[b, :, : k.shape[-2]] = k
+        v_view[b, :, : v.shape[-2]] = v
+    return k_view, v_view
