@@ -31,6 +31,12 @@ app.command("run")(tuner_cli.run_main_job)
 app.command("serve")(service_cli.serve)
 app.add_typer(service_cli.db_app, name="db")
 app.command("eval")(tuner_cli.eval_config)
+app.command("tune")(tuner_cli.tune)
+app.command("worker")(tuner_cli.worker)
+app.command("fronts")(tuner_cli.fronts)
+app.command("recommend")(tuner_cli.recommend)
+app.command("export")(tuner_cli.export)
+app.command("dashboard")(tuner_cli.dashboard)
 
 
 def main() -> None:

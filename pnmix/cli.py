@@ -6,6 +6,7 @@ Heavy dependencies (torch, transformers) are imported inside the commands that n
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from typing import Annotated
 
@@ -16,7 +17,8 @@ from rich.table import Table
 from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
 from pnmix.config import PRESETS, PNMixConfig, preset
 
-console = Console()
+# Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
+console = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def config_from_options(

@@ -31,7 +31,7 @@ from storage.errors import InvalidValueError, NotFoundError
 from storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 
 METHODS = ("pnmix", "kivi", "kitty")
-PROFILES = ("quick", "full")
+PROFILES = ("quick", "full", "smoke")  # smoke: tiny sizes for tests and demos (tuner.profiles)
 BACKENDS = ("auto", "torch", "triton")
 OBJECTIVES = ("accuracy", "key_bits", "kv_bytes", "throughput")
 MODEL_SOURCES = ("embedded", "shape", "local", "hub")

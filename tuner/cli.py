@@ -1,13 +1,9 @@
-"""Tuner commands. `pnmix run` is the main job of `make run`.
-
-Until the campaign engine lands, the main job prints the model's bit-budget table, then scores
-fp16, KIVI-2 and the paper's PN-Mix config by passkey retrieval with real generation, side by
-side with the bytes each cache held.
-"""
+"""Tuner commands: eval, tune, worker, fronts, recommend, export, dashboard and the main job `run`."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -27,35 +23,10 @@ from pnmix.cli import (
     config_from_options,
     console,
 )
+from tuner.profiles import EvalError
 
-
-def run_main_job(
-    model: Annotated[str, typer.Option(help="model to tune")] = "smollm2-135m",
-    items: Annotated[int, typer.Option(help="passkey items per config")] = 5,
-    seed: Annotated[int, typer.Option(help="item seed")] = 0,
-) -> None:
-    """Main job on a model: bit-budget table, then passkey accuracy of fp16, KIVI-2 and PN-Mix."""
-    import time
-
-    from pnmix import models
-    from pnmix.bits import key_bits
-    from pnmix.config import preset
-    from tuner.tasks import accuracy, passkey_items
-
-    console.print(budget_table(model))
-    loaded = models.load(model, purpose="accuracy")
-    d = loaded.shape.head_dim
-    suite = passkey_items(items, seed)
-    table = Table(title=f"passkey retrieval on {model}, {items} items (CPU torch reference)")
-    for col in ("config", "key bits", "accuracy", "seconds"):
-        table.add_column(col, justify="right")
-    for name in ("fp16", "kivi2", "pnmix-paper"):
-        cfg = preset(name)
-        start = time.perf_counter()
-        acc = accuracy(loaded.model, loaded.tokenizer, cfg, suite)
-        table.add_row(name, f"{key_bits(cfg, d).total:.3f}", f"{acc:.2f}", f"{time.perf_counter() - start:.1f}")
-        console.print(f"{name}: passkey accuracy {acc:.2f}")
-    console.print(table)
+if TYPE_CHECKING:
+    from tuner.campaign import CampaignSpec
 
 
 def eval_config(
@@ -121,3 +92,259 @@ def eval_config(
                       for p in part_names], f"{s.fidelity_agreement:.3f}", f"{s.fidelity_kl:.4f}",
                       f"{s.kv_bytes / 1024:.0f}", f"{s.decode_tokens_per_s:.1f}", f"{s.seconds:.0f}")
     console.print(table)
+
+
+StorageOpt = Annotated[str | None, typer.Option("--storage", help="database URL (default: PNMIX_DATABASE_URL or "
+                                                "the SQLite file PNMIX_DB_PATH)")]
+
+
+def _evaluator(spec: CampaignSpec, progress: Callable[[str], None]) -> Any:
+    import torch
+
+    from tuner.evaluate import Evaluator
+    from tuner.profiles import profile
+
+    if spec.backend == "triton" and not torch.cuda.is_available():
+        raise EvalError("backend triton needs a CUDA GPU; use --backend torch (or auto) here")
+    device = "cuda" if torch.cuda.is_available() and spec.backend != "torch" else "cpu"
+    if spec.backend in ("torch", "triton"):
+        from pnmix import backend
+
+        backend.set_backend(spec.backend)
+    return Evaluator(spec.model, profile(spec.profile), spec.seed, progress=progress, tasks=spec.tasks, device=device)
+
+
+def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str = "local") -> dict[float, Any]:
+    """Runs a campaign with a live progress display; returns its studies by budget."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from tuner.campaign import CampaignRunner, finished, front_trials
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        status = bar.add_task("loading model and preparing tasks", total=None, best="")
+
+        def say(message: str) -> None:
+            bar.update(status, description=message)
+
+        runner = CampaignRunner(db, db.url, campaign_id, spec, _evaluator(spec, say), progress=say,
+                                worker_id=worker_id)
+        tasks = {b: bar.add_task(f"budget {b:g} bits", total=spec.n_trials, best="") for b in spec.budgets}
+        for b in spec.budgets:
+            bar.update(tasks[b], completed=len(finished(runner.study(b))))
+
+        def on_trial(budget: float, study: Any) -> None:
+            front = front_trials(study)
+            best = max((t.user_attrs["accuracy"] for t in front), default=0.0)
+            bar.update(tasks[budget], completed=len(finished(study)), best=f"best accuracy {best:.3f}")
+
+        studies = runner.run(on_trial=on_trial)
+        bar.update(status, description="done")
+    return studies
+
+
+def print_fronts(db: Any, model: str, campaign_id: int | None = None) -> None:
+    from storage import list_front_points
+
+    with db.session(readonly=True) as s:
+        points = list_front_points(s, model, campaign_id=campaign_id, limit=500).items
+        table = Table(title=f"Pareto fronts of {model}" + (f", campaign {campaign_id}" if campaign_id else ""))
+        for col in ("campaign", "budget", "trial", "b_H/b_L", "G", "r", "sinks", "key bits", "accuracy", "parts",
+                    "KV KiB", "tok/s", "backend"):
+            table.add_column(col, justify="right")
+        for p in sorted(points, key=lambda p: (p.campaign_id, p.budget, p.key_bits)):
+            parts = " ".join(f"{k}={v:.2f}" for k, v in (p.accuracy_parts or {}).items())
+            table.add_row(str(p.campaign_id), f"{p.budget:g}", str(p.trial_number), f"{p.b_high}/{p.b_low}",
+                          str(p.group_size), f"{p.salient_ratio:g}", str(p.n_sink), f"{p.key_bits:.3f}",
+                          f"{p.accuracy:.3f}", parts, f"{p.kv_bytes / 1024:.0f}", f"{p.throughput:.1f}", p.backend)
+    console.print(table if points else f"no front points stored for {model}")
+
+
+def tune(
+    model: Annotated[str, typer.Option(help="model to tune")] = "smollm2-135m",
+    budgets: Annotated[list[float] | None, typer.Option("--budgets", help="key-bit budgets (repeat or space)")] = None,
+    trials: Annotated[int, typer.Option(help="trials per budget")] = 30,
+    method: Annotated[str, typer.Option(help="pnmix, kivi or kitty (each method's own knobs)")] = "pnmix",
+    profile_name: Annotated[str, typer.Option("--profile", help="quick, full or smoke")] = "quick",
+    objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput]")] = "accuracy,key_bits",
+    backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
+    seed: Annotated[int, typer.Option(help="sampler and task seed")] = 0,
+    multi_fidelity: Annotated[bool, typer.Option(help="screen candidates with the proxy")] = True,
+    storage: StorageOpt = None,
+    plot: Annotated[str | None, typer.Option(help="Pareto plot PNG path (default out/campaign-<id>.png)")] = None,
+    enqueue: Annotated[bool, typer.Option(help="only queue it for `pnmix worker`")] = False,
+) -> None:
+    """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
+    from pathlib import Path
+
+    from tuner.campaign import CampaignSpec
+    from tuner.plot import pareto_plot
+    from tuner.profiles import profile
+    from tuner.session import find_or_create_campaign, open_db
+    from tuner.space import SearchSpace
+
+    profile(profile_name)
+    spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
+                        method=method, profile=profile_name, objectives=_objectives(objectives), seed=seed,
+                        multi_fidelity=multi_fidelity, backend=backend, space=SearchSpace(method=method))
+    from pnmix import models
+
+    models.resolve(model)  # unknown model: a clear error before the database is touched
+    db = open_db(storage)
+    campaign_id = find_or_create_campaign(db, spec)
+    if enqueue:
+        from storage import update_campaign_progress
+
+        with db.session() as s:
+            update_campaign_progress(s, campaign_id, status="queued")
+        console.print(f"campaign {campaign_id} queued for `pnmix worker`")
+        return
+    console.print(f"campaign {campaign_id}: {model}, {method}, budgets {', '.join(f'{b:g}' for b in spec.budgets)}, "
+                  f"{trials} trials each, profile {profile_name}, storage {db.display_url}")
+    studies = run_campaign(db, campaign_id, spec)
+    print_fronts(db, model, campaign_id)
+    path = pareto_plot(studies, Path(plot or f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
+    console.print(f"Pareto plot: {path}")
+
+
+def _objectives(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def worker(
+    storage: StorageOpt = None,
+    campaign: Annotated[int | None, typer.Option(help="attach to this campaign (default: claim queued ones)")] = None,
+    wait: Annotated[bool, typer.Option(help="keep polling for queued campaigns")] = False,
+) -> None:
+    """Work on campaigns from the shared database: attach to one, or claim queued ones until none is left."""
+    import os
+    import socket
+    import time
+
+    from storage import claim_next_queued_campaign, get_campaign
+    from tuner.campaign import CampaignSpec
+    from tuner.session import open_db
+
+    db = open_db(storage)
+    worker_id = f"{socket.gethostname()}:{os.getpid()}"
+    while True:
+        with db.session() as s:
+            row = get_campaign(s, campaign) if campaign is not None else claim_next_queued_campaign(s, worker_id)
+            spec = CampaignSpec.from_campaign(row) if row is not None else None
+            campaign_id = int(row.id) if row is not None else None
+        if spec is None or campaign_id is None:
+            if not wait:
+                console.print("no queued campaign")
+                return
+            time.sleep(5)
+            continue
+        console.print(f"worker {worker_id}: campaign {campaign_id} ({spec.model}, budgets {list(spec.budgets)})")
+        run_campaign(db, campaign_id, spec, worker_id)
+        if campaign is not None:
+            return
+
+
+def fronts(
+    model: Annotated[str, typer.Option(help="model name")] = "smollm2-135m",
+    campaign: Annotated[int | None, typer.Option(help="only this campaign")] = None,
+    storage: StorageOpt = None,
+) -> None:
+    """Print the stored Pareto fronts of a model."""
+    from tuner.session import open_db
+
+    print_fronts(open_db(storage), model, campaign)
+
+
+def recommend(
+    model: Annotated[str, typer.Option(help="model name")] = "smollm2-135m",
+    bits: Annotated[float, typer.Option(help="key-bit budget")] = 2.25,
+    optimize: Annotated[str, typer.Option(help="accuracy, throughput or memory")] = "accuracy",
+    min_accuracy: Annotated[float, typer.Option(help="minimum accuracy")] = 0.0,
+    storage: StorageOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """The best stored config within a key-bit budget (ties: throughput, then memory)."""
+    import json
+
+    from storage import recommend as best_point
+    from tuner.session import open_db
+
+    db = open_db(storage)
+    with db.session(readonly=True) as s:
+        p = best_point(s, model, bits, optimize, min_accuracy)
+        config = p.config
+        row = {"model": model, "budget": bits, "config": config.to_dict(), "key_bits": p.key_bits,
+               "accuracy": p.accuracy, "accuracy_parts": p.accuracy_parts, "kv_bytes": p.kv_bytes,
+               "throughput": p.throughput, "campaign": p.campaign_id, "trial": p.trial_number}
+    if as_json:
+        print(json.dumps(row))
+        return
+    console.print(f"best for {model} at <= {bits:g} key bits ({optimize}): {config.b_high}/{config.b_low} bits, "
+                  f"G={config.group_size}, r={config.salient_ratio:g}, {config.n_sink} sinks -> key bits "
+                  f"{row['key_bits']:.3f}, accuracy {row['accuracy']:.3f} (campaign {row['campaign']}, "
+                  f"trial {row['trial']})")
+    console.print(config.to_json())
+
+
+def export(
+    model: Annotated[str, typer.Option(help="model name")] = "smollm2-135m",
+    bits: Annotated[float, typer.Option(help="key-bit budget")] = 2.25,
+    output: Annotated[str, typer.Option("-o", "--output", help="JSON file to write")] = "pnmix-config.json",
+    storage: StorageOpt = None,
+) -> None:
+    """Write the recommended config as PNMixConfig JSON (`PNMixConfig.from_json` loads it)."""
+    from pathlib import Path
+
+    from storage import recommend as best_point
+    from tuner.session import open_db
+
+    db = open_db(storage)
+    with db.session(readonly=True) as s:
+        config = best_point(s, model, bits).config
+    Path(output).write_text(config.to_json() + "\n")
+    console.print(f"wrote {output}: {config.to_json()}")
+
+
+def dashboard(
+    storage: StorageOpt = None,
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 8080,
+) -> None:
+    """Serve optuna-dashboard on the campaigns' storage."""
+    from optuna_dashboard import run_server
+
+    from tuner.campaign import optuna_storage
+    from tuner.session import open_db
+
+    db = open_db(storage)
+    console.print(f"optuna-dashboard on http://{host}:{port} for {db.display_url}")
+    run_server(optuna_storage(db.url), host=host, port=port)
+
+
+def run_main_job(
+    model: Annotated[str, typer.Option(help="model to tune")] = "smollm2-135m",
+    trials: Annotated[int, typer.Option(help="trials per budget")] = 8,
+    storage: StorageOpt = None,
+) -> None:
+    """The main job: bit-budget table, then a small real campaign (quick profile, budgets 3.0 and 2.25)."""
+    from pathlib import Path
+
+    from storage import recommend as best_point
+    from tuner.campaign import CampaignSpec
+    from tuner.plot import pareto_plot
+    from tuner.session import find_or_create_campaign, open_db
+
+    console.print(budget_table(model))
+    db = open_db(storage, upgrade=True)
+    spec = CampaignSpec(model=model, budgets=(3.0, 2.25), n_trials=trials, profile="quick")
+    campaign_id = find_or_create_campaign(db, spec)
+    console.print(f"campaign {campaign_id} on {db.display_url}")
+    studies = run_campaign(db, campaign_id, spec)
+    print_fronts(db, model, campaign_id)
+    path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
+    with db.session(readonly=True) as s:
+        p = best_point(s, model, 2.25)
+        console.print(f"recommendation at <= 2.25 key bits: {p.config.to_json()} "
+                      f"(key bits {p.key_bits:.3f}, accuracy {p.accuracy:.3f})")
+    console.print(f"Pareto plot: {path}; the API (`pnmix serve`) and `pnmix dashboard` read {db.display_url}")

@@ -71,7 +71,8 @@ def versions() -> dict[str, str]:
 
 class Evaluator:
     def __init__(self, model: str, profile: Profile, seed: int = 0, gsm8k: str | Path | None = None,
-                 progress: Progress | None = None, tasks: tuple[str, ...] | None = None) -> None:
+                 progress: Progress | None = None, tasks: tuple[str, ...] | None = None,
+                 device: str = "cpu") -> None:
         chosen = tuple(tasks) if tasks else (*DEFAULT_TASKS, *(("gsm8k",) if gsm8k else ()))
         for name in chosen:
             if name not in TASKS:
@@ -84,7 +85,8 @@ class Evaluator:
         self.profile = profile
         self.seed = seed
         self.progress = progress or (lambda message: None)
-        self.loaded = models.load(model, purpose="accuracy")
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        self.loaded = models.load(model, purpose="accuracy", dtype=dtype, device=device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
         self.head_dim = self.loaded.shape.head_dim

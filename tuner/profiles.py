@@ -33,6 +33,9 @@ PROFILES = {
                      fidelity_prompts=1, fidelity_tokens=512, proxy_tokens=256),
     "full": Profile("full", passkey_items=10, passkey_filler=(20, 47), kv_items=8, kv_pairs=(20, 80),
                     fidelity_prompts=3, fidelity_tokens=512, proxy_tokens=512),
+    # Tiny sizes for tests and demos: seconds per trial, numbers too noisy for real decisions.
+    "smoke": Profile("smoke", passkey_items=1, passkey_filler=(6, 8), kv_items=1, kv_pairs=(8, 10),
+                     fidelity_prompts=1, fidelity_tokens=160, proxy_tokens=192),
 }
 
 

@@ -1,0 +1,52 @@
+"""Pareto plot of a campaign: accuracy vs key bits per budget, front marked, presets marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pnmix.config import PNMixConfig, preset
+
+
+def pareto_plot(studies: dict[float, Any], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna
+
+    from tuner.campaign import front_trials
+
+    marks = {"pnmix-paper": preset("pnmix-paper"), "kivi2": preset("kivi2"), "kivi1": preset("kivi1")}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (budget, study) in enumerate(sorted(studies.items())):
+        color = f"C{i}"
+        done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                if "accuracy" in t.user_attrs]
+        ax.scatter([t.user_attrs["key_bits"] for t in done], [t.user_attrs["accuracy"] for t in done],
+                   s=14, alpha=0.4, color=color)
+        front = sorted(front_trials(study), key=lambda t: t.user_attrs["key_bits"])
+        ax.plot([t.user_attrs["key_bits"] for t in front], [t.user_attrs["accuracy"] for t in front], "o-",
+                color=color, label=f"front, budget {budget:g} bits")
+        ax.axvline(budget, color=color, linestyle=":", linewidth=1)
+        for t in done:
+            cfg = PNMixConfig.from_dict(t.user_attrs["config"])
+            for name, ref in marks.items():
+                if _same_method(cfg, ref):
+                    ax.annotate(name, (t.user_attrs["key_bits"], t.user_attrs["accuracy"]), fontsize=8,
+                                xytext=(4, -10), textcoords="offset points")
+    ax.set_xlabel("key bits per element (formula, metadata included)")
+    ax.set_ylabel("accuracy (combined)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _same_method(a: PNMixConfig, b: PNMixConfig) -> bool:
+    keys = ("b_high", "b_low", "group_size", "salient_ratio", "n_sink")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)

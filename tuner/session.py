@@ -1,0 +1,64 @@
+"""Opening the database and the campaign a command works on (shared by tune, worker and run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tuner.campaign import CampaignSpec
+from tuner.profiles import EvalError
+
+
+def open_db(storage: str | None, upgrade: bool = False) -> Any:
+    """The project database (settings, or `storage` URL); checks the schema revision first.
+
+    `upgrade=True` (the main job only) migrates a fresh database instead of refusing.
+    """
+    from storage import Database, check_schema, load_storage_settings
+    from storage import upgrade as upgrade_schema
+
+    settings = load_storage_settings(**({"database_url": storage} if storage else {}))
+    if not storage and settings.url.startswith("sqlite:///"):
+        settings.db_path.expanduser().parent.mkdir(parents=True, exist_ok=True)
+    db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s)
+    if upgrade:
+        upgrade_schema(db)
+    check_schema(db)
+    return db
+
+
+def ensure_model(session: Any, name: str, model_config: Any | None = None) -> None:
+    """Registers the model in our tables (embedded and shape models from the registry, others from config)."""
+    from pnmix import models
+    from storage import ModelIn, registry_model, upsert_model
+
+    entry = registry_model(name)
+    if entry is None:
+        if model_config is None:
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(models.resolve(name).location)
+        shape = models.shape_of_config(model_config)
+        source = models.resolve(name)
+        entry = ModelIn(name, str(model_config.model_type), source.kind, shape.num_layers, shape.num_heads,
+                        shape.num_kv_heads, shape.head_dim, location=source.location)
+    upsert_model(session, entry)
+
+
+def find_or_create_campaign(db: Any, spec: CampaignSpec) -> int:
+    """The campaign of this spec (resumed when it exists, whatever its trial count), else a new one."""
+    from storage import create_campaign, list_campaigns, update_campaign_progress
+
+    with db.session() as s:
+        ensure_model(s, spec.model)
+        page = list_campaigns(s, model=spec.model, limit=500)
+        for row in page.items:
+            if (row.options or {}).get("spec_key") == spec.key():
+                if row.n_trials != spec.n_trials:
+                    raise EvalError(f"campaign {row.id} has this spec with {row.n_trials} trials per budget; "
+                                    f"rerun with --trials {row.n_trials} to resume it, or change the spec")
+                update_campaign_progress(s, row.id, status="running")
+                return int(row.id)
+        row = create_campaign(s, spec.model, list(spec.budgets), spec.n_trials, method=spec.method,
+                              profile=spec.profile, objectives=list(spec.objectives), backend=spec.backend,
+                              search_space=spec.space.to_dict(), options=spec.options(), status="running")
+        return int(row.id)

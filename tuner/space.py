@@ -1,0 +1,102 @@
+"""The search space: the one place that says which PN-Mix configs a campaign may try.
+
+Searched: the (b_high, b_low) pair, token group G, salient ratio r, sink count. Fixed per
+campaign: residual length, value bits and group, saliency criterion. `--method` restricts the
+space to one method's own knobs (the paper's Figure 3 protocol), so tuned fronts of PN-Mix,
+KIVI and a Kitty-like method compare on one model:
+    pnmix: any 1 <= b_low <= b_high <= 4, G, r in {0.1..0.9} (r = 0 when b_high == b_low), sinks
+    kivi:  uniform 1 or 2 bits, G; no salient channels, no sinks
+    kitty: 4/2 bits, k_magnitude saliency, G and r; 32 sinks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pnmix.config import GROUP_SIZES, PNMixConfig
+from tuner.profiles import EvalError
+
+METHODS = ("pnmix", "kivi", "kitty")
+RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+SINKS = (0, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    method: str = "pnmix"
+    residual_len: int = 128
+    value_bits: int = 2
+    value_group_size: int = 32
+    criterion: str = "qk_pair_norm"
+    fixed: dict[str, Any] = field(default_factory=dict)  # extra fixed fields, e.g. n_sink for kivi
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise EvalError(f"unknown method {self.method!r}: allowed {', '.join(METHODS)}")
+
+    def bit_pairs(self) -> list[str]:
+        if self.method == "kivi":
+            return ["1/1", "2/2"]
+        if self.method == "kitty":
+            return ["4/2"]
+        return [f"{hi}/{lo}" for lo in range(1, 5) for hi in range(lo, 5)]
+
+    def suggest(self, trial: Any) -> PNMixConfig:
+        """Samples a config from an Optuna trial (static categorical choices, so TPE models them)."""
+        bits = trial.suggest_categorical("bits", self.bit_pairs())
+        b_high, b_low = (int(x) for x in bits.split("/"))
+        group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
+        if self.method == "kivi":
+            ratio, sinks = 0.0, 0
+        else:
+            ratio = float(trial.suggest_categorical("salient_ratio", list(RATIOS))) if b_high > b_low else 0.0
+            sinks = 32 if self.method == "kitty" else int(trial.suggest_categorical("n_sink", list(SINKS)))
+        return self.config(b_high, b_low, group, ratio, sinks)
+
+    def config(self, b_high: int, b_low: int, group: int, ratio: float, sinks: int) -> PNMixConfig:
+        criterion = "k_magnitude" if self.method == "kitty" else self.criterion
+        residual = max(self.residual_len, group)
+        residual -= residual % group
+        return PNMixConfig(b_high=b_high, b_low=b_low, group_size=group, salient_ratio=ratio, n_sink=sinks,
+                           residual_len=residual, value_bits=self.value_bits,
+                           value_group_size=self.value_group_size, criterion=criterion)
+
+    @staticmethod
+    def params_of(config: PNMixConfig, method: str) -> dict[str, Any]:
+        """The trial parameters that reproduce `config` (for enqueueing warm starts)."""
+        params: dict[str, Any] = {"bits": f"{config.b_high}/{config.b_low}", "group_size": config.group_size}
+        if method != "kivi":
+            if config.b_high > config.b_low:
+                params["salient_ratio"] = config.salient_ratio
+            if method != "kitty":
+                params["n_sink"] = config.n_sink
+        return params
+
+    def contains(self, config: PNMixConfig) -> bool:
+        if f"{config.b_high}/{config.b_low}" not in self.bit_pairs() or config.group_size not in GROUP_SIZES:
+            return False
+        if self.method == "kivi":
+            return config.salient_ratio == 0 and config.n_sink == 0
+        if config.b_high > config.b_low and config.salient_ratio not in RATIOS:
+            return False
+        return self.method == "kitty" or config.n_sink in SINKS
+
+    def min_key_bits(self, head_dim: int) -> float:
+        """Key bits of the cheapest config in the space (below it no budget is feasible)."""
+        from pnmix.bits import key_bits
+
+        lows = []
+        for pair in self.bit_pairs():
+            hi, lo = (int(x) for x in pair.split("/"))
+            ratio = 0.0 if hi == lo else RATIOS[0]
+            lows.append(self.config(hi, lo, max(GROUP_SIZES), ratio, 32 if self.method == "kitty" else 0))
+        return min(key_bits(c, head_dim).total for c in lows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
+                "salient_ratio": [] if self.method == "kivi" else list(RATIOS),
+                "n_sink": [0] if self.method == "kivi" else ([32] if self.method == "kitty" else list(SINKS)),
+                "residual_len": self.residual_len, "value_bits": self.value_bits,
+                "value_group_size": self.value_group_size,
+                "criterion": "k_magnitude" if self.method == "kitty" else self.criterion}
