@@ -44,9 +44,20 @@ from pnmix.backend import decode_reference  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 B_LOW, B_HIGH, G, N_SALIENT_PAIRS, N_SINK, RESIDUAL, V_BITS, V_GROUP = 1, 3, 128, 32, 32, 128, 2, 32
 SHAPES = [(1, 32768), (32, 8192), (32, 32768), (110, 8192)]
-VARIANTS = [  # (block_t, num_warps, num_stages)
-    (64, 4, 1), (64, 4, 2), (128, 8, 1), (128, 4, 1), (32, 4, 2),
+# Launch variants of the decode kernel: (block_t, num_warps, num_stages, max_registers, fast_unpack);
+# the first is the launcher's default. Run 2 (2026-11-30) also tried (64, 4, 1, None), (64, 8, 1, 128),
+# (128, 8, 1, None) and (32, 4, 1, 128): each slower than one of these on every shape.
+VARIANTS = [
+    (64, 4, 1, 128, True),
+    (64, 4, 2, None, True),
+    (64, 4, 1, 168, True),
+    (64, 4, 2, None, False),  # portable Triton code expansion (what the CPU tests run)
 ]
+
+
+def variant_kwargs(variant: tuple) -> dict:
+    bt, nw, ns, regs, fast = variant
+    return {"block_t": bt, "num_warps": nw, "num_stages": ns, "max_registers": regs, "fast_unpack": fast}
 
 
 def log(msg: str, fh) -> None:
@@ -110,29 +121,72 @@ def cache_bytes_read(cache: DecodeCache, q: torch.Tensor, n_groups: int, res: in
 
 
 def check_pack(k: torch.Tensor, v: torch.Tensor, sal: torch.Tensor) -> bool:
-    """Kernels vs pnmix.packing, bit for bit, on the first sequence's first 2048 packed tokens."""
-    ks = k[:1, :, N_SINK : N_SINK + 16 * G].float()
-    vs = v[:1, :, N_SINK : N_SINK + 16 * G]
+    """Kernels vs pnmix.packing, bit for bit, on the first sequence's first (up to) 16 groups."""
+    region = slice(N_SINK, N_SINK + min(16, (k.shape[2] - N_SINK) // G) * G)
+    ks = k[:1, :, region].float()
+    vs = v[:1, :, region]
     ref_k = packing.quantize_keys(ks, sal[:1], B_LOW, B_HIGH, G)
-    out_k = quantize_pack_keys(k[:1, :, N_SINK : N_SINK + 16 * G], sal[:1], B_LOW, B_HIGH, G)
+    out_k = quantize_pack_keys(k[:1, :, region], sal[:1], B_LOW, B_HIGH, G)
     ref_v = packing.quantize_values(vs, V_BITS, V_GROUP)
     out_v = quantize_pack_values(vs, V_BITS, V_GROUP)
     ok = all(torch.equal(getattr(ref_k, f), getattr(out_k, f)) for f in ("low", "high", "scale", "zero"))
     return ok and all(torch.equal(getattr(ref_v, f), getattr(out_v, f)) for f in ("packed", "scale", "zero"))
 
 
-def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, variant: tuple[int, int, int]) -> float:
+def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, variant: tuple) -> float:
     """Relative error of the kernel against the fp32 reference on up to 4 sequences."""
     n = min(4, q.shape[0])
     sub = DecodeCache(*(getattr(cache, f)[:n] if isinstance(getattr(cache, f), torch.Tensor) else getattr(cache, f)
                         for f in cache.__dataclass_fields__))
-    bt, nw, ns = variant
     out = torch.full_like(q[:n], float("nan"))  # poisoned: an unwritten element fails the check
-    decode_attention(q[:n], sub, scale, block_t=bt, num_warps=nw, num_stages=ns, out=out)
+    decode_attention(q[:n], sub, scale, out=out, **variant_kwargs(variant))
     ref = decode_reference(q[:n], sub, scale)
     if not torch.isfinite(out).all():
         return math.inf
     return float((out.float() - ref).norm() / ref.norm())
+
+
+# Small configs that between them use every code-expansion path of the kernel on the GPU:
+# (b_low, b_high, G, salient ratio, value bits, value group, head_dim, GQA)
+SWEEP = [
+    (2, 4, 32, 0.5, 1, 16, 128, 1),
+    (4, 4, 64, 0.0, 8, 64, 64, 3),
+    (1, 2, 32, 1.0, 4, 32, 128, 4),
+    (3, 3, 128, 0.0, 2, 32, 64, 4),
+    (1, 1, 64, 0.0, 2, 16, 128, 3),
+    (2, 3, 128, 0.5, 4, 32, 64, 1),
+]
+
+
+def sweep_correctness(gen: torch.Generator, fh) -> list[dict]:
+    """Both expansion paths vs the fp32 reference on small caches with unequal lengths, per config."""
+    results = []
+    for b_low, b_high, g, ratio, vbits, vgroup, d, gqa in SWEEP:
+        bsz, hkv, ng_cap = 3, 2, 5
+        n_pairs = round(ratio * d / 2) if b_high > b_low else 0
+        k = torch.randn((bsz, hkv, ng_cap * g, d), generator=gen, device="cuda") * 2 + 0.3
+        v = torch.randn((bsz, hkv, ng_cap * g, d), generator=gen, device="cuda")
+        pairs = torch.rand((bsz, hkv, d // 2), generator=gen, device="cuda").topk(n_pairs, -1).indices.sort(-1).values
+        sal = torch.cat([pairs, pairs + d // 2], dim=-1)
+        pk = quantize_pack_keys(k.to(torch.bfloat16), sal, b_low, b_high, g)
+        pv = quantize_pack_values(v.to(torch.bfloat16), vbits, vgroup)
+        fp = functools.partial(torch.randn, generator=gen, device="cuda", dtype=torch.bfloat16)
+        ints = functools.partial(torch.tensor, dtype=torch.int32, device="cuda")
+        sinks, res = (bsz, hkv, 8, d), (bsz, hkv, 2 * g, d)
+        cache = DecodeCache(fp(sinks), fp(sinks), fp(res), fp(res), pk.low, pk.high, pk.scale, pk.zero, pv.packed,
+                            pv.scale, pv.zero, channel_order(sal, d), ints([8, 8, 3]), ints([5, 2, 0]),
+                            ints([g // 2, 2 * g, 1]), b_low, b_high, g, vbits, vgroup)
+        q = torch.randn((bsz, hkv * gqa, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+        ref = decode_reference(q, cache, d**-0.5)
+        row = {"config": [b_low, b_high, g, ratio, vbits, vgroup, d, gqa]}
+        for fast in (True, False):
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, cache, d**-0.5, num_splits=2, fast_unpack=fast, out=out)
+            ok = bool(torch.isfinite(out).all())
+            row["fast" if fast else "portable"] = float((out.float() - ref).norm() / ref.norm()) if ok else math.inf
+        log(f"sweep {json.dumps(row)}", fh)
+        results.append(row)
+    return results
 
 
 def bench_pack(gen: torch.Generator, fh) -> dict:
@@ -158,8 +212,7 @@ def bench_pack(gen: torch.Generator, fh) -> dict:
     return pack
 
 
-def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple[int, int, int]], copy_gbps: float,
-                fh) -> dict:
+def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple], copy_gbps: float, fh) -> dict:
     cache, q, k, v, info = build(bsz, ctx, gen)
     scale = D**-0.5
     exact = check_pack(k, v, info["salient"])
@@ -179,8 +232,7 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple[i
         f"SDPA gqa {t_gqa * 1e3:.1f} us, folded {t_fold * 1e3:.1f} us (agree {sdpa_agree:.1e})", fh)
     best = None
     for variant in variants:
-        bt, nw, ns = variant
-        run = functools.partial(decode_attention, q, cache, scale, block_t=bt, num_warps=nw, num_stages=ns)
+        run = functools.partial(decode_attention, q, cache, scale, **variant_kwargs(variant))
         try:
             err = check_decode(q, cache, scale, variant)
             out = torch.full_like(q, float("nan"))  # poisoned; the whole batch must be written, finite
@@ -191,7 +243,7 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple[i
             continue
         finite = bool(torch.isfinite(out).all())
         gbps = nbytes / (ms * 1e-3) / 1e9
-        log(f"  variant bt={bt} warps={nw} stages={ns}: {ms * 1e3:.1f} us  {gbps:.0f} GB/s  "
+        log(f"  variant {variant}: {ms * 1e3:.1f} us  {gbps:.0f} GB/s  "
             f"rel_err {err:.2e}  finite {finite}  speedup {t_sdpa / ms:.2f}x", fh)
         if err <= 1e-2 and finite and (best is None or ms < best[0]):
             best = (ms, variant, err)
@@ -212,13 +264,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--quick", action="store_true", help="first variant only")
     ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
+    ap.add_argument("--variant", default="0", help="index into VARIANTS for --profile")
     args = ap.parse_args()
     if args.profile:
         bsz, ctx = (int(x) for x in args.profile.split("x"))
         cache, q, *_ = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(0))
-        bt, nw, ns = VARIANTS[0]
         for _ in range(3):
-            decode_attention(q, cache, D**-0.5, block_t=bt, num_warps=nw, num_stages=ns)
+            decode_attention(q, cache, D**-0.5, **variant_kwargs(VARIANTS[int(args.variant)]))
         torch.cuda.synchronize()
         return
     out_dir = Path(args.out)
@@ -240,6 +292,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     rows = []
 
+    sweep = sweep_correctness(gen, fh)
     pack = bench_pack(gen, fh)
     for bsz, ctx in shapes:
         torch.cuda.empty_cache()
@@ -255,7 +308,7 @@ def main() -> None:
                 f"{r['speedup']:6.2f}x | {r['rel_err']:8.1e} | {r['variant']}", fh)
         else:
             log(f"{r['batch']:>4} x {r['ctx']:<5}| no variant passed the check", fh)
-    log(json.dumps({"env": env, "copy_GBps": copy_gbps, "pack": pack, "decode": rows}), fh)
+    log(json.dumps({"env": env, "copy_GBps": copy_gbps, "sweep": sweep, "pack": pack, "decode": rows}), fh)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,58 @@ from kernels.layout import DecodeCache, next_pow2
 LOG2E = 1.4426950408889634
 
 
+def _expand_asm(n_planes: int, width: int) -> str:
+    """PTX that turns 4 packed bytes (one register per bit plane) into fp16 codes, two per register.
+
+    Each byte holds 8 // width codes of `width` bits (LSB first); with several planes (width 1),
+    plane p supplies bit p of every code. Output k (k = 0 .. 8 // width - 1) holds code k of each
+    of the 4 bytes as fp16: two registers, bytes (0, 1) and (2, 3), element 0 in the low half.
+    Codes are built as 1024 + code with the 0x6400 exponent trick and 1024 is then subtracted
+    (exact in fp16), so no int->float conversion is issued. Operands: outputs $0 .. $(2n - 1),
+    inputs (one register of 4 bytes per plane) after them.
+    """
+    n_out = 8 // width
+    mask = ((1 << width) - 1) * 0x10001
+    lines = ["{", f".reg .b32 lo<{n_planes}>, hi<{n_planes}>, t, u, k;", "mov.b32 k, 0x64006400;"]
+    for p in range(n_planes):
+        # zero-extend bytes into 16-bit lanes: lo = (byte0, byte1), hi = (byte2, byte3)
+        lines.append(f"prmt.b32 lo{p}, ${2 * n_out + p}, 0, 0x4140;")
+        lines.append(f"prmt.b32 hi{p}, ${2 * n_out + p}, 0, 0x4342;")
+    for k in range(n_out):
+        for half, src in enumerate(("lo", "hi")):
+            lines.append(f"shr.b32 t, {src}0, {k * width};")
+            lines.append(f"and.b32 t, t, {mask:#x};")
+            for p in range(1, n_planes):
+                shift = k - p
+                op = f"shr.b32 u, {src}{p}, {shift};" if shift >= 0 else f"shl.b32 u, {src}{p}, {-shift};"
+                lines += [op, f"and.b32 u, u, {0x10001 << p:#x};", "or.b32 t, t, u;"]
+            lines.append("or.b32 t, t, k;")
+            lines.append(f"sub.rn.f16x2 ${2 * k + half}, t, k;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _expand_constraints(n_planes: int, width: int) -> str:
+    return ",".join(["=r"] * (2 * (8 // width)) + ["r"] * n_planes)
+
+
+# Inline PTX, selected by constexpr branches below (Triton reads only constexpr globals).
+_ASM_P1 = tl.constexpr(_expand_asm(1, 1))
+_ASM_P2 = tl.constexpr(_expand_asm(2, 1))
+_ASM_P3 = tl.constexpr(_expand_asm(3, 1))
+_ASM_P4 = tl.constexpr(_expand_asm(4, 1))
+_ASM_W2 = tl.constexpr(_expand_asm(1, 2))
+_ASM_W4 = tl.constexpr(_expand_asm(1, 4))
+_ASM_W8 = tl.constexpr(_expand_asm(1, 8))
+_CON_P1 = tl.constexpr(_expand_constraints(1, 1))
+_CON_P2 = tl.constexpr(_expand_constraints(2, 1))
+_CON_P3 = tl.constexpr(_expand_constraints(3, 1))
+_CON_P4 = tl.constexpr(_expand_constraints(4, 1))
+_CON_W2 = tl.constexpr(_expand_constraints(1, 2))
+_CON_W4 = tl.constexpr(_expand_constraints(1, 4))
+_CON_W8 = tl.constexpr(_expand_constraints(1, 8))
+
+
 @triton.jit
 def _codes_to_f16(q):
     """Integer codes 0..1023 (int32) -> the same values in fp16, exactly, without an int->float cvt."""
@@ -96,6 +148,61 @@ def _channel_codes(raw, BV: tl.constexpr):
 
 
 @triton.jit
+def _join8(o0, o1, o2, o3, o4, o5, o6, o7, R: tl.constexpr, T: tl.constexpr):
+    """Eight [R, T // 8] tensors (code j of each byte) -> [R, T], code j of byte i at 8 i + j."""
+    x = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+    return tl.reshape(x, [R, T])
+
+
+@triton.jit
+def _planes_to_f16(r0, r1, r2, r3, NP: tl.constexpr, R: tl.constexpr, T: tl.constexpr, FAST: tl.constexpr):
+    """NP bit planes (uint8 [R, T // 8] each, 8 tokens a byte) -> fp16 codes [R, T] (plane p = bit p)."""
+    if FAST:
+        if NP == 1:
+            o = tl.inline_asm_elementwise(_ASM_P1, _CON_P1, [r0], (tl.float16,) * 8,
+                                          True, 4)
+        elif NP == 2:
+            o = tl.inline_asm_elementwise(_ASM_P2, _CON_P2, [r0, r1], (tl.float16,) * 8,
+                                          True, 4)
+        elif NP == 3:
+            o = tl.inline_asm_elementwise(_ASM_P3, _CON_P3, [r0, r1, r2],
+                                          (tl.float16,) * 8, True, 4)
+        else:
+            o = tl.inline_asm_elementwise(_ASM_P4, _CON_P4, [r0, r1, r2, r3],
+                                          (tl.float16,) * 8, True, 4)
+        return _join8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], R, T)
+    else:
+        code = _plane_bits(r0, R, T)
+        if NP > 1:
+            code |= _plane_bits(r1, R, T) << 1
+        if NP > 2:
+            code |= _plane_bits(r2, R, T) << 2
+        if NP > 3:
+            code |= _plane_bits(r3, R, T) << 3
+        return _codes_to_f16(code)
+
+
+@triton.jit
+def _bytes_to_f16(raw, BV: tl.constexpr, R: tl.constexpr, C: tl.constexpr, FAST: tl.constexpr):
+    """uint8 [R, C * BV // 8], 8 // BV codes a byte (LSB first) -> fp16 codes [R, C]."""
+    if FAST:
+        if BV == 1:
+            o = tl.inline_asm_elementwise(_ASM_P1, _CON_P1, [raw], (tl.float16,) * 8,
+                                          True, 4)
+            return _join8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], R, C)
+        elif BV == 2:
+            o = tl.inline_asm_elementwise(_ASM_W2, _CON_W2, [raw], (tl.float16,) * 4, True, 4)
+            return tl.reshape(tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3])), [R, C])
+        elif BV == 4:
+            o = tl.inline_asm_elementwise(_ASM_W4, _CON_W4, [raw], (tl.float16,) * 2, True, 4)
+            return tl.reshape(tl.join(o[0], o[1]), [R, C])
+        else:
+            return tl.inline_asm_elementwise(_ASM_W8, _CON_W8, [raw], tl.float16, True, 4)
+    else:
+        return tl.reshape(_codes_to_f16(_channel_codes(raw.to(tl.int32), BV)), [R, C])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, stride_qb, stride_qh,
     ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st,
@@ -111,7 +218,7 @@ def _decode_split_kernel(
     qk_scale, groups_per_split, n_split,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     B_LOW: tl.constexpr, NH: tl.constexpr, NSC: tl.constexpr, NSC_P: tl.constexpr, NNS_P: tl.constexpr,
-    BV: tl.constexpr, GV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BV: tl.constexpr, GV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
 ):
     """Program (b * HKV + h, split): partial attention of the GQ query heads of KV head h.
 
@@ -182,30 +289,48 @@ def _decode_split_kernel(
             for sub in tl.static_range(G // BLOCK_T):
                 byte = sub * (BLOCK_T // 8) + tl.arange(0, BLOCK_T // 8)
                 scores = tl.zeros([M_P, BLOCK_T], tl.float32) + bias[:, None]
-                if NNS > 0:
-                    code = tl.zeros([NNS_P, BLOCK_T], tl.int32)
-                    for p in tl.static_range(B_LOW):
-                        raw = tl.load(lo_g + p * (D * G8) + ns_idx[:, None] * G8 + byte[None, :],
-                                      mask=(jn < NNS)[:, None], other=0)
-                        code |= _plane_bits(raw, NNS_P, BLOCK_T) << p
-                    scores = tl.dot(u_ns, _codes_to_f16(code), scores)
-                if NSC > 0:
-                    code_s = tl.zeros([NSC_P, BLOCK_T], tl.int32)
-                    for p in tl.static_range(B_LOW):
-                        raw = tl.load(lo_g + p * (D * G8) + sal_idx[:, None] * G8 + byte[None, :],
-                                      mask=(js < NSC)[:, None], other=0)
-                        code_s |= _plane_bits(raw, NSC_P, BLOCK_T) << p
-                    for p in tl.static_range(NH):
-                        raw = tl.load(hi_g + p * (NSC * G8) + js[:, None] * G8 + byte[None, :],
-                                      mask=(js < NSC)[:, None], other=0)
-                        code_s |= _plane_bits(raw, NSC_P, BLOCK_T) << (B_LOW + p)
-                    scores = tl.dot(u_sal, _codes_to_f16(code_s), scores)
+                if NNS > 0:  # non-salient channels: the B_LOW low planes
+                    lo_ns = lo_g + ns_idx[:, None] * G8 + byte[None, :]
+                    m_ns = (jn < NNS)[:, None]
+                    r0 = tl.load(lo_ns, mask=m_ns, other=0)
+                    r1 = r0
+                    r2 = r0
+                    r3 = r0
+                    if B_LOW > 1:
+                        r1 = tl.load(lo_ns + D * G8, mask=m_ns, other=0)
+                    if B_LOW > 2:
+                        r2 = tl.load(lo_ns + 2 * D * G8, mask=m_ns, other=0)
+                    if B_LOW > 3:
+                        r3 = tl.load(lo_ns + 3 * D * G8, mask=m_ns, other=0)
+                    scores = tl.dot(u_ns, _planes_to_f16(r0, r1, r2, r3, B_LOW, NNS_P, BLOCK_T, FAST), scores)
+                if NSC > 0:  # salient channels: low planes, then the NH high planes (B_LOW + NH <= 4)
+                    lo_s = lo_g + sal_idx[:, None] * G8 + byte[None, :]
+                    hi_s = hi_g + js[:, None] * G8 + byte[None, :]
+                    m_s = (js < NSC)[:, None]
+                    r0 = tl.load(lo_s, mask=m_s, other=0)
+                    r1 = r0
+                    r2 = r0
+                    r3 = r0
+                    if B_LOW > 1:
+                        r1 = tl.load(lo_s + D * G8, mask=m_s, other=0)
+                    elif NH > 0:
+                        r1 = tl.load(hi_s, mask=m_s, other=0)
+                    if B_LOW > 2:
+                        r2 = tl.load(lo_s + 2 * D * G8, mask=m_s, other=0)
+                    elif B_LOW + NH > 2:
+                        r2 = tl.load(hi_s + (2 - B_LOW) * (NSC * G8), mask=m_s, other=0)
+                    if B_LOW > 3:
+                        r3 = tl.load(lo_s + 3 * D * G8, mask=m_s, other=0)
+                    elif B_LOW + NH > 3:
+                        r3 = tl.load(hi_s + (3 - B_LOW) * (NSC * G8), mask=m_s, other=0)
+                    k_sal = _planes_to_f16(r0, r1, r2, r3, B_LOW + NH, NSC_P, BLOCK_T, FAST)
+                    scores = tl.dot(u_sal, k_sal, scores)
                 p_blk, m_i, l_i, alpha = _softmax_step(scores, m_i, l_i)
                 # Values of the same tokens, dequantized in registers (fp16: q * s + z).
                 t0 = g * G + sub * BLOCK_T
                 t = t0 + tl.arange(0, BLOCK_T)
-                raw_v = tl.load(vp + t[:, None] * VROW + vbyte[None, :]).to(tl.int32)  # [BLOCK_T, VROW]
-                v_codes = tl.reshape(_codes_to_f16(_channel_codes(raw_v, BV)), [BLOCK_T, NVG, GV])
+                raw_v = tl.load(vp + t[:, None] * VROW + vbyte[None, :])  # uint8 [BLOCK_T, VROW]
+                v_codes = tl.reshape(_bytes_to_f16(raw_v, BV, BLOCK_T, D, FAST), [BLOCK_T, NVG, GV])
                 sz = t[:, None] * NVG + vg[None, :]
                 v_s = tl.load(vsc + sz)
                 v_z = tl.load(vze + sz)
@@ -282,17 +407,24 @@ def decode_attention(
     num_splits: int | None = None,
     block_t: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 1,
     out: torch.Tensor | None = None,
+    fast_unpack: bool | None = None,
+    max_registers: int | None = -1,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over a PN-Mix layer cache.
 
     q [B, H_q, d] float (H_q a multiple of H_kv; d in {64, 128}, or any power of two >= 16) ->
     out [B, H_q, d] in q's dtype. `scale` is the softmax scale (usually d ** -0.5).
     num_splits: splits of the packed region per (b, h_kv); by default enough to give every SM of
-    the GPU about two programs. Only capacities (tensor shapes) shape the launch, never lengths.
+    the GPU about four programs. Only capacities (tensor shapes) shape the launch, never lengths.
     block_t (tokens per inner step, divides G), num_warps, num_stages: launch tuning.
     `out`, if given, receives the result (same shape as q, channels contiguous).
+    fast_unpack: expand codes with inline PTX (default on CUDA); the portable Triton path is the
+    one the CPU interpreter runs, which has no inline assembly. max_registers caps registers per
+    thread (ptxas maxnreg) to trade a few spills for occupancy; -1: 128 on CUDA, None: no cap.
+    The defaults (64-token steps, 4 warps, 1 stage, 128 registers) were the best or within 10% of
+    the best of the variants measured on an H200 (benchmarks/RESULTS.md).
     """
     bsz, hq, d = q.shape
     _, hkv, _, d_cache = cache.k_sink.shape
@@ -318,14 +450,16 @@ def decode_attention(
     if cache.k_scale.stride() != cache.k_zero.stride() or cache.v_scale.stride() != cache.v_zero.stride():
         raise ValueError("scales and zeros must share strides")
 
-    if num_splits is None:
-        target = 2 * _sm_count(q.device.index or 0) if q.is_cuda else 4
+    if num_splits is None:  # about four packed-region programs per SM
+        target = 4 * _sm_count(q.device.index or 0) if q.is_cuda else 4
         num_splits = max(1, min(ng_cap, triton.cdiv(target, bsz * hkv)))
     num_splits = max(1, min(num_splits, max(ng_cap, 1)))
     groups_per_split = triton.cdiv(ng_cap, num_splits) if ng_cap else 0
     num_splits = triton.cdiv(ng_cap, groups_per_split) if ng_cap else 0
     if block_t is None:
         block_t = min(g, 64)
+    if max_registers == -1:
+        max_registers = 128 if q.is_cuda else None
     n_parts = num_splits + 1
     dev = q.device
     pm = torch.empty((bsz * hkv, n_parts, m_p), dtype=torch.float32, device=dev)
@@ -352,7 +486,8 @@ def decode_attention(
         HKV=hkv, GQ=gq, M_P=m_p, D=d, G=g, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
         NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), NNS_P=next_pow2(max(d - n_sc, 16)),
         BV=cache.value_bits, GV=cache.value_group_size, BLOCK_T=block_t, BLOCK_R=32,
-        num_warps=num_warps, num_stages=num_stages,
+        FAST=q.is_cuda if fast_unpack is None else fast_unpack,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
     _combine_kernel[(bsz * hkv,)](
         pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,

@@ -52,9 +52,11 @@ def _quantize_pack_keys_kernel(
     n_groups,
     stride_kn, stride_kt, stride_kc, stride_sn,
     D: tl.constexpr, G: tl.constexpr, B_LOW: tl.constexpr, B_HIGH: tl.constexpr,
-    NSC: tl.constexpr, NSC_P: tl.constexpr,
+    NSC: tl.constexpr, BLOCK_C: tl.constexpr, JB: tl.constexpr, JB_P: tl.constexpr,
 ):
-    """One program quantizes one group of G tokens of one row (sequence x KV head), all D channels.
+    """Program (row * n_groups + group, channel block): one group of G tokens of one row
+    (sequence x KV head), channels [cb * BLOCK_C, (cb + 1) * BLOCK_C), and the high planes of
+    salient channels number [cb * JB, (cb + 1) * JB) of the row's list.
 
     k       float [N, T, D]            (any strides; T = n_groups * G)
     sal     int32 [N, NSC]             salient channels, ascending (row stride stride_sn, inner 1)
@@ -64,22 +66,21 @@ def _quantize_pack_keys_kernel(
     scale, zero fp16 [N, n_groups, D]                           contiguous
     """
     pid = tl.program_id(0)
+    cb = tl.program_id(1)
     n = pid // n_groups
     g = pid % n_groups
     G8: tl.constexpr = G // 8
-    c = tl.arange(0, D)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     t = g * G + tl.arange(0, G)
     k_row = k_ptr + n.to(tl.int64) * stride_kn
-    x = tl.load(k_row + t[None, :] * stride_kt + c[:, None] * stride_kc).to(tl.float32)  # [D, G]
+    x = tl.load(k_row + t[None, :] * stride_kt + c[:, None] * stride_kc).to(tl.float32)  # [BLOCK_C, G]
     lev_low: tl.constexpr = (1 << B_LOW) - 1
     lev_high: tl.constexpr = (1 << B_HIGH) - 1
-    j = tl.arange(0, NSC_P)
     if NSC > 0:
-        sal = tl.load(sal_ptr + n * stride_sn + j, mask=j < NSC, other=0)
         is_sal = tl.load(is_sal_ptr + n * D + c) != 0
         levels = tl.where(is_sal, lev_high, lev_low).to(tl.float32)
     else:
-        levels = tl.full([D], lev_low, tl.float32)
+        levels = tl.full([BLOCK_C], lev_low, tl.float32)
     q, scale16, zero16 = _quantize(x, levels)
     ng = n * n_groups + g  # flat (row, group) index of the contiguous outputs
     tl.store(scale_ptr + ng * D + c, scale16)
@@ -87,16 +88,20 @@ def _quantize_pack_keys_kernel(
     byte = tl.arange(0, G8)
     low_base = low_ptr + ng.to(tl.int64) * (B_LOW * D * G8)
     for p in tl.static_range(B_LOW):
-        tl.store(low_base + p * (D * G8) + c[:, None] * G8 + byte[None, :], _pack_tokens(q, p, D, G))
+        tl.store(low_base + p * (D * G8) + c[:, None] * G8 + byte[None, :], _pack_tokens(q, p, BLOCK_C, G))
     if B_HIGH > B_LOW and NSC > 0:
         # Salient channels again, gathered: the same fp32 arithmetic on the same inputs gives the
         # same codes, and the gathered rows come out in the stored (ascending) order.
-        xs = tl.load(k_row + t[None, :] * stride_kt + sal[:, None] * stride_kc, mask=(j < NSC)[:, None], other=0.0)
-        qs, _, _ = _quantize(xs.to(tl.float32), tl.full([NSC_P], lev_high, tl.float32))
+        jl = tl.arange(0, JB_P)
+        j = cb * JB + jl
+        jm = (jl < JB) & (j < NSC)
+        sal = tl.load(sal_ptr + n * stride_sn + j, mask=jm, other=0)
+        xs = tl.load(k_row + t[None, :] * stride_kt + sal[:, None] * stride_kc, mask=jm[:, None], other=0.0)
+        qs, _, _ = _quantize(xs.to(tl.float32), tl.full([JB_P], lev_high, tl.float32))
         high_base = high_ptr + ng.to(tl.int64) * ((B_HIGH - B_LOW) * NSC * G8)
         for p in tl.static_range(B_HIGH - B_LOW):
             tl.store(high_base + p * (NSC * G8) + j[:, None] * G8 + byte[None, :],
-                     _pack_tokens(qs, B_LOW + p, NSC_P, G), mask=(j < NSC)[:, None])
+                     _pack_tokens(qs, B_LOW + p, JB_P, G), mask=jm[:, None])
 
 
 def _check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -145,12 +150,15 @@ def quantize_pack_keys(
     _check_out("scale", out.scale, (*lead, n_groups, d), torch.float16)
     _check_out("zero", out.zero, (*lead, n_groups, d), torch.float16)
     if rows * n_groups:
-        _quantize_pack_keys_kernel[(rows * n_groups,)](
+        block_c = min(d, 32)  # channels per program: a [32, G] fp32 tile keeps registers low
+        n_blocks = d // block_c
+        jb = triton.cdiv(n_sc, n_blocks) if n_sc else 1
+        _quantize_pack_keys_kernel[(rows * n_groups, n_blocks)](
             k3, sal, is_sal, out.low, out.high, out.scale, out.zero,
             n_groups,
             k3.stride(0), k3.stride(1), k3.stride(2), max(sal.stride(0), 1),
-            D=d, G=group_size, B_LOW=b_low, B_HIGH=b_high, NSC=n_sc, NSC_P=next_pow2(max(n_sc, 1)),
-            num_warps=8 if d * group_size >= 8192 else 4,
+            D=d, G=group_size, B_LOW=b_low, B_HIGH=b_high, NSC=n_sc, BLOCK_C=block_c, JB=jb,
+            JB_P=next_pow2(jb), num_warps=4,
         )
     return out
 
