@@ -14,6 +14,7 @@ compare the kernel with it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,7 @@ def use_triton(device: torch.device, config: Any, head_dim: int) -> bool:
         return False
     if name == "triton":
         return True
-    return device.type == "cuda"
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 # -- torch reference of the fused decode kernel ---------------------------------------------------
