@@ -276,13 +276,13 @@ class PNMixLayer(CacheLayerMixin):
         k = view_k[:, :, :length]
         v = view_v[:, :, :length]
         # Query head h' reads KV head h' // group: fold the group into the query axis.
-        q = query.view(b, self.kv_heads, group * q_len, d)
+        q = query.reshape(b, self.kv_heads, group * q_len, d)
         pos = torch.arange(length, device=query.device)
         q_pos = (lengths[:, None] - q_len + torch.arange(q_len, device=query.device))  # [B, q_len]
         mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
         mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        return out.view(b, hq, q_len, d).transpose(1, 2).contiguous()
+        return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
 
     # -- accounting --------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -86,7 +87,7 @@ class CampaignSpec:
     @classmethod
     def from_campaign(cls, row: Any) -> CampaignSpec:
         opts = row.options or {}
-        space = SearchSpace(method=row.method, **opts.get("space", {}))
+        space = SearchSpace(**{**opts.get("space", {}), "method": row.method})
         tasks = tuple(opts["tasks"]) if opts.get("tasks") else None
         return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
                    profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
@@ -99,15 +100,22 @@ def study_name(campaign_id: int, budget: float) -> str:
 
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on our database, with heartbeats so a dead worker's trial is retried."""
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"timeout": 60}
     else:
         kwargs["pool_pre_ping"] = True
-    return RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                      failed_trial_callback=RetryFailedTrialCallback(max_retry=2))
+    for attempt in range(3):
+        try:
+            return RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2))
+        except Exception:  # two workers creating Optuna's tables at once: one loses the race, then finds them
+            if attempt == 2:
+                raise
+            time.sleep(1 + attempt)
+    raise AssertionError("unreachable")
 
 
 class CampaignRunner:
@@ -234,7 +242,7 @@ class CampaignRunner:
 
     def write_front(self, study: optuna.Study, budget: float) -> int:
         """Replaces the stored (campaign, budget) front with the study's feasible Pareto trials."""
-        from storage import FrontPointIn, replace_front, update_campaign_progress
+        from storage import FrontPointIn, replace_front
 
         points = []
         for t in front_trials(study):
@@ -245,8 +253,22 @@ class CampaignRunner:
                 accuracy_parts=dict(t.user_attrs["parts"]), versions=dict(t.user_attrs["versions"])))
         with self.db.session() as s:
             replace_front(s, self.campaign_id, budget, points)
-            update_campaign_progress(s, self.campaign_id, trials_done=self.trials_done())
+        self.set_progress(trials_done=self.trials_done())
         return len(points)
+
+    def set_progress(self, **changes: Any) -> None:
+        """Updates the campaign row unless it is already finished (another worker may have finished it)."""
+        from storage import InvalidValueError, get_campaign, update_campaign_progress
+
+        try:
+            with self.db.session() as s:
+                if get_campaign(s, self.campaign_id).status in ("done", "failed"):
+                    return
+                update_campaign_progress(s, self.campaign_id, **changes)
+        except InvalidValueError:
+            with self.db.session(readonly=True) as s:
+                if get_campaign(s, self.campaign_id).status not in ("done", "failed"):
+                    raise
 
     def trials_done(self) -> int:
         done = 0
@@ -263,12 +285,9 @@ class CampaignRunner:
     def run(self, on_trial: Callable[[float, optuna.Study], None] | None = None) -> dict[float, optuna.Study]:
         from optuna.study import MaxTrialsCallback
 
-        from storage import update_campaign_progress
-
-        with self.db.session() as s:
-            update_campaign_progress(s, self.campaign_id, status="running",
-                                     study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
-                                     trials_total=self.spec.n_trials * len(self.spec.budgets))
+        self.set_progress(status="running",
+                          study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
+                          trials_total=self.spec.n_trials * len(self.spec.budgets))
         studies = {}
         for budget in self.spec.budgets:
             study = self.study(budget)
@@ -296,8 +315,7 @@ class CampaignRunner:
             study.optimize(objective, n_trials=remaining, callbacks=[cap, after_trial],
                            catch=(RuntimeError, MemoryError), gc_after_trial=True)
             self.write_front(study, budget)
-        with self.db.session() as s:
-            update_campaign_progress(s, self.campaign_id, status="done", trials_done=self.trials_done())
+        self.set_progress(status="done", trials_done=self.trials_done())
         return studies
 
 

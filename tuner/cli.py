@@ -171,6 +171,7 @@ def tune(
     backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
     seed: Annotated[int, typer.Option(help="sampler and task seed")] = 0,
     multi_fidelity: Annotated[bool, typer.Option(help="screen candidates with the proxy")] = True,
+    tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k")] = None,
     storage: StorageOpt = None,
     plot: Annotated[str | None, typer.Option(help="Pareto plot PNG path (default out/campaign-<id>.png)")] = None,
     enqueue: Annotated[bool, typer.Option(help="only queue it for `pnmix worker`")] = False,
@@ -187,17 +188,17 @@ def tune(
     profile(profile_name)
     spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
                         method=method, profile=profile_name, objectives=_objectives(objectives), seed=seed,
-                        multi_fidelity=multi_fidelity, backend=backend, space=SearchSpace(method=method))
+                        multi_fidelity=multi_fidelity, backend=backend, space=SearchSpace(method=method),
+                        tasks=_objectives(tasks) if tasks else None)
     from pnmix import models
 
     models.resolve(model)  # unknown model: a clear error before the database is touched
     db = open_db(storage)
-    campaign_id = find_or_create_campaign(db, spec)
-    if enqueue:
-        from storage import update_campaign_progress
+    campaign_id = find_or_create_campaign(db, spec, status="queued" if enqueue else "running")
+    from tuner.campaign import optuna_storage
 
-        with db.session() as s:
-            update_campaign_progress(s, campaign_id, status="queued")
+    optuna_storage(db.url)  # creates Optuna's tables now, before any worker races to
+    if enqueue:
         console.print(f"campaign {campaign_id} queued for `pnmix worker`")
         return
     console.print(f"campaign {campaign_id}: {model}, {method}, budgets {', '.join(f'{b:g}' for b in spec.budgets)}, "

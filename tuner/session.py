@@ -44,7 +44,7 @@ def ensure_model(session: Any, name: str, model_config: Any | None = None) -> No
     upsert_model(session, entry)
 
 
-def find_or_create_campaign(db: Any, spec: CampaignSpec) -> int:
+def find_or_create_campaign(db: Any, spec: CampaignSpec, status: str = "running") -> int:
     """The campaign of this spec (resumed when it exists, whatever its trial count), else a new one."""
     from storage import create_campaign, list_campaigns, update_campaign_progress
 
@@ -56,9 +56,10 @@ def find_or_create_campaign(db: Any, spec: CampaignSpec) -> int:
                 if row.n_trials != spec.n_trials:
                     raise EvalError(f"campaign {row.id} has this spec with {row.n_trials} trials per budget; "
                                     f"rerun with --trials {row.n_trials} to resume it, or change the spec")
-                update_campaign_progress(s, row.id, status="running")
+                if row.status == "queued" and status == "running":
+                    update_campaign_progress(s, row.id, status=status)
                 return int(row.id)
         row = create_campaign(s, spec.model, list(spec.budgets), spec.n_trials, method=spec.method,
                               profile=spec.profile, objectives=list(spec.objectives), backend=spec.backend,
-                              search_space=spec.space.to_dict(), options=spec.options(), status="running")
+                              search_space=spec.space.to_dict(), options=spec.options(), status=status)
         return int(row.id)

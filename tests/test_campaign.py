@@ -1,0 +1,216 @@
+"""Campaigns: search space, budget constraint, warm start, resume after a kill, two PostgreSQL workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from pnmix import models
+from pnmix.bits import key_bits
+from pnmix.config import preset
+from storage import Database, list_front_points, upgrade
+from storage.testing import postgres_skip_reason, temporary_postgres_url
+from tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, study_name
+from tuner.evaluate import Evaluator
+from tuner.profiles import profile
+from tuner.session import find_or_create_campaign
+from tuner.space import SearchSpace
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+ENV = {**os.environ, "PNMIX_HEARTBEAT_S": "1", "PNMIX_GRACE_S": "3", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, embedded):
+    """A tiny random Llama (head_dim 64) with the embedded model's tokenizer, saved as a checkpoint."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
+    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=len(tok),
+                                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
+                                  eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def spec_for(model: str, budgets, n_trials, **kw) -> CampaignSpec:
+    return CampaignSpec(model=model, budgets=tuple(budgets), n_trials=n_trials, profile="smoke", tasks=("fidelity",),
+                        **kw)
+
+
+def sqlite_db(tmp_path: Path) -> Database:
+    db = Database(f"sqlite:///{tmp_path / 'pnmix.db'}")
+    upgrade(db)
+    return db
+
+
+@pytest.mark.parametrize("method", ["pnmix", "kivi", "kitty"])
+def test_search_space_round_trips_through_trial_params(method):
+    space = SearchSpace(method=method)
+    for pair in space.bit_pairs():
+        hi, lo = (int(x) for x in pair.split("/"))
+        cfg = space.config(hi, lo, 64, 0.3 if hi > lo else 0.0, 0 if method == "kivi" else 32)
+        assert space.contains(cfg)
+        params = SearchSpace.params_of(cfg, method)
+        assert space.suggest(optuna.trial.FixedTrial(params)) == cfg
+    assert len(SearchSpace("pnmix").bit_pairs()) == 10 and SearchSpace("kivi").bit_pairs() == ["1/1", "2/2"]
+    assert SearchSpace("pnmix").min_key_bits(64) == pytest.approx(1.25)
+
+
+def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
+    db = sqlite_db(tmp_path)
+    spec = spec_for(tiny_dir, [2.3], n_trials=10)
+    campaign_id = find_or_create_campaign(db, spec)
+    ev = Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",))
+    runner = CampaignRunner(db, db.url, campaign_id, spec, ev)
+    study = runner.run()[2.3]
+    trials = study.trials
+    assert len(finished(study)) == 10
+    # Warm start: the paper config and KIVI at the budget come first (kitty's 2.39 bits do not fit).
+    warm = [t.user_attrs["config"] for t in trials if t.user_attrs.get("warm_start")]
+    assert warm[0]["b_high"] == 3 and warm[0]["salient_ratio"] == 0.5 and warm[0]["n_sink"] == 32
+    assert {(c["b_high"], c["b_low"]) for c in warm} == {(3, 1), (2, 2), (1, 1)}
+    # The constraint: a config over budget never runs inference and is infeasible.
+    for t in trials:
+        assert "key_bits" in t.user_attrs, (t.number, t.state, t.user_attrs, t.params)
+        over = t.user_attrs["key_bits"] > 2.3
+        assert (t.constraints["key_bits"] > 0) == over
+        if over:
+            assert "accuracy" not in t.user_attrs and t.user_attrs["skipped"]
+    front = front_trials(study)
+    assert front and all(t.user_attrs["key_bits"] <= 2.3 for t in front)
+    with db.session(readonly=True) as s:
+        stored = list_front_points(s, tiny_dir, campaign_id=campaign_id).items
+        assert sorted(p.trial_number for p in stored) == sorted(t.number for t in front)
+        for p in stored:
+            assert p.key_bits == pytest.approx(key_bits(p.config, 64).total)
+            assert 0 <= p.accuracy <= 1 and p.kv_bytes > 0 and p.backend == "torch-reference"
+
+
+def test_budget_below_anything_feasible_gives_an_empty_front(tmp_path, tiny_dir):
+    db = sqlite_db(tmp_path)
+    spec = spec_for(tiny_dir, [0.5], n_trials=3)
+    campaign_id = find_or_create_campaign(db, spec)
+    messages: list[str] = []
+    runner = CampaignRunner(db, db.url, campaign_id, spec, Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",)),
+                            progress=messages.append)
+    runner.run()
+    assert any("no config of the pnmix space fits" in m and "1.250" in m for m in messages)
+    with db.session(readonly=True) as s:
+        assert list_front_points(s, tiny_dir, campaign_id=campaign_id).items == []
+
+
+def tune_cmd(model: str, url: str, trials: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "api.cli", "tune", "--model", model, "--budgets", "3.0", "--trials", str(trials),
+            "--profile", "smoke", "--tasks", "fidelity", "--storage", url, "--plot", os.devnull + ".png", *extra]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_resume_after_kill_reruns_nothing(tmp_path, tiny_dir):
+    db = sqlite_db(tmp_path)
+    url = db.url
+    storage = optuna.storages.RDBStorage(url)
+
+    def complete() -> list[optuna.trial.FrozenTrial]:
+        try:
+            study = optuna.load_study(study_name=study_name(1, 3.0), storage=storage)
+        except KeyError:
+            return []
+        return study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+
+    proc = subprocess.Popen(tune_cmd(tiny_dir, url, 8), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for(lambda: len(complete()) >= 3, 240, "three finished trials")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {t.number: (t.params, t.values) for t in complete()}
+    time.sleep(4)  # past the heartbeat grace period: the killed trial is now stale
+    out = subprocess.run(tune_cmd(tiny_dir, url, 8), env=ENV, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    study = optuna.load_study(study_name=study_name(1, 3.0), storage=storage)
+    assert len(finished(study)) == 8
+    after = {t.number: (t.params, t.values) for t in study.trials}
+    for number, state in before.items():
+        assert after[number] == state, f"trial {number} changed on resume"
+    # The stored front is the study's whole front, not a half-written one.
+    with db.session(readonly=True) as s:
+        stored = {p.trial_number for p in list_front_points(s, tiny_dir, campaign_id=1).items}
+    assert stored == {t.number for t in front_trials(study)}
+
+
+@pytest.mark.skipif(postgres_skip_reason() is not None and not os.environ.get("PNMIX_REQUIRE_POSTGRES"),
+                    reason="no PostgreSQL server")
+def test_two_workers_share_a_campaign_on_postgres(tiny_dir):
+    with temporary_postgres_url() as url:
+        upgrade(Database(url))
+        queued = subprocess.run(tune_cmd(tiny_dir, url, 8, "--enqueue"), env=ENV, capture_output=True, text=True,
+                                timeout=200)
+        assert queued.returncode == 0, queued.stderr[-2000:]
+        workers = [subprocess.Popen([sys.executable, "-m", "api.cli", "worker", "--campaign", "1", "--storage", url],
+                                    env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+        for w in workers:
+            _, err = w.communicate(timeout=500)
+            assert w.returncode == 0, err.decode()[-2000:]
+        study = optuna.load_study(study_name=study_name(1, 3.0), storage=url)
+        counted = finished(study)
+        assert len(counted) == 8
+        assert len({t.number for t in counted}) == 8
+        assert all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)
+        db = Database(url)
+        with db.session(readonly=True) as s:
+            from storage import get_campaign
+
+            row = get_campaign(s, 1)
+            assert row.status == "done" and row.trials_done == 8
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--model", "no-such-model"), "unknown model"),
+        (("--storage", "postgresql://pnmix:s3cret@127.0.0.1:1/nowhere"), "127.0.0.1:1"),
+        (("--budgets", "-1"), "invalid budget"),
+        (("--method", "magic"), "unknown method"),
+    ],
+)
+def test_tune_bad_input_is_one_line(args, needle):
+    out = subprocess.run([sys.executable, "-m", "api.cli", "tune", "--trials", "2", *args], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert "s3cret" not in out.stderr
+
+
+def test_export_writes_a_loadable_config(tmp_path, tiny_dir):
+    db = sqlite_db(tmp_path)
+    spec = spec_for(tiny_dir, [3.0], n_trials=4)
+    campaign_id = find_or_create_campaign(db, spec)
+    CampaignRunner(db, db.url, campaign_id, spec, Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",))).run()
+    target = tmp_path / "cfg.json"
+    out = subprocess.run([sys.executable, "-m", "api.cli", "export", "--model", tiny_dir, "--bits", "3.0", "-o",
+                          str(target), "--storage", db.url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from pnmix.config import PNMixConfig
+
+    cfg = PNMixConfig.from_json(target.read_text())
+    assert key_bits(cfg, 64).total <= 3.0
+    assert preset("fp16") != cfg
