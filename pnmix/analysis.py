@@ -105,9 +105,8 @@ def quantize_pnmix(k: torch.Tensor, pairs: torch.Tensor, b_high: int, b_low: int
     h, t, d = k.shape
     whole = t // group * group
     channels = pair_channels(pairs, d, pairing)
-    packed = packing.quantize_keys(k[:, :whole], channels, b_low, b_high, group)
     out = k.clone()
-    out[:, :whole] = packing.dequantize_keys(packed, channels, b_low)
+    out[:, :whole] = packing.fake_quantize_keys(k[:, :whole], channels, b_low, b_high, group)
     return out
 
 

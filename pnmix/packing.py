@@ -127,6 +127,20 @@ def quantize_keys(
     return PackedKeys(low, high, scale.squeeze(-2), zero.squeeze(-2))
 
 
+def fake_quantize_keys(
+    k: torch.Tensor, salient_channels: torch.Tensor, b_low: int, b_high: int, group_size: int
+) -> torch.Tensor:
+    """What the stored keys decode to, without packing: equals dequantize_keys(quantize_keys(...)).
+
+    Packing is lossless, so simulations (the tuner's proxy, `pnmix analyze`) skip the bit planes.
+    """
+    *lead, t, d = k.shape
+    kg = k.reshape(*lead, t // group_size, group_size, d)
+    levels = channel_levels(d, salient_channels, b_low, b_high, tuple(lead)).unsqueeze(-3)
+    q, scale, zero = quantize_groups(kg, levels, dim=-2)
+    return dequantize(q, scale, zero).reshape(*lead, t, d)
+
+
 def dequantize_keys(packed: PackedKeys, salient_channels: torch.Tensor, b_low: int) -> torch.Tensor:
     """PackedKeys -> float32 [..., n_groups * G, d]."""
     q = unpack_keys(packed, salient_channels, b_low)  # [..., n, G, d]

@@ -41,6 +41,7 @@ def test_key_pack_round_trip_is_exact(b_low, b_high, group_size, ratio):
 
     # Dequantization error: at most half a step (plus fp16 rounding of scale and zero).
     k_hat = packing.dequantize_keys(packed, channels, b_low)
+    assert torch.equal(packing.fake_quantize_keys(k, channels, b_low, b_high, group_size), k_hat)
     step = packed.scale.float().repeat_interleave(group_size, dim=-2)
     slack = 2e-3 * k.abs().amax()
     assert ((k_hat - k).abs() <= step / 2 + slack).all()

@@ -1,40 +1,71 @@
 """The cheap proxy for multi-fidelity search: attention KL on recorded Q/K traces.
 
 Post-RoPE queries and keys of every layer are recorded once per model (a prompt plus generated
-tokens; cached on disk). A config is scored by quantizing each layer's keys as the cache would
-hold them at the end of the trace (first `n_sink` tokens exact, then whole groups of G tokens
-through the PN-Mix key format with the salient pairs chosen from the prefill, the ragged tail
-exact) and measuring KL(p || p_hat) of the last `n_queries` queries' attention. Lower is better.
-It costs milliseconds per layer, so it screens candidates before full inference.
+tokens; cached on disk). A config is scored by the attention KL(p || p_hat) its key quantization
+causes for ~64 decode queries spread over the trace, each query seeing the cache as it was when
+it ran: sinks exact, the packed region through the PN-Mix key format (salient pairs chosen from
+the prefill), the residual buffer exact. Values are not involved. Lower is better; it costs
+milliseconds per layer, so it screens candidates before full inference.
+
+Which tokens are quantized follows the cache exactly (`quantized_tokens`): sinks stay exact,
+prefill tokens past the sinks go into whole groups, the remainder and the generated tokens fill
+the residual buffer, which is quantized `residual_len` tokens at a time. The recent tokens that
+decode queries lean on most are therefore exact, as in real generation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pnmix.analysis import Trace, attention_kl, quantize_pnmix
+from pnmix.analysis import Trace, quantize_pnmix
 from pnmix.config import PNMixConfig
 from pnmix.saliency import Pairing, saliency_scores, select_salient_pairs
 
 
+def quantized_tokens(config: PNMixConfig, prefill: int, total: int) -> int:
+    """Tokens in the packed region after a prefill of `prefill` tokens and decoding up to `total`."""
+    sinks = min(config.n_sink, prefill)
+    at_prefill = (prefill - sinks) // config.group_size * config.group_size
+    residual = prefill - sinks - at_prefill + (total - prefill)
+    if prefill < config.n_sink:  # generated tokens fill the sinks first
+        residual = max(0, total - config.n_sink)
+    return at_prefill + residual // config.residual_len * config.residual_len
+
+
 def proxy_kl(trace: Trace, config: PNMixConfig, pairing: Pairing, n_queries: int = 64) -> float:
-    """Mean attention KL over layers and the last n_queries queries of the trace (0 for fp16 keys)."""
+    """Mean attention KL over layers and ~n_queries decode queries spread over the trace (0 for fp16 keys).
+
+    Each query sees the cache as it was when that query ran: the packed region then, exact
+    sinks and residual buffer.
+    """
     if not config.keys_quantized:
         return 0.0
     total = 0.0
     p = trace.prefill_len
+    t = trace.keys[0].shape[1]
+    stride = max(1, (t - p) // n_queries)
+    positions = torch.arange(p, t, stride)  # [Q]
+    packed_upto = torch.tensor([quantized_tokens(config, p, int(pos) + 1) for pos in positions])
+    s_idx = torch.arange(t)
+    sinks = min(config.n_sink, t)
+    use_packed = (s_idx[None, :] >= sinks) & (s_idx[None, :] < sinks + packed_upto[:, None])  # [Q, T]
+    causal = s_idx[None, :] <= positions[:, None]
+    n_q = int(packed_upto.max())
     for li, (q, k) in enumerate(zip(trace.queries, trace.keys, strict=True)):
-        t, d = k.shape[1], k.shape[2]
-        first_query = max(p, t - n_queries)
-        mask = torch.zeros((1, t), dtype=torch.bool)
-        mask[0, :p] = True
-        n_sal = config.salient_pairs(d)
-        scores = saliency_scores(config.criterion, q[None, :, :p], k[None, :, :p], mask[:, :p], pairing,
-                                 config.seed + li)[0]
-        pairs = select_salient_pairs(scores, n_sal)
+        h_kv, _, d = k.shape
+        group = q.shape[0] // h_kv
+        mask = torch.zeros((1, p), dtype=torch.bool)
+        mask[:] = True
+        scores = saliency_scores(config.criterion, q[None, :, :p], k[None, :, :p], mask, pairing, config.seed + li)[0]
+        pairs = select_salient_pairs(scores, config.salient_pairs(d))
         k_hat = k.clone()
-        sinks = min(config.n_sink, t)
-        k_hat[:, sinks:] = quantize_pnmix(k[:, sinks:], pairs, config.b_high, config.b_low, config.group_size,
-                                          pairing)
-        total += attention_kl(q, k, k_hat, first_query, trace.scaling)
+        k_hat[:, sinks : sinks + n_q] = quantize_pnmix(k[:, sinks : sinks + n_q], pairs, config.b_high, config.b_low,
+                                                       config.group_size, pairing)
+        qs = q[:, positions]  # [Hq, Q, d]
+        exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
+        approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
+        mixed = torch.where(use_packed, approx, exact)
+        lp = exact.masked_fill(~causal, float("-inf")).log_softmax(-1)
+        lq = mixed.masked_fill(~causal, float("-inf")).log_softmax(-1)
+        total += float((lp.exp() * (lp - lq)).masked_fill(~causal, 0).sum(-1).mean())
     return total / len(trace.keys)
