@@ -109,6 +109,9 @@ def test_budget_below_anything_feasible_gives_an_empty_front(tmp_path, tiny_dir)
     assert any("no config of the pnmix space fits" in m and "1.250" in m for m in messages)
     with db.session(readonly=True) as s:
         assert list_front_points(s, tiny_dir, campaign_id=campaign_id).items == []
+        from storage import get_campaign
+
+        assert get_campaign(s, campaign_id).status == "done"
 
 
 def tune_cmd(model: str, url: str, trials: int, *extra: str) -> list[str]:

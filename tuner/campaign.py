@@ -315,7 +315,16 @@ class CampaignRunner:
             study.optimize(objective, n_trials=remaining, callbacks=[cap, after_trial],
                            catch=(RuntimeError, MemoryError), gc_after_trial=True)
             self.write_front(study, budget)
-        self.set_progress(status="done", trials_done=self.trials_done())
+        # Only the last worker out marks the campaign done: another may still be running a trial.
+        running = any(s.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                      for s in studies.values())
+        done = self.trials_done()
+        floor = self.spec.space.min_key_bits(self.head_dim)
+        expected = self.spec.n_trials * sum(1 for b in self.spec.budgets if b >= floor)
+        if done >= expected and not running:
+            self.set_progress(status="done", trials_done=done)
+        else:
+            self.set_progress(trials_done=done)
         return studies
 
 
