@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy pnmix kernels storage api tuner
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=12
 	$(MAKE) test-compat
 
 $(COMPAT)/.installed: pyproject.toml Makefile
