@@ -24,19 +24,25 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import optuna
+from optuna.exceptions import ExperimentalWarning
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 
+warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats and metric names are stable enough
+
 OBJECTIVES: dict[str, Literal["maximize", "minimize"]] = {
     "accuracy": "maximize", "key_bits": "minimize", "kv_bytes": "minimize", "throughput": "maximize"}
+SCORE_ATTRS = ("parts", "kv_bytes", "decode_tokens_per_s", "backend", "device", "versions", "fidelity_kl",
+               "fidelity_agreement", "seconds")
 PRUNE_SLACK = 0.9  # prune only when an evaluated trial's proxy KL is at least 10% lower
 MIN_FULL = 3  # always fully evaluate the first few candidates of a study
 # A worker's trial counts as dead after GRACE_S without a heartbeat; it is then retried.
@@ -194,6 +200,13 @@ class CampaignRunner:
         if bits > budget:
             trial.set_user_attr("skipped", "over budget: no inference run")
             return self._values(0.0, bits, None)
+        twin = self._evaluated_twin(trial.study, config)
+        if twin is not None:  # the sampler proposed a config already scored here: reuse, don't re-run
+            for name in SCORE_ATTRS + ("accuracy", "proxy_kl"):
+                if name in twin.user_attrs:
+                    trial.set_user_attr(name, twin.user_attrs[name])
+            trial.set_user_attr("reused_from", twin.number)
+            return tuple(twin.values)
         warm = bool(trial.user_attrs.get("warm_start"))
         if self.spec.multi_fidelity:  # warm starts get a proxy value too: they anchor the pruning rule
             proxy = self.evaluator.proxy(config)
@@ -211,11 +224,18 @@ class CampaignRunner:
         except RuntimeError as exc:  # CUDA out of memory surfaces as RuntimeError
             trial.set_user_attr("error", str(exc).splitlines()[0][:300])
             raise
-        for name in ("parts", "kv_bytes", "decode_tokens_per_s", "backend", "device", "versions", "fidelity_kl",
-                     "fidelity_agreement", "seconds"):
+        for name in SCORE_ATTRS:
             trial.set_user_attr(name, getattr(score, name))
         trial.set_user_attr("accuracy", score.accuracy)
         return self._values(score.accuracy, bits, score)
+
+    @staticmethod
+    def _evaluated_twin(study: optuna.Study, config: PNMixConfig) -> optuna.trial.FrozenTrial | None:
+        wanted = config.to_dict()
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if "accuracy" in t.user_attrs and t.user_attrs.get("config") == wanted:
+                return t
+        return None
 
     def _cap_reached(self, trial: optuna.Trial) -> bool:
         states = (*FINISHED_STATES, optuna.trial.TrialState.RUNNING)
