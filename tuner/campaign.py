@@ -357,8 +357,11 @@ def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def front_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Feasible, fully evaluated Pareto-optimal trials (Optuna's best_trials honour constraints)."""
-    return [t for t in study.best_trials if "accuracy" in t.user_attrs]
+    """Feasible, fully evaluated Pareto-optimal trials (Optuna's best_trials honour constraints).
+
+    A trial that reused the score of an identical earlier config is left out: the earlier one stands.
+    """
+    return [t for t in study.best_trials if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs]
 
 
 def hypervolume_2d(points: Sequence[tuple[float, float]], budget: float) -> float:
