@@ -140,10 +140,14 @@ def attention_kl(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, prefill:
     causal = torch.arange(t)[None, :] <= torch.arange(prefill, t)[:, None]
     logits = torch.einsum("htd,hsd->hts", qd, k.repeat_interleave(group, 0)) * scaling
     logits_hat = torch.einsum("htd,hsd->hts", qd, k_hat.repeat_interleave(group, 0)) * scaling
-    lp = logits.masked_fill(~causal, float("-inf")).log_softmax(-1)
-    lp_hat = logits_hat.masked_fill(~causal, float("-inf")).log_softmax(-1)
-    kl = (lp.exp() * (lp - lp_hat)).masked_fill(~causal, 0).sum(-1)
-    return float(kl.mean())
+    return float(masked_kl(logits, logits_hat, causal).mean())
+
+
+def masked_kl(logits: torch.Tensor, logits_hat: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(logits) || softmax(logits_hat)) per row, over the keys `visible` (bool, broadcasts)."""
+    lp = logits.masked_fill(~visible, float("-inf")).log_softmax(-1)
+    lp_hat = logits_hat.masked_fill(~visible, float("-inf")).log_softmax(-1)
+    return (lp.exp() * (lp - lp_hat)).masked_fill(~visible, 0).sum(-1)
 
 
 def analyze(trace: Trace, pairing: Pairing, group: int = 64, ratio: float = 0.5, n_sink: int = 32) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from pnmix.analysis import Trace, quantize_pnmix
+from pnmix.analysis import Trace, masked_kl, quantize_pnmix
 from pnmix.config import PNMixConfig
 from pnmix.saliency import Pairing, saliency_scores, select_salient_pairs
 
@@ -54,9 +54,9 @@ def proxy_kl(trace: Trace, config: PNMixConfig, pairing: Pairing, n_queries: int
     for li, (q, k) in enumerate(zip(trace.queries, trace.keys, strict=True)):
         h_kv, _, d = k.shape
         group = q.shape[0] // h_kv
-        mask = torch.zeros((1, p), dtype=torch.bool)
-        mask[:] = True
-        scores = saliency_scores(config.criterion, q[None, :, :p], k[None, :, :p], mask, pairing, config.seed + li)[0]
+        prefill_mask = torch.ones((1, p), dtype=torch.bool)
+        scores = saliency_scores(config.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
+                                 config.seed + li)[0]
         pairs = select_salient_pairs(scores, config.salient_pairs(d))
         k_hat = k.clone()
         k_hat[:, sinks : sinks + n_q] = quantize_pnmix(k[:, sinks : sinks + n_q], pairs, config.b_high, config.b_low,
@@ -65,7 +65,5 @@ def proxy_kl(trace: Trace, config: PNMixConfig, pairing: Pairing, n_queries: int
         exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
         approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
         mixed = torch.where(use_packed, approx, exact)
-        lp = exact.masked_fill(~causal, float("-inf")).log_softmax(-1)
-        lq = mixed.masked_fill(~causal, float("-inf")).log_softmax(-1)
-        total += float((lp.exp() * (lp - lq)).masked_fill(~causal, 0).sum(-1).mean())
+        total += float(masked_kl(exact, mixed, causal).mean())
     return total / len(trace.keys)
