@@ -50,6 +50,7 @@ def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int) -> Trace:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     prefill = input_ids.shape[1]
+    input_ids = input_ids.to(model.device)
     full = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           pad_token_id=model.config.eos_token_id)

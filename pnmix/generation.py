@@ -44,8 +44,8 @@ def generate(
 ) -> tuple[torch.Tensor, PNMixCache]:
     """Greedy generation (unless told otherwise) with a PN-Mix cache; returns (new tokens, cache)."""
     cache = new_cache(model, config)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    input_ids = input_ids.to(model.device)  # callers tokenize on the CPU; the model may sit on a GPU
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(model.device)
     generate_kwargs.setdefault("do_sample", False)
     out = model.generate(
         input_ids=input_ids,

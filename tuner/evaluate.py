@@ -91,7 +91,7 @@ class Evaluator:
         self.pairing = rope_pairing(self.model.config)
         self.head_dim = self.loaded.shape.head_dim
         self.device = str(self.model.device)
-        self.backend = "torch-reference" if self.model.device.type == "cpu" else "cuda"
+        self.backend = self._backend_label()
         self._prepared: dict[str, Any] | None = None
         self._trace: Any = None
 
@@ -240,6 +240,14 @@ class Evaluator:
         decode_s = max((t2 - t1) - (t1 - t0), 1e-6)
         peak = int(torch.cuda.max_memory_allocated()) if cuda else None
         return int(cache.nbytes()["total"]), (COST_NEW_TOKENS - 1) / decode_s, peak
+
+    def _backend_label(self) -> str:
+        """What runs PN-Mix attention here: the kernels on CUDA unless the torch path is forced."""
+        from pnmix.backend import backend_name
+
+        if self.model.device.type == "cpu":
+            return "torch-reference"
+        return "torch-cuda" if backend_name() == "torch" else "triton"
 
     def _device_name(self) -> str:
         if self.model.device.type == "cuda":

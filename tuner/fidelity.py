@@ -42,6 +42,7 @@ class Fidelity:
 def trajectory(model: Any, prompt_ids: torch.Tensor, n_tokens: int) -> list[int]:
     """The unquantized model's greedy continuation of prompt_ids [1, P], exactly n_tokens long."""
     model.set_attn_implementation("sdpa")
+    prompt_ids = prompt_ids.to(model.device)
     out = model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
                          max_new_tokens=n_tokens, min_new_tokens=n_tokens, pad_token_id=model.config.eos_token_id)
     return [int(t) for t in out[0, prompt_ids.shape[1]:]]
@@ -51,7 +52,7 @@ def trajectory(model: Any, prompt_ids: torch.Tensor, n_tokens: int) -> list[int]
 def reference_logits(model: Any, prompt_ids: torch.Tensor, continuation: list[int]) -> torch.Tensor:
     """fp logits [n, vocab] predicting each continuation token, from one full forward pass."""
     model.set_attn_implementation("sdpa")
-    full = torch.cat([prompt_ids, torch.tensor([continuation])], dim=1)
+    full = torch.cat([prompt_ids, torch.tensor([continuation])], dim=1).to(model.device)
     logits = model(input_ids=full, use_cache=False).logits[0].float()
     p = prompt_ids.shape[1]
     return logits[p - 1 : p - 1 + len(continuation)]
@@ -63,9 +64,9 @@ def replay(model: Any, prompt_ids: torch.Tensor, continuation: list[int], config
     """Teacher-forces `continuation` through a PN-Mix cache; compares with `reference` logits."""
     cache = new_cache(model, config)
     kw = cache_kwargs(model, cache)
-    out = model(input_ids=prompt_ids, use_cache=True, **kw)
+    out = model(input_ids=prompt_ids.to(model.device), use_cache=True, **kw)
     pieces = [out.logits[0, -1:].float()]
-    tokens = torch.tensor([continuation[:-1]])
+    tokens = torch.tensor([continuation[:-1]], device=model.device)
     for start in range(0, tokens.shape[1], chunk):
         out = model(input_ids=tokens[:, start : start + chunk], use_cache=True, **kw)
         pieces.append(out.logits[0].float())

@@ -44,9 +44,11 @@ def proxy_kl(trace: Trace, config: PNMixConfig, pairing: Pairing, n_queries: int
     p = trace.prefill_len
     t = trace.keys[0].shape[1]
     stride = max(1, (t - p) // n_queries)
+    dev = trace.keys[0].device
     positions = torch.arange(p, t, stride)  # [Q]
-    packed_upto = torch.tensor([quantized_tokens(config, p, int(pos) + 1) for pos in positions])
-    s_idx = torch.arange(t)
+    packed_upto = torch.tensor([quantized_tokens(config, p, int(pos) + 1) for pos in positions], device=dev)
+    positions = positions.to(dev)
+    s_idx = torch.arange(t, device=dev)
     sinks = min(config.n_sink, t)
     use_packed = (s_idx[None, :] >= sinks) & (s_idx[None, :] < sinks + packed_upto[:, None])  # [Q, T]
     causal = s_idx[None, :] <= positions[:, None]
@@ -54,7 +56,7 @@ def proxy_kl(trace: Trace, config: PNMixConfig, pairing: Pairing, n_queries: int
     for li, (q, k) in enumerate(zip(trace.queries, trace.keys, strict=True)):
         h_kv, _, d = k.shape
         group = q.shape[0] // h_kv
-        prefill_mask = torch.ones((1, p), dtype=torch.bool)
+        prefill_mask = torch.ones((1, p), dtype=torch.bool, device=dev)
         scores = saliency_scores(config.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
                                  config.seed + li)[0]
         pairs = select_salient_pairs(scores, config.salient_pairs(d))
