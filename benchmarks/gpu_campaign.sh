@@ -12,8 +12,10 @@
 #               A campaign cut by the deadline resumes on the next `campaign` run (same machine,
 #               back to back: the database lives in /tmp/pnmix-gpu); every run copies the database
 #               and logs to $OUT.
-# Run from the repository root with PYTHONPATH set to the carried wheels and the checkout.
+# Run from the checkout with PYTHONPATH set to the carried wheels and the checkout; CARRY is the
+# folder that holds the carried .gpu/ and .model/ (default: the current directory).
 set -uo pipefail
+CARRY=${CARRY:-.}
 stage=${1:?usage: gpu_campaign.sh preflight|campaign}
 OUT=${OUT:-/tmp/pnmix-out}
 mkdir -p "$OUT"
@@ -23,12 +25,12 @@ PY=python3
 
 case "$stage" in
 preflight)
-  $PY benchmarks/gpu_probe.py --tokenizer .gpu/tokenizer --tiny-out /tmp/tiny-llama --json "$OUT/probe.json" \
+  $PY benchmarks/gpu_probe.py --tokenizer "$CARRY/.gpu/tokenizer" --tiny-out /tmp/tiny-llama --json "$OUT/probe.json" \
     2>&1 | grep -v Warning | tee "$OUT/probe.log" | tail -5
   rm -rf /tmp/smoke && mkdir -p /tmp/smoke
   db=sqlite:////tmp/smoke/campaign.db
   $PY -m api.cli db upgrade --database-url "$db"
-  $PY -m api.cli tune --model /tmp/tiny-llama --budgets 3.0 --budgets 2.3 --trials 6 --profile smoke \
+  $PY -m api.cli tune --model /tmp/tiny-llama --budgets 3.0 --budgets 2.3 --trials 4 --profile smoke \
     --backend triton --storage "$db" --enqueue
   for w in 1 2 3; do
     $PY -m api.cli worker --campaign 1 --storage "$db" > "$OUT/smoke-worker$w.log" 2>&1 &
@@ -36,15 +38,15 @@ preflight)
   wait
   $PY -m api.cli fronts --model /tmp/tiny-llama --storage "$db" 2>&1 | tail -20
   $PY benchmarks/campaign_summary.py --storage "$db" --json "$OUT/smoke-summary.json"
-  tail -3 "$OUT"/smoke-worker*.log
+  for f in "$OUT"/smoke-worker*.log; do tail -n 3 "$f"; done
   ;;
 campaign)
   : "${DEADLINE_S:=500}" "${PNMIX_TRIALS:=16}" "${KIVI_TRIALS:=6}" "${PNMIX_WORKERS:=3}" "${MF_BUDGET:=2.25}"
   : "${MF_TRIALS:=12}"
   gguf=/tmp/pnmix-model/SmolLM2-135M-Instruct.Q4_1.gguf
   if [ ! -f "$gguf" ]; then
-    cat /tmp/pnmix-model/part.aa .model/part.ab > "$gguf" || exit 1
-    (cd /tmp/pnmix-model && echo "$(cat "$OLDPWD/.model/sha256" | cut -d' ' -f1)  $(basename "$gguf")" | sha256sum -c) || exit 1
+    cat /tmp/pnmix-model/part.aa "$CARRY/.model/part.ab" > "$gguf" || exit 1
+    echo "$(cut -d' ' -f1 "$CARRY/.model/sha256")  $gguf" | sha256sum -c || exit 1
   fi
   export PNMIX_SMOLLM2_GGUF=$gguf
   mkdir -p /tmp/pnmix-gpu
@@ -83,8 +85,8 @@ EOF
   $PY benchmarks/campaign_summary.py --storage "$db" --json "$OUT/campaign-summary.json" --markdown "$OUT/fronts.md"
   $PY -m api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
   cp /tmp/pnmix-gpu/campaign.db "$OUT/campaign.db"
-  tail -4 "$OUT/multifidelity.log"
-  tail -2 "$OUT"/*worker*.log
+  tail -n 4 "$OUT/multifidelity.log"
+  for f in "$OUT"/*worker*.log; do tail -n 2 "$f"; done
   ;;
 *) echo "unknown stage $stage: allowed preflight, campaign"; exit 2 ;;
 esac

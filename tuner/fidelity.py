@@ -52,7 +52,8 @@ def trajectory(model: Any, prompt_ids: torch.Tensor, n_tokens: int) -> list[int]
 def reference_logits(model: Any, prompt_ids: torch.Tensor, continuation: list[int]) -> torch.Tensor:
     """fp logits [n, vocab] predicting each continuation token, from one full forward pass."""
     model.set_attn_implementation("sdpa")
-    full = torch.cat([prompt_ids, torch.tensor([continuation])], dim=1).to(model.device)
+    prompt_ids = prompt_ids.to(model.device)
+    full = torch.cat([prompt_ids, torch.tensor([continuation], device=model.device)], dim=1)
     logits = model(input_ids=full, use_cache=False).logits[0].float()
     p = prompt_ids.shape[1]
     return logits[p - 1 : p - 1 + len(continuation)]
