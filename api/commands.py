@@ -67,7 +67,7 @@ def db_upgrade(
 def db_current(database_url: DatabaseUrl = None) -> None:
     """Print the schema revision of the database and whether it is current."""
     from storage.engine import Database
-    from storage.migrations import current_revision, head_revision
+    from storage.migrations import current_revision, head_revision, known_revisions
     from storage.settings import load_storage_settings
 
     db = Database.from_settings(load_storage_settings(database_url=database_url))
@@ -75,7 +75,12 @@ def db_current(database_url: DatabaseUrl = None) -> None:
         current, head = current_revision(db.engine), head_revision()
     finally:
         db.dispose()
-    state = "current" if current == head else "needs `pnmix db upgrade`"
+    if current == head:
+        state = "current"
+    elif current is not None and current not in known_revisions():
+        state = "unknown to this pnmix: written by a newer pnmix; upgrade pnmix"
+    else:
+        state = "needs `pnmix db upgrade`"
     typer.echo(f"{db.display_url}: revision {current or 'none'} (head {head}, {state})")
 
 

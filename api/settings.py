@@ -29,6 +29,7 @@ class Settings(StorageSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     default_page_size: int = Field(default=50, ge=1, le=MAX_PAGE_SIZE)
     check_schema: bool = Field(default=True, description="refuse to start unless the schema is at head")
+    max_body_bytes: int = Field(default=64 * 1024, ge=1, description="larger request bodies are refused with 413")
 
     @property
     def writes_enabled(self) -> bool:

@@ -7,6 +7,8 @@ The write API (`upsert_model`, `create_campaign`, `claim_next_queued_campaign`,
 
 from storage.engine import Database, display_url, make_engine
 from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError, SchemaError, StorageError
+from storage.faults import describe as describe_database_error
+from storage.faults import is_transient
 from storage.migrations import check_schema, current_revision, head_revision, upgrade
 from storage.orm import Base, Campaign, FrontPoint, Model
 from storage.read import (
@@ -29,6 +31,7 @@ from storage.write import (
     create_campaign,
     registry_model,
     replace_front,
+    touch_campaign,
     update_campaign_progress,
     upsert_model,
 )
@@ -55,10 +58,12 @@ __all__ = [
     "claim_next_queued_campaign",
     "create_campaign",
     "current_revision",
+    "describe_database_error",
     "display_url",
     "get_campaign",
     "get_model",
     "head_revision",
+    "is_transient",
     "list_campaigns",
     "list_front_points",
     "list_models",
@@ -67,6 +72,7 @@ __all__ = [
     "recommend",
     "registry_model",
     "replace_front",
+    "touch_campaign",
     "update_campaign_progress",
     "upgrade",
     "upsert_model",

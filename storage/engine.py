@@ -24,10 +24,11 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage.errors import StorageError
+from storage.faults import describe
 from storage.settings import StorageSettings, load_storage_settings
 
 _READONLY = "pnmix_readonly"
@@ -144,11 +145,4 @@ def wrap_errors(where: str) -> Iterator[None]:
     except StorageError:
         raise
     except SQLAlchemyError as exc:
-        raise StorageError(f"database error on {where}: {_one_line(exc)}") from exc
-
-
-def _one_line(exc: SQLAlchemyError) -> str:
-    original = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    text = str(original).strip().splitlines()
-    first = text[0] if text else type(original).__name__
-    return f"{type(original).__name__}: {first}"[:300]
+        raise StorageError(describe(exc, where)) from exc

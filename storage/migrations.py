@@ -68,6 +68,9 @@ def _run(db: Database, direction: str, revision: str) -> tuple[str | None, str |
 
     config = alembic_config()
     before = current_revision(db.engine)
+    if before is not None and before not in known_revisions():
+        # Alembic would fail with "Can't locate revision"; a downgrade from it is impossible too.
+        raise SchemaError(_newer_message(db.display_url, before))
     try:
         with wrap_errors(db.display_url), db.engine.begin() as conn:
             config.attributes["connection"] = conn
@@ -87,17 +90,24 @@ def check_schema(db: Database) -> str:
         tables = _tables(db.engine)
         what = "has no pnmix tables" if not any(t.startswith("pnmix_") for t in tables) else "has no schema revision"
         raise SchemaError(f"database {db.display_url} {what}: {UPGRADE_HINT}")
-    from alembic.script import ScriptDirectory
-
-    known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
-    if current not in known:
-        raise SchemaError(
-            f"database {db.display_url} is at schema revision {current}, newer than this pnmix (head {head}): "
-            "upgrade pnmix"
-        )
+    if current not in known_revisions():
+        raise SchemaError(_newer_message(db.display_url, current))
     raise SchemaError(
         f"database {db.display_url} is at schema revision {current}, this pnmix needs {head}: {UPGRADE_HINT}"
     )
+
+
+@lru_cache(maxsize=1)
+def known_revisions() -> frozenset[str]:
+    """Every revision in alembic/versions."""
+    from alembic.script import ScriptDirectory
+
+    return frozenset(rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions())
+
+
+def _newer_message(where: str, current: str) -> str:
+    return (f"database {where} is at schema revision {current}, newer than this pnmix (head {head_revision()}, "
+            "which does not know it): upgrade pnmix, or use another database")
 
 
 def _tables(engine: Engine) -> list[str]:

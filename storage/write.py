@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from pnmix.bits import key_bits
@@ -211,20 +212,32 @@ def create_campaign(
     return campaign
 
 
-def claim_next_queued_campaign(session: Session, worker_id: str) -> Campaign | None:
+def claim_next_queued_campaign(
+    session: Session, worker_id: str, stale_after_s: float | None = None
+) -> Campaign | None:
     """Marks the oldest queued campaign as running for `worker_id` and returns it (None if none).
+
+    With `stale_after_s`, a `running` campaign whose heartbeat (`heartbeat_at`, refreshed by its
+    worker every few seconds) is older than that is claimed too: its worker died (kill -9, a lost
+    host) and nothing else would ever finish it. The new worker resumes it through Optuna, whose
+    own heartbeats retry the dead worker's trial.
 
     Safe with many workers: on PostgreSQL the row is taken with `SELECT ... FOR UPDATE SKIP LOCKED`,
     so concurrent workers get different campaigns without waiting on each other; on every backend
-    the status change is a compare-and-set (`UPDATE ... WHERE status = 'queued'`), so one campaign
-    is never claimed twice. Commit promptly (end the session block) to publish the claim.
+    the status change is a compare-and-set (`UPDATE ... WHERE status = 'queued'`, or the stale
+    heartbeat), so one campaign is never claimed twice. Commit promptly (end the session block)
+    to publish the claim.
     """
     if not worker_id:
         raise InvalidValueError("worker_id must be a non-empty string")
+    claimable = Campaign.status == "queued"
+    if stale_after_s is not None:
+        cutoff = utcnow() - timedelta(seconds=stale_after_s)
+        claimable = or_(claimable, and_(Campaign.status == "running", Campaign.heartbeat_at < cutoff))
     for _ in range(100):  # another worker may win a candidate between our SELECT and UPDATE (SQLite)
         candidate = session.scalars(
             select(Campaign.id)
-            .where(Campaign.status == "queued")
+            .where(claimable)
             .order_by(Campaign.id)
             .limit(1)
             .with_for_update(skip_locked=True)
@@ -234,8 +247,9 @@ def claim_next_queued_campaign(session: Session, worker_id: str) -> Campaign | N
         now = utcnow()
         claimed = session.execute(
             update(Campaign)
-            .where(Campaign.id == candidate, Campaign.status == "queued")
-            .values(status="running", worker_id=worker_id, started_at=now, heartbeat_at=now)
+            .where(Campaign.id == candidate, claimable)
+            .values(status="running", worker_id=worker_id, started_at=func.coalesce(Campaign.started_at, now),
+                    heartbeat_at=now)
             .execution_options(synchronize_session=False)
         )
         if claimed.rowcount == 1:  # type: ignore[attr-defined]
@@ -243,6 +257,20 @@ def claim_next_queued_campaign(session: Session, worker_id: str) -> Campaign | N
             assert campaign is not None
             return campaign
     return None
+
+
+def touch_campaign(session: Session, campaign_id: int, worker_id: str | None = None) -> bool:
+    """Refreshes a running campaign's heartbeat (and owner); False when it is not running any more."""
+    values: dict[str, Any] = {"heartbeat_at": utcnow()}
+    if worker_id:
+        values["worker_id"] = worker_id
+    result = session.execute(
+        update(Campaign)
+        .where(Campaign.id == campaign_id, Campaign.status == "running")
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 def update_campaign_progress(

@@ -16,13 +16,25 @@ A trial:
 After every finished trial the (campaign, budget) front, from `study.best_trials` (feasible
 only), replaces the stored one in one transaction: a killed run leaves the last whole front.
 Running the same campaign again resumes it: finished trials count, none is re-run.
+
+Faults (docs/reliability.md): a trial that runs out of memory is recorded FAILED with the reason
+(user attribute `error`) and another trial takes its place, up to `MAX_FAILED_TRIALS`; a lost
+database connection is retried with backoff (`PNMIX_DB_RETRIES` consecutive failures, first wait
+`PNMIX_DB_RETRY_S`) and then ends the run with one line; a worker that finishes its own trials
+waits for the other workers' running ones, or fails them once their heartbeat is stale so that
+Optuna's retry (a copy of the trial, WAITING) runs here; the campaign row carries a heartbeat
+too, so `pnmix worker` can reclaim a campaign whose every worker died.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,6 +46,7 @@ from optuna.exceptions import ExperimentalWarning
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
+from storage.errors import StorageError
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 
@@ -48,6 +61,10 @@ MIN_FULL = 3  # always fully evaluate the first few candidates of a study
 # A worker's trial counts as dead after GRACE_S without a heartbeat; it is then retried.
 HEARTBEAT_S = int(os.environ.get("PNMIX_HEARTBEAT_S", "10"))
 GRACE_S = int(os.environ.get("PNMIX_GRACE_S", "30"))
+# Consecutive database failures tolerated (waits of DB_RETRY_S, doubling, at most 30 s) before giving up.
+DB_RETRIES = int(os.environ.get("PNMIX_DB_RETRIES", "5"))
+DB_RETRY_S = float(os.environ.get("PNMIX_DB_RETRY_S", "1"))
+log = logging.getLogger("pnmix.tuner")
 
 Progress = Callable[[str], None]
 
@@ -105,8 +122,14 @@ def study_name(campaign_id: int, budget: float) -> str:
 
 
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:
-    """Optuna's RDB storage on our database, with heartbeats so a dead worker's trial is retried."""
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    """Optuna's RDB storage on our database, with heartbeats so a dead worker's trial is retried.
+
+    PostgreSQL: pooled connections are pinged before use (a connection the server dropped is
+    replaced, not used). SQLite: a 60 s busy timeout; the driver's default transaction handling
+    begins a transaction only at the first write, so a writer waits for the lock instead of failing
+    "database is locked" (tests/reliability/test_sqlite_writers.py runs four at once).
+    """
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
 
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
@@ -115,13 +138,92 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
         kwargs["pool_pre_ping"] = True
     for attempt in range(3):
         try:
-            return RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2))
+            return _Storage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                               heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2))
         except Exception:  # two workers creating Optuna's tables at once: one loses the race, then finds them
             if attempt == 2:
                 raise
             time.sleep(1 + attempt)
     raise AssertionError("unreachable")
+
+
+class _Storage(optuna.storages.RDBStorage):
+    """RDBStorage whose heartbeat survives a dropped connection.
+
+    Optuna records a trial's heartbeat from a thread; an exception there ends the thread with a
+    traceback, and the trial, though alive, goes stale and is run twice. A failed beat is skipped
+    instead: the next one (a new pooled connection) usually succeeds, and if the database stays
+    away the trial is retried like a dead worker's, which is right.
+    """
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        try:
+            super().record_heartbeat(trial_id)
+        except Exception as exc:
+            log.warning("trial heartbeat not recorded: %s", _one_line(exc))
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        """Optuna's stale trials, plus RUNNING ones that never recorded a heartbeat and started longer
+        than the grace period ago (a worker killed, or cut off, between creating a trial and its first beat)."""
+        from datetime import UTC, datetime, timedelta
+
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        stale = super()._get_stale_trial_ids(study_id)
+        grace = (self.grace_period or 2 * (self.heartbeat_interval or HEARTBEAT_S)) + (self.heartbeat_interval or 0)
+        cutoff = datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=grace)  # stored as naive UTC
+        with _create_scoped_session(self.scoped_session, True) as session:
+            beating = {trial_id for (trial_id,) in session.query(models.TrialHeartbeatModel.trial_id)
+                       .join(models.TrialModel).filter(models.TrialModel.study_id == study_id)}
+            silent = session.query(models.TrialModel.trial_id).filter(
+                models.TrialModel.study_id == study_id, models.TrialModel.state == optuna.trial.TrialState.RUNNING,
+                models.TrialModel._datetime_start_utc < cutoff).all()
+        return stale + [trial_id for (trial_id,) in silent if trial_id not in beating and trial_id not in stale]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What a failed trial's `error` attribute says: out-of-memory errors are named as such."""
+    text = str(exc).strip().splitlines()
+    first = (text[0] if text else type(exc).__name__)[:300]
+    lowered = first.lower()
+    oom = isinstance(exc, MemoryError) or any(
+        needle in lowered for needle in ("out of memory", "can't allocate memory", "not enough memory"))
+    if oom:
+        return f"out of memory: {first}" if text else f"out of memory: {type(exc).__name__}"
+    return f"{type(exc).__name__}: {first}"
+
+
+class CampaignHeartbeat:
+    """Refreshes the campaign row's `heartbeat_at` every HEARTBEAT_S while this worker runs it."""
+
+    def __init__(self, db: Any, campaign_id: int, worker_id: str) -> None:
+        self.db, self.campaign_id, self.worker_id = db, campaign_id, worker_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"pnmix-campaign-{campaign_id}", daemon=True)
+
+    def __enter__(self) -> CampaignHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=HEARTBEAT_S + 5)
+
+    def _beat(self) -> None:
+        from storage import touch_campaign
+
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                with self.db.session() as s:
+                    touch_campaign(s, self.campaign_id, self.worker_id)
+            except Exception as exc:  # the trial loop meets the same fault and decides; a beat just waits
+                log.warning("campaign heartbeat not recorded: %s", _one_line(exc))
 
 
 class CampaignRunner:
@@ -138,6 +240,7 @@ class CampaignRunner:
         self.worker_id = worker_id
         self.head_dim = evaluator.head_dim
         self.storage = optuna_storage(url)
+        self._db_failures = 0  # consecutive; a finished trial resets it
 
     # -- the study of one budget ---------------------------------------------------------------
 
@@ -218,11 +321,12 @@ class CampaignRunner:
                       f"G{config.group_size} r{config.salient_ratio:g} sinks {config.n_sink}: evaluating")
         try:
             score = self.evaluator.evaluate(config)
-        except MemoryError as exc:
-            trial.set_user_attr("error", f"out of memory: {exc}")
-            raise
-        except RuntimeError as exc:  # CUDA out of memory surfaces as RuntimeError
-            trial.set_user_attr("error", str(exc).splitlines()[0][:300])
+        except (MemoryError, RuntimeError) as exc:  # torch's (CUDA or CPU) out of memory is a RuntimeError
+            if isinstance(exc, StorageError):
+                raise
+            reason = failure_reason(exc)
+            self.progress(f"budget {budget:g}: trial {trial.number} failed: {reason}")
+            trial.set_user_attr("error", reason)
             raise
         for name in SCORE_ATTRS:
             trial.set_user_attr(name, getattr(score, name))
@@ -297,47 +401,89 @@ class CampaignRunner:
                 study = optuna.load_study(study_name=study_name(self.campaign_id, budget), storage=self.storage)
             except KeyError:
                 continue
-            done += len(finished(study))
+            done += min(len(finished(study)), self.spec.n_trials)  # racing workers may add one more
         return done
 
     # -- running ---------------------------------------------------------------------------------
 
     def run(self, on_trial: Callable[[float, optuna.Study], None] | None = None) -> dict[float, optuna.Study]:
+        """Runs every budget to its trial count; returns the studies by budget.
+
+        First pass: each budget until its remaining trials are all finished or being run by other
+        workers. Second pass: wait for those (failing the stale ones of dead workers, whose retries
+        then run here), so that the last worker out leaves every budget complete and marks it done.
+        """
+        self._guarded("starting", lambda: self.set_progress(
+            status="running", study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
+            trials_total=self.spec.n_trials * len(self.spec.budgets)))
+        studies: dict[float, optuna.Study] = {}
+        with CampaignHeartbeat(self.db, self.campaign_id, self.worker_id):
+            for wait in (False, True):
+                for budget in self.spec.budgets:
+                    studies[budget] = self._guarded(
+                        f"budget {budget:g}", functools.partial(self._run_budget, budget, on_trial, wait=wait))
+            self._guarded("finishing", lambda: self._finish(studies))
+        return studies
+
+    def _run_budget(self, budget: float, on_trial: Callable[[float, optuna.Study], None] | None,
+                    wait: bool) -> optuna.Study:
         from optuna.study import MaxTrialsCallback
 
-        self.set_progress(status="running",
-                          study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
-                          trials_total=self.spec.n_trials * len(self.spec.budgets))
-        studies = {}
-        for budget in self.spec.budgets:
-            study = self.study(budget)
-            studies[budget] = study
-            floor = self.spec.space.min_key_bits(self.head_dim)
-            if budget < floor:
+        study = self.study(budget)
+        floor = self.spec.space.min_key_bits(self.head_dim)
+        if budget < floor:
+            if not wait:
                 self.progress(f"budget {budget:g}: no config of the {self.spec.method} space fits (the smallest "
                               f"needs {floor:.3f} key bits); its front stays empty")
-                self.write_front(study, budget)
-                continue
+            self.write_front(study, budget)
+            return study
+
+        def after_trial(st: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            self.write_front(st, budget)
+            self._db_failures = 0
+            if on_trial:
+                on_trial(budget, st)
+
+        def objective(trial: optuna.Trial) -> tuple[float, ...]:
+            return self.objective(trial, budget)
+
+        # The trial cap counts every worker's finished trials, so many workers stop together.
+        cap = MaxTrialsCallback(self.spec.n_trials, states=FINISHED_STATES)
+        while True:
             remaining = self.spec.n_trials - len(finished(study))
             if remaining <= 0:
+                break
+            running = len(running_trials(study))  # this worker runs none between optimize calls: others' trials
+            if remaining > running:
+                study.optimize(objective, n_trials=remaining - running, callbacks=[cap, after_trial],
+                               catch=(RuntimeError, MemoryError), gc_after_trial=True)
+                self._check_failures(study, budget)
                 continue
+            if not wait:
+                break
+            # Every remaining trial is another worker's: wait for it, or for its heartbeat to go stale.
+            time.sleep(min(HEARTBEAT_S, 5))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)  # a dead worker's trial -> FAIL, plus a WAITING copy
+        self.write_front(study, budget)
+        return study
 
-            def after_trial(st: optuna.Study, trial: optuna.trial.FrozenTrial, budget: float = budget) -> None:
-                self.write_front(st, budget)
-                if on_trial:
-                    on_trial(budget, st)
+    def _check_failures(self, study: optuna.Study, budget: float) -> None:
+        """Stops the campaign (status failed) once too many trials of a budget failed, e.g. all out of memory."""
+        failed = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+                  if "error" in t.user_attrs]
+        limit = max(MAX_FAILED_TRIALS, self.spec.n_trials)
+        if len(failed) < limit:
+            return
+        last = failed[-1].user_attrs["error"]
+        message = f"budget {budget:g}: {len(failed)} trials failed, the last with {last}"
+        self.set_progress(status="failed", message=message)
+        raise EvalError(f"campaign {self.campaign_id} stopped: {message}")
 
-            # The trial cap counts every worker's finished trials, so many workers stop together.
-            cap = MaxTrialsCallback(self.spec.n_trials, states=FINISHED_STATES)
-            def objective(trial: optuna.Trial, budget: float = budget) -> tuple[float, ...]:
-                return self.objective(trial, budget)
-
-            study.optimize(objective, n_trials=remaining, callbacks=[cap, after_trial],
-                           catch=(RuntimeError, MemoryError), gc_after_trial=True)
-            self.write_front(study, budget)
+    def _finish(self, studies: dict[float, optuna.Study]) -> None:
         # Only the last worker out marks the campaign done: another may still be running a trial.
-        running = any(s.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-                      for s in studies.values())
+        running = any(running_trials(s) for s in studies.values())
         done = self.trials_done()
         floor = self.spec.space.min_key_bits(self.head_dim)
         expected = self.spec.n_trials * sum(1 for b in self.spec.budgets if b >= floor)
@@ -345,10 +491,43 @@ class CampaignRunner:
             self.set_progress(status="done", trials_done=done)
         else:
             self.set_progress(trials_done=done)
-        return studies
+
+    def _guarded(self, what: str, step: Callable[[], Any]) -> Any:
+        """Runs `step`, again after a transient database fault (bounded, with backoff).
+
+        Every step resumes from the database, so running it again is safe. A permanent fault (disk
+        full, read-only file), or a transient one past DB_RETRIES in a row, ends the run with one line.
+        """
+        from storage import describe_database_error, is_transient
+        from storage.faults import database_error
+
+        while True:
+            try:
+                return step()
+            except Exception as exc:
+                if database_error(exc) is None or isinstance(exc, EvalError):
+                    raise
+                where = self.db.display_url
+                if not is_transient(exc):
+                    raise StorageError(describe_database_error(exc, where)) from None
+                self._db_failures += 1
+                if self._db_failures > DB_RETRIES:
+                    raise StorageError(f"gave up after {DB_RETRIES} retries: "
+                                       f"{describe_database_error(exc, where)}") from None
+                delay = min(DB_RETRY_S * 2 ** (self._db_failures - 1), 30.0)
+                message = (f"warning: database fault while {what}, retry {self._db_failures}/{DB_RETRIES} in "
+                           f"{delay:g} s: {describe_database_error(exc, where)}")
+                print(message, file=sys.stderr, flush=True)
+                self.progress(message)
+                time.sleep(delay)
 
 
 FINISHED_STATES = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+MAX_FAILED_TRIALS = 3  # per budget (at least the trial count): beyond it the campaign is marked failed
+
+
+def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
 
 
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -46,6 +46,8 @@ def eval_config(
     gsm8k: Annotated[str | None, typer.Option(help="JSONL file of {question, answer} to add as a task")] = None,
     tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k")] = None,
     compare: Annotated[str | None, typer.Option(help="comma-separated presets to score side by side")] = None,
+    config_file: Annotated[str | None, typer.Option("--config", help="PNMixConfig JSON file, e.g. from "
+                                                    "`pnmix export`")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Score PN-Mix configs by real inference: accuracy parts, key bits, bytes held, decode tokens/s."""
@@ -58,7 +60,11 @@ def eval_config(
     from tuner.profiles import profile
 
     prof = profile(profile_name)
-    if compare:
+    if config_file:
+        if compare:
+            raise EvalError("give --config or --compare, not both")
+        configs = {config_file: load_config_file(config_file)}
+    elif compare:
         configs = {name.strip(): preset(name.strip()) for name in compare.split(",") if name.strip()}
     else:
         cfg = config_from_options(preset_name or "pnmix-paper", b_high, b_low, group_size, salient_ratio, sinks,
@@ -92,6 +98,24 @@ def eval_config(
                       for p in part_names], f"{s.fidelity_agreement:.3f}", f"{s.fidelity_kl:.4f}",
                       f"{s.kv_bytes / 1024:.0f}", f"{s.decode_tokens_per_s:.1f}", f"{s.seconds:.0f}")
     console.print(table)
+
+
+def load_config_file(path: str) -> Any:
+    """A PNMixConfig from a JSON file (what `pnmix export` writes); bad files end in one line."""
+    from pathlib import Path
+
+    from pnmix.config import PNMixConfig
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvalError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return PNMixConfig.from_json(text)
+    except RecursionError:
+        raise EvalError(f"config file {path} is not a PNMixConfig JSON object (nested too deeply)") from None
+    except TypeError as exc:  # e.g. a field given twice through an odd mapping
+        raise EvalError(f"config file {path}: {exc}") from None
 
 
 StorageOpt = Annotated[str | None, typer.Option("--storage", help="database URL (default: PNMIX_DATABASE_URL or "
@@ -227,14 +251,18 @@ def worker(
     import time
 
     from storage import claim_next_queued_campaign, get_campaign
-    from tuner.campaign import CampaignSpec
+    from tuner.campaign import GRACE_S, CampaignSpec
     from tuner.session import open_db
 
     db = open_db(storage)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     while True:
         with db.session() as s:
-            row = get_campaign(s, campaign) if campaign is not None else claim_next_queued_campaign(s, worker_id)
+            row: Any
+            if campaign is not None:
+                row = get_campaign(s, campaign)
+            else:  # queued campaigns, and running ones whose worker stopped beating (it died)
+                row = claim_next_queued_campaign(s, worker_id, stale_after_s=GRACE_S)
             spec = CampaignSpec.from_campaign(row) if row is not None else None
             campaign_id = int(row.id) if row is not None else None
         if spec is None or campaign_id is None:
@@ -306,7 +334,14 @@ def export(
     db = open_db(storage)
     with db.session(readonly=True) as s:
         config = best_point(s, model, bits).config
-    Path(output).write_text(config.to_json() + "\n")
+    target = Path(output)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:  # written aside and renamed, so a full disk never leaves a truncated config behind
+        tmp.write_text(config.to_json() + "\n")
+        tmp.replace(target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise EvalError(f"cannot write {output}: {exc.strerror or exc}") from None
     console.print(f"wrote {output}: {config.to_json()}")
 
 

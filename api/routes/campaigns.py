@@ -36,7 +36,7 @@ def get_campaign(session: ReadSession, campaign_id: Annotated[int, Path(ge=1, le
     status_code=201,
     response_model=CampaignPublic,
     dependencies=[TokenChecked],
-    responses=problem_doc(400, 401, 403, 404, 422, 503),
+    responses=problem_doc(400, 401, 403, 404, 413, 422, 503),
 )
 def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Response) -> CampaignPublic:
     """Enqueues a campaign (status `queued`) for `pnmix worker` to pick up. Needs the bearer token.

@@ -1,0 +1,60 @@
+"""Fixtures of the reliability suite: throwaway databases, subprocesses that are always reaped, and a
+tiny real model.
+
+Every subprocess is started through `procs` and killed (by its own pid) when the test ends, pass or
+fail; every PostgreSQL database is dropped with its connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rel_helpers import Procs
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database (dropped afterwards with its connections). CI requires the server."""
+    from storage.testing import postgres_skip_reason, temporary_postgres_url
+
+    reason = postgres_skip_reason()  # raises instead when PNMIX_REQUIRE_POSTGRES is set
+    if reason:
+        pytest.skip(reason)
+    with temporary_postgres_url() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama (2 layers, head_dim 64) with the embedded model's tokenizer, as a checkpoint.
+
+    Trials on it take about a second on the CPU; what they score is meaningless, which is fine here.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pnmix import models
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
+    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=len(tok),
+                                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
+                                  eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
