@@ -20,7 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import (
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    OperationalError,
+    PendingRollbackError,
+    SQLAlchemyError,
+)
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 # Driver messages (lowercase) that no retry can fix, with what to tell the user.
@@ -70,6 +77,8 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(err, DisconnectionError | PoolTimeoutError):
         return True
+    if isinstance(err, PendingRollbackError):  # a session still holding a transaction a lost connection ended
+        return True
     if isinstance(err, OperationalError | InterfaceError):
         message = _driver_message(err)[1].lower()
         return not any(needle in message for needle in _PERMANENT)
@@ -82,6 +91,8 @@ def describe(exc: BaseException, where: str) -> str:
     if err is None:
         text = str(exc).strip().splitlines()
         return f"database error on {where}: {text[0] if text else type(exc).__name__}"[:400]
+    if isinstance(err, PendingRollbackError):
+        return f"database error on {where}: the connection was lost in the middle of a transaction"
     kind, message = _driver_message(err)
     lowered = message.lower()
     for needle, plain in _PERMANENT.items():

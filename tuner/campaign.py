@@ -160,7 +160,8 @@ class _Storage(optuna.storages.RDBStorage):
         try:
             super().record_heartbeat(trial_id)
         except Exception as exc:
-            log.warning("trial heartbeat not recorded: %s", _one_line(exc))
+            self.remove_session()  # this thread's session may hold a dead transaction: start afresh next beat
+            log.warning("warning: trial heartbeat not recorded: %s", _one_line(exc))
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         """Optuna's stale trials, plus RUNNING ones that never recorded a heartbeat and started longer
@@ -223,7 +224,7 @@ class CampaignHeartbeat:
                 with self.db.session() as s:
                     touch_campaign(s, self.campaign_id, self.worker_id)
             except Exception as exc:  # the trial loop meets the same fault and decides; a beat just waits
-                log.warning("campaign heartbeat not recorded: %s", _one_line(exc))
+                log.warning("warning: campaign heartbeat not recorded: %s", _one_line(exc))
 
 
 class CampaignRunner:
@@ -325,7 +326,7 @@ class CampaignRunner:
             if isinstance(exc, StorageError):
                 raise
             reason = failure_reason(exc)
-            self.progress(f"budget {budget:g}: trial {trial.number} failed: {reason}")
+            print(f"warning: budget {budget:g}: trial {trial.number} failed: {reason}", file=sys.stderr, flush=True)
             trial.set_user_attr("error", reason)
             raise
         for name in SCORE_ATTRS:
@@ -508,6 +509,7 @@ class CampaignRunner:
                 if database_error(exc) is None or isinstance(exc, EvalError):
                     raise
                 where = self.db.display_url
+                self.storage.remove_session()  # Optuna's session may hold the dead transaction
                 if not is_transient(exc):
                     raise StorageError(describe_database_error(exc, where)) from None
                 self._db_failures += 1

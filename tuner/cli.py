@@ -145,7 +145,9 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
 
     from tuner.campaign import CampaignRunner, finished, front_trials
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress display says what happens
+    # The progress display says what happens; failed trials and database retries get one-line warnings
+    # from the runner (Optuna's own would print a traceback for every failed trial).
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
                TimeRemainingColumn())

@@ -1,0 +1,125 @@
+"""Item 1: kill -9 a `pnmix worker` in the middle of a trial.
+
+The trial it was running keeps state RUNNING with a heartbeat that stops. Another worker fails it
+once the heartbeat is older than the grace period and runs Optuna's retry (a WAITING copy with the
+same parameters); the campaign ends with exactly the requested count, and every trial finished
+before the kill, and the stored front, are intact. A campaign whose only worker died is reclaimed
+by the next `pnmix worker` once the campaign's own heartbeat is stale (it used to stay `running`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import optuna
+from rel_helpers import PNMIX, stub_campaign, stub_worker_args, wait_for, worker_env
+
+from storage import Database, get_campaign, list_front_points, upgrade
+from tuner.campaign import CampaignSpec, finished, front_trials, study_name
+from tuner.session import find_or_create_campaign
+
+TRIALS = 6
+RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
+
+
+def load(url: str, campaign_id: int, budget: float) -> optuna.Study | None:
+    try:
+        return optuna.load_study(study_name=study_name(campaign_id, budget), storage=url)
+    except KeyError:
+        return None
+
+
+def mid_trial(url: str, campaign_id: int, budget: float, min_complete: int) -> list[optuna.trial.FrozenTrial] | None:
+    """The RUNNING trials, once at least `min_complete` trials completed and one is being evaluated."""
+    study = load(url, campaign_id, budget)
+    if study is None:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    running = [t for t in trials if t.state == RUNNING and "config" in t.user_attrs]
+    if sum(t.state == COMPLETE for t in trials) >= min_complete and running:
+        return running
+    return None
+
+
+def snapshot(study: optuna.Study) -> dict[int, tuple]:
+    return {t.number: (t.params, t.values, t.user_attrs.get("accuracy")) for t in study.get_trials(states=(COMPLETE,))}
+
+
+def stored_front(db: Database, model: str, campaign_id: int) -> set[int]:
+    with db.session(readonly=True) as s:
+        return {p.trial_number for p in list_front_points(s, model, campaign_id=campaign_id).items}
+
+
+def test_killed_worker_trial_is_retried_by_another_worker(pg_url, tiny_model_dir, procs):
+    """Real workers on the tiny model, PostgreSQL: kill -9 during an evaluation, a second worker finishes."""
+    db = Database(pg_url)
+    upgrade(db)
+    spec = CampaignSpec(model=tiny_model_dir, budgets=(3.0,), n_trials=TRIALS, profile="smoke", tasks=("fidelity",))
+    campaign_id = find_or_create_campaign(db, spec, status="queued")
+    env = worker_env()
+    a = procs.start([*PNMIX, "worker", "--storage", pg_url], env, "worker-a")
+    running = wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 2), 180, "worker A evaluating its third trial",
+                       every=0.05)
+    os.kill(a.pid, signal.SIGKILL)
+    assert a.wait(10) == -signal.SIGKILL
+    killed = {t.number: t.params for t in running}
+    study = load(pg_url, campaign_id, 3.0)
+    before = snapshot(study)
+    assert len(before) >= 2 and set(killed) and not set(killed) & set(before)
+
+    b = procs.start([*PNMIX, "worker", "--campaign", str(campaign_id), "--storage", pg_url], env, "worker-b")
+    assert procs.finish(b, 240) == 0, procs.stderr(b)[-3000:]
+
+    study = load(pg_url, campaign_id, 3.0)
+    trials = {t.number: t for t in study.get_trials()}
+    assert len(finished(study)) == TRIALS
+    assert not [t for t in trials.values() if t.state == RUNNING]
+    for number, params in killed.items():
+        assert trials[number].state == optuna.trial.TrialState.FAIL  # failed as stale, by worker B
+        retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == number]
+        assert len(retries) == 1 and retries[0].params == params
+        assert retries[0].state in (COMPLETE, optuna.trial.TrialState.PRUNED)
+    after = snapshot(study)
+    for number, state in before.items():
+        assert after[number] == state, f"trial {number} changed"
+    assert stored_front(db, tiny_model_dir, campaign_id) == {t.number for t in front_trials(study)}
+    with db.session(readonly=True) as s:
+        row = get_campaign(s, campaign_id)
+        assert (row.status, row.trials_done) == ("done", TRIALS)
+    db.dispose()
+
+
+def test_campaign_of_a_dead_worker_is_reclaimed(pg_url, procs):
+    """Stub workers: the campaign row stays `running` after kill -9 until its heartbeat is stale; then
+    the next `pnmix worker` (claiming, no --campaign) takes it over and finishes it."""
+    campaign_id = stub_campaign(pg_url, (3.0,), TRIALS)
+    env = worker_env(STUB_EVAL_S="1.0")
+    a = procs.start(stub_worker_args(pg_url), env, "stub-a")
+    running = wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 1), 60, "worker A evaluating", every=0.05)
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(10)
+    db = Database(pg_url)
+    with db.session(readonly=True) as s:
+        row = get_campaign(s, campaign_id)
+        assert (row.status, row.worker_id) == ("running", f"{socket.gethostname()}:{a.pid}")
+
+    early = procs.start(stub_worker_args(pg_url), env, "stub-early")  # heartbeat still fresh: not taken
+    assert procs.finish(early, 60) == 0
+    assert "no queued campaign" in procs.stdout(early)
+    time.sleep(3.5)  # past PNMIX_GRACE_S
+    b = procs.start(stub_worker_args(pg_url), env, "stub-b")
+    assert procs.finish(b, 120) == 0, procs.stderr(b)[-3000:]
+
+    study = load(pg_url, campaign_id, 3.0)
+    assert len(finished(study)) == TRIALS
+    for t in running:
+        assert study.trials[t.number].state == optuna.trial.TrialState.FAIL
+        assert any(r.system_attrs.get("failed_trial") == t.number and r.state != RUNNING for r in study.trials)
+    with db.session(readonly=True) as s:
+        row = get_campaign(s, campaign_id)
+        assert (row.status, row.trials_done, row.worker_id) == ("done", TRIALS, f"{socket.gethostname()}:{b.pid}")
+    assert stored_front(db, "smollm2-135m", campaign_id) == {t.number for t in front_trials(study)}
+    db.dispose()
