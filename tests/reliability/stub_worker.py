@@ -11,7 +11,8 @@ Environment knobs (all optional):
     STUB_LOG              file to append one JSON line per finished evaluation to
     STUB_PAYLOAD_BYTES    size of an extra string in each score's `versions` (makes front writes big)
     STUB_OOM_CALLS        comma-separated evaluation call numbers (1-based) that run out of memory
-    STUB_RLIMIT_AS_MB     cap the address space at (current + this many MiB); an OOM call then
+    STUB_RLIMIT_AS_MB     cap the address space at (current + this many MiB, from the first evaluation
+                          on, when every library is loaded); an OOM call then
                           allocates twice that, so the allocation itself fails (a real MemoryError)
     STUB_FSIZE_BYTES      RLIMIT_FSIZE for this process, SIGXFSZ ignored (writes past it fail)
     STUB_MAX_PAGES        PRAGMA max_page_count on every SQLite connection (a full disk, to SQLite)
@@ -54,6 +55,8 @@ class StubEvaluator:
         from pnmix.bits import key_bits
 
         self.calls += 1
+        if self.calls == 1:
+            _cap_address_space()  # now, when every library the run needs is loaded
         time.sleep(self.sleep_s)
         if self.calls in self.oom_calls:
             if self.oom_bytes:
@@ -73,16 +76,19 @@ class StubEvaluator:
         return score
 
 
-def _limit_resources() -> None:
-    if os.environ.get("STUB_FSIZE_BYTES"):
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
-        limit = int(os.environ["STUB_FSIZE_BYTES"])
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+def _cap_address_space() -> None:
     if os.environ.get("STUB_RLIMIT_AS_MB"):
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
         cap = vm + (int(os.environ["STUB_RLIMIT_AS_MB"]) << 20)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def _limit_resources() -> None:
+    if os.environ.get("STUB_FSIZE_BYTES"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
+        limit = int(os.environ["STUB_FSIZE_BYTES"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     if os.environ.get("STUB_MAX_PAGES"):
         from sqlalchemy import event
         from sqlalchemy.engine import Engine
