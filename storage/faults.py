@@ -31,11 +31,14 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 # Driver messages (lowercase) that no retry can fix, with what to tell the user.
+_ROLLED_BACK = "; nothing was written by the failed transaction"
 _PERMANENT = {
-    "database or disk is full": "cannot write {where}: the disk is full (database or disk is full)",
-    "readonly database": "cannot write {where}: the database file is read-only (attempt to write a readonly database)",
-    "read-only": "cannot write {where}: read-only ({message})",
-    "disk i/o error": "cannot write {where}: disk I/O error (disk full, a file size limit, or a failing disk)",
+    "database or disk is full": "cannot write {where}: the disk is full (database or disk is full)" + _ROLLED_BACK,
+    "readonly database": "cannot write {where}: the database file is read-only (attempt to write a readonly "
+                         "database)" + _ROLLED_BACK,
+    "read-only": "cannot write {where}: read-only ({message})" + _ROLLED_BACK,
+    "disk i/o error": "cannot write {where}: disk I/O error (disk full, a file size limit, or a failing disk)"
+                      + _ROLLED_BACK,
     "file is not a database": "cannot open {where}: the file is not a SQLite database",
     "database disk image is malformed": "cannot read {where}: the database file is corrupt (disk image is malformed)",
     "no such table": None,
@@ -97,5 +100,5 @@ def describe(exc: BaseException, where: str) -> str:
     lowered = message.lower()
     for needle, plain in _PERMANENT.items():
         if plain and needle in lowered:
-            return plain.format(where=where, message=message) + "; nothing was written by the failed transaction"
+            return plain.format(where=where, message=message)
     return f"database error on {where}: {kind}: {message or type(err).__name__}"[:400]

@@ -56,7 +56,6 @@ def eval_config(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from pnmix.config import preset
-    from tuner.evaluate import Evaluator
     from tuner.profiles import profile
 
     prof = profile(profile_name)
@@ -70,6 +69,8 @@ def eval_config(
         cfg = config_from_options(preset_name or "pnmix-paper", b_high, b_low, group_size, salient_ratio, sinks,
                                   residual, value_bits_, value_group, criterion)
         configs = {preset_name or "config": cfg}
+    from tuner.evaluate import Evaluator  # torch: only once the configs are known to be good
+
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=as_json) as bar:
         task = bar.add_task("loading model", total=None)
