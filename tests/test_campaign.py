@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -76,7 +77,10 @@ def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
     runner = CampaignRunner(db, db.url, campaign_id, spec, ev)
     study = runner.run()[2.3]
     trials = study.trials
-    assert len(finished(study)) == 10
+    over_budget = [t for t in trials if t.user_attrs.get("skipped")]
+    # Over-budget proposals are free and take no slot: 10 scored configs plus every proposal over budget.
+    assert len(finished(study)) == 10 and len(trials) == 10 + len(over_budget)
+    assert all("accuracy" in t.user_attrs or t.state == optuna.trial.TrialState.PRUNED for t in finished(study))
     # Warm start: the paper config and KIVI at the budget come first (kitty's 2.39 bits do not fit).
     warm = [t.user_attrs["config"] for t in trials if t.user_attrs.get("warm_start")]
     assert warm[0]["b_high"] == 3 and warm[0]["salient_ratio"] == 0.5 and warm[0]["n_sink"] == 32
@@ -96,6 +100,45 @@ def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
         for p in stored:
             assert p.key_bits == pytest.approx(key_bits(p.config, 64).total)
             assert 0 <= p.accuracy <= 1 and p.kv_bytes > 0 and p.backend == "torch-reference"
+
+
+def test_a_later_budget_starts_from_the_fronts_of_earlier_ones(tmp_path, tiny_dir):
+    db = sqlite_db(tmp_path)
+    spec = spec_for(tiny_dir, [3.0, 2.8], n_trials=6)
+    campaign_id = find_or_create_campaign(db, spec)
+    runner = CampaignRunner(db, db.url, campaign_id, spec, Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",)))
+    # After the warm start, 4/2 bits on half the pairs (2.76 bits): more accurate than any preset that fits.
+    rich = spec.space.config(4, 2, 128, 0.5, 32)
+    runner.study(3.0).enqueue_trial(SearchSpace.params_of(rich, "pnmix"))
+    studies = runner.run()
+    presets = {json.dumps(preset(n).to_dict(), sort_keys=True) for n in ("pnmix-paper", "kivi2", "kivi1", "kitty")}
+    fits = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in front_trials(studies[3.0])
+            if t.user_attrs["key_bits"] <= 2.8}
+    warm = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in studies[2.8].trials
+            if t.user_attrs.get("warm_start")}
+    assert fits - presets, "the 3.0 front found nothing new under 2.8 bits: the test would prove nothing"
+    assert fits <= warm  # every point of the 3.0 front that fits 2.8 bits was tried first at 2.8
+
+
+def test_front_keeps_one_trial_per_config_and_exhaustion_is_bounded():
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import create_trial
+
+    from tuner.campaign import exhausted, over_budget_limit
+
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    dist = {"x": FloatDistribution(0, 1)}
+    cfg = preset("pnmix-paper").to_dict()
+    for acc, bits in ((0.8, 2.263), (0.8, 2.263), (0.5, 1.25)):  # two workers scored one config side by side
+        study.add_trial(create_trial(values=[acc, bits], params={"x": 0.5}, distributions=dist,
+                                     user_attrs={"config": cfg if acc > 0.6 else {**cfg, "b_high": 1},
+                                                 "accuracy": acc, "key_bits": bits}))
+    assert [t.number for t in front_trials(study)] == [0, 2]
+    assert not exhausted(study, 2)
+    for _ in range(over_budget_limit(2)):
+        study.add_trial(create_trial(values=[0.0, 9.0], params={"x": 0.5}, distributions=dist,
+                                     user_attrs={"skipped": "over budget", "key_bits": 9.0}))
+    assert exhausted(study, 2) and len(finished(study)) == 3
 
 
 def test_budget_below_anything_feasible_gives_an_empty_front(tmp_path, tiny_dir):

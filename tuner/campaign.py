@@ -246,8 +246,10 @@ class CampaignRunner:
     # -- the study of one budget ---------------------------------------------------------------
 
     def study(self, budget: float) -> optuna.Study:
+        # constant_liar: workers sampling at once treat each other's running trials as poor, so they
+        # spread out instead of proposing (and evaluating) the same config side by side.
         sampler = optuna.samplers.TPESampler(seed=self.spec.seed + int(budget * 1000), multivariate=True,
-                                             n_startup_trials=4)
+                                             n_startup_trials=4, constant_liar=True)
         study = optuna.create_study(study_name=study_name(self.campaign_id, budget), storage=self.storage,
                                     directions=[OBJECTIVES[o] for o in self.spec.objectives], sampler=sampler,
                                     load_if_exists=True)
@@ -263,7 +265,7 @@ class CampaignRunner:
     def _warm_start(self, study: optuna.Study, budget: float) -> None:
         """Enqueues pnmix-paper, KIVI at the budget and the model's previous front (new studies only)."""
         candidates: list[PNMixConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
-        candidates += self._previous_front()
+        candidates += self._stored_fronts(budget)
         seen = set()
         space = self.spec.space
         for cfg in candidates:
@@ -276,14 +278,16 @@ class CampaignRunner:
                 seen.add(frozen)
                 study.enqueue_trial(params, user_attrs={"warm_start": True})
 
-    def _previous_front(self) -> list[PNMixConfig]:
+    def _stored_fronts(self, budget: float) -> list[PNMixConfig]:
+        """The best stored front points of this model that fit `budget`: earlier campaigns' fronts and
+        this campaign's other budgets (so a budget run later starts from what the others found)."""
         from sqlalchemy import select
 
         from storage import FrontPoint, Model
 
         with self.db.session(readonly=True) as s:
             rows = s.scalars(select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
-                             .where(Model.name == self.spec.model, FrontPoint.campaign_id != self.campaign_id)
+                             .where(Model.name == self.spec.model, FrontPoint.key_bits <= budget)
                              .order_by(FrontPoint.accuracy.desc()).limit(8)).all()
             return [row.config for row in rows]
 
@@ -345,7 +349,7 @@ class CampaignRunner:
     def _cap_reached(self, trial: optuna.Trial) -> bool:
         states = (*FINISHED_STATES, optuna.trial.TrialState.RUNNING)
         earlier = [t for t in trial.study.get_trials(deepcopy=False, states=states)
-                   if t.number < trial.number and not t.user_attrs.get("surplus")]
+                   if t.number < trial.number and counts(t)]
         return len(earlier) >= self.spec.n_trials
 
     def _values(self, accuracy: float, bits: float, score: Any) -> tuple[float, ...]:
@@ -402,7 +406,9 @@ class CampaignRunner:
                 study = optuna.load_study(study_name=study_name(self.campaign_id, budget), storage=self.storage)
             except KeyError:
                 continue
-            done += min(len(finished(study)), self.spec.n_trials)  # racing workers may add one more
+            # Racing workers may add one more; an exhausted budget counts as complete.
+            done += self.spec.n_trials if exhausted(study, self.spec.n_trials) else min(len(finished(study)),
+                                                                                        self.spec.n_trials)
         return done
 
     # -- running ---------------------------------------------------------------------------------
@@ -428,8 +434,6 @@ class CampaignRunner:
 
     def _run_budget(self, budget: float, on_trial: Callable[[float, optuna.Study], None] | None,
                     wait: bool) -> optuna.Study:
-        from optuna.study import MaxTrialsCallback
-
         study = self.study(budget)
         floor = self.spec.space.min_key_bits(self.head_dim)
         if budget < floor:
@@ -448,11 +452,18 @@ class CampaignRunner:
         def objective(trial: optuna.Trial) -> tuple[float, ...]:
             return self.objective(trial, budget)
 
-        # The trial cap counts every worker's finished trials, so many workers stop together.
-        cap = MaxTrialsCallback(self.spec.n_trials, states=FINISHED_STATES)
+        def cap(st: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            # Counts every worker's finished trials, so many workers stop together.
+            if len(finished(st)) >= self.spec.n_trials or exhausted(st, self.spec.n_trials):
+                st.stop()
+
         while True:
             remaining = self.spec.n_trials - len(finished(study))
             if remaining <= 0:
+                break
+            if exhausted(study, self.spec.n_trials):
+                self.progress(f"budget {budget:g}: stopped after {over_budget_limit(self.spec.n_trials)} over-budget "
+                              f"proposals; few configs of the space fit {budget:g} bits")
                 break
             running = len(running_trials(study))  # this worker runs none between optimize calls: others' trials
             if remaining > running:
@@ -532,17 +543,41 @@ def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
 
 
+def counts(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a trial takes one of the requested slots: a config scored (or screened out by the
+    proxy). Over-budget proposals cost no inference, so they take none (the sampler still sees them
+    as infeasible), and neither do the surplus trials of a racing worker."""
+    return not trial.user_attrs.get("surplus") and "skipped" not in trial.user_attrs
+
+
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that count toward the requested number (surplus ones of a racing worker do not)."""
-    return [t for t in study.get_trials(deepcopy=False, states=FINISHED_STATES) if not t.user_attrs.get("surplus")]
+    """Trials that count toward the requested number."""
+    return [t for t in study.get_trials(deepcopy=False, states=FINISHED_STATES) if counts(t)]
+
+
+def over_budget_limit(n_trials: int) -> int:
+    return 10 * n_trials + 20
+
+
+def exhausted(study: optuna.Study, n_trials: int) -> bool:
+    """The sampler keeps proposing configs over the budget (few fit it): the budget ends early."""
+    over = sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED_STATES) if "skipped" in t.user_attrs)
+    return over >= over_budget_limit(n_trials)
 
 
 def front_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Feasible, fully evaluated Pareto-optimal trials (Optuna's best_trials honour constraints).
 
     A trial that reused the score of an identical earlier config is left out: the earlier one stands.
+    Two workers may also have scored one config side by side: its first trial stands.
     """
-    return [t for t in study.best_trials if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs]
+    front, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: t.number):
+        key = json.dumps(t.user_attrs.get("config"), sort_keys=True)
+        if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs and key not in seen:
+            seen.add(key)
+            front.append(t)
+    return front
 
 
 def hypervolume_2d(points: Sequence[tuple[float, float]], budget: float) -> float:
