@@ -7,7 +7,7 @@
 #   campaign    run 2+ (carries .whl, .model/part.ab, .model/sha256): reassembles the GGUF, prepares
 #               the full profile once, then runs side by side until DEADLINE_S:
 #                 - the PN-Mix campaign (5 budgets, PNMIX_TRIALS each) with PNMIX_WORKERS workers,
-#                 - the KIVI campaign (5 budgets, KIVI_TRIALS each) with one worker,
+#                 - the KIVI campaign (5 budgets, KIVI_TRIALS each) with KIVI_WORKERS workers,
 #                 - the multi-fidelity comparison (benchmarks/multifidelity.py) at MF_BUDGET.
 #               A campaign cut by the deadline resumes on the next `campaign` run (same machine,
 #               back to back: the database lives in /tmp/pnmix-gpu); every run copies the database
@@ -41,7 +41,8 @@ preflight)
   for f in "$OUT"/smoke-worker*.log; do tail -n 3 "$f"; done
   ;;
 campaign)
-  : "${DEADLINE_S:=500}" "${PNMIX_TRIALS:=16}" "${KIVI_TRIALS:=6}" "${PNMIX_WORKERS:=3}" "${MF_BUDGET:=2.25}"
+  : "${DEADLINE_S:=500}" "${PNMIX_TRIALS:=12}" "${KIVI_TRIALS:=6}" "${PNMIX_WORKERS:=6}" "${KIVI_WORKERS:=2}"
+  : "${MF_BUDGET:=2.5}"
   : "${MF_TRIALS:=12}"
   gguf=/tmp/pnmix-model/SmolLM2-135M-Instruct.Q4_1.gguf
   if [ ! -f "$gguf" ]; then
@@ -75,7 +76,9 @@ EOF
   for w in $(seq 1 "$PNMIX_WORKERS"); do
     timeout "$left" $PY -m api.cli worker --campaign 1 --storage "$db" > "$OUT/pnmix-worker$w.log" 2>&1 &
   done
-  timeout "$left" $PY -m api.cli worker --campaign 2 --storage "$db" > "$OUT/kivi-worker.log" 2>&1 &
+  for w in $(seq 1 "$KIVI_WORKERS"); do
+    timeout "$left" $PY -m api.cli worker --campaign 2 --storage "$db" > "$OUT/kivi-worker$w.log" 2>&1 &
+  done
   if [ -n "${MF_TRIALS}" ] && [ "${MF_TRIALS}" != 0 ]; then
     timeout "$left" $PY benchmarks/multifidelity.py --profile full --budget "$MF_BUDGET" --trials "$MF_TRIALS" \
       --device cuda --parallel > "$OUT/multifidelity.log" 2>&1 &
