@@ -89,7 +89,10 @@ EOF
   $PY -m api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
   cp /tmp/pnmix-gpu/campaign.db "$OUT/campaign.db"
   tail -n 4 "$OUT/multifidelity.log"
-  for f in "$OUT"/*worker*.log; do tail -n 2 "$f"; done
+  # Only a few files come back from a device run: the worker logs go back as one.
+  for f in "$OUT"/*worker*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -n 8; done > "$OUT/workers.txt"
+  rm -f "$OUT"/*worker*.log
+  grep -ci "error\|traceback" "$OUT/workers.txt"
   ;;
 *) echo "unknown stage $stage: allowed preflight, campaign"; exit 2 ;;
 esac
