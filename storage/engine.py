@@ -61,7 +61,7 @@ def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -
         except OSError as exc:
             raise StorageError(f"cannot create the folder of {database}: {exc.strerror}") from None
         engine = create_engine(parsed, echo=echo, connect_args={"timeout": busy_timeout_s})
-        _configure_sqlite(engine, busy_timeout_s)
+        configure_sqlite(engine, busy_timeout_s)
         return engine
     try:
         return create_engine(parsed, echo=echo, pool_pre_ping=True)
@@ -69,7 +69,14 @@ def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -
         raise StorageError(f"cannot use database {display_url(url)}: {exc}") from None
 
 
-def _configure_sqlite(engine: Engine, busy_timeout_s: float) -> None:
+def configure_sqlite(engine: Engine, busy_timeout_s: float, readonly_option: bool = True) -> None:
+    """WAL, busy timeout, foreign keys, and `BEGIN IMMEDIATE` for write transactions.
+
+    Also applied to Optuna's engine (tuner.campaign) with `readonly_option=False`: Optuna cannot
+    mark read-only transactions, so there every transaction takes the write lock at its start.
+    Without it, two workers popping the same enqueued (WAITING) trial both see it waiting and
+    both run it, because the driver's deferred transactions do not lock the read.
+    """
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we emit BEGIN ourselves (see the module docstring)
@@ -82,7 +89,8 @@ def _configure_sqlite(engine: Engine, busy_timeout_s: float) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READONLY) else "BEGIN IMMEDIATE")
+        readonly = readonly_option and conn.get_execution_options().get(_READONLY)
+        conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
 
 
 class Database:

@@ -25,7 +25,7 @@ from storage.testing import sqlite_url
 from tuner.campaign import finished, front_trials, study_name
 
 BUDGET = 3.0
-TRIALS = 12
+TRIALS = 8
 
 
 def prefix_fronts(study: optuna.Study) -> list[set[int]]:

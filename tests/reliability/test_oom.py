@@ -22,7 +22,7 @@ from tuner.profiles import profile
 from tuner.session import find_or_create_campaign
 
 FAIL = optuna.trial.TrialState.FAIL
-TRIALS = 6
+TRIALS = 5
 
 
 class Exhausting:

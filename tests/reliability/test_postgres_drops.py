@@ -93,7 +93,7 @@ def check_campaign(url: str, campaign_id: int, budgets: tuple[float, ...], trial
 
 
 def test_two_workers_ride_out_dropped_connections(pg_url, killer, procs, tmp_path):
-    budgets, trials = (3.0, 2.3), 16
+    budgets, trials = (3.0,), 20
     campaign_id = stub_campaign(pg_url, budgets, trials)
     log = tmp_path / "evaluations.jsonl"
     env = worker_env(STUB_EVAL_S="0.15", STUB_LOG=str(log))
@@ -139,7 +139,7 @@ def test_two_workers_ride_out_dropped_connections(pg_url, killer, procs, tmp_pat
 
 
 def test_outage_past_the_retries_stops_in_one_line_and_rerun_resumes(pg_url, killer, procs):
-    budgets, trials = (3.0,), 12
+    budgets, trials = (3.0,), 8
     campaign_id = stub_campaign(pg_url, budgets, trials)
     env = worker_env(STUB_EVAL_S="0.3", PNMIX_DB_RETRIES="2")
     worker = procs.start(stub_worker_args(pg_url, "--campaign", str(campaign_id)), env, "w-outage")

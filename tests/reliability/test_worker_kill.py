@@ -95,8 +95,8 @@ def test_killed_worker_trial_is_retried_by_another_worker(pg_url, tiny_model_dir
 def test_campaign_of_a_dead_worker_is_reclaimed(pg_url, procs):
     """Stub workers: the campaign row stays `running` after kill -9 until its heartbeat is stale; then
     the next `pnmix worker` (claiming, no --campaign) takes it over and finishes it."""
-    campaign_id = stub_campaign(pg_url, (3.0,), TRIALS)
-    env = worker_env(STUB_EVAL_S="1.0")
+    campaign_id = stub_campaign(pg_url, (3.0,), 4)
+    env = worker_env(STUB_EVAL_S="0.5")
     a = procs.start(stub_worker_args(pg_url), env, "stub-a")
     running = wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 1), 60, "worker A evaluating", every=0.05)
     os.kill(a.pid, signal.SIGKILL)
@@ -114,12 +114,12 @@ def test_campaign_of_a_dead_worker_is_reclaimed(pg_url, procs):
     assert procs.finish(b, 120) == 0, procs.stderr(b)[-3000:]
 
     study = load(pg_url, campaign_id, 3.0)
-    assert len(finished(study)) == TRIALS
+    assert len(finished(study)) == 4
     for t in running:
         assert study.trials[t.number].state == optuna.trial.TrialState.FAIL
         assert any(r.system_attrs.get("failed_trial") == t.number and r.state != RUNNING for r in study.trials)
     with db.session(readonly=True) as s:
         row = get_campaign(s, campaign_id)
-        assert (row.status, row.trials_done, row.worker_id) == ("done", TRIALS, f"{socket.gethostname()}:{b.pid}")
+        assert (row.status, row.trials_done, row.worker_id) == ("done", 4, f"{socket.gethostname()}:{b.pid}")
     assert stored_front(db, "smollm2-135m", campaign_id) == {t.number for t in front_trials(study)}
     db.dispose()
