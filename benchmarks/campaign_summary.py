@@ -27,7 +27,8 @@ def summarize(url: str) -> list[dict[str, Any]]:
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
         trials = study.get_trials(deepcopy=False)
         states = Counter(t.state.name for t in trials if not t.user_attrs.get("surplus"))
-        full = [t for t in trials if "seconds" in t.user_attrs and "reused_from" not in t.user_attrs]
+        copied = [t for t in trials if {"reused_from", "score_from"} & t.user_attrs.keys()]  # score of a twin
+        full = [t for t in trials if "seconds" in t.user_attrs and t not in copied]
         starts = [t.datetime_start for t in trials if t.datetime_start]
         ends = [t.datetime_complete for t in trials if t.datetime_complete]
         wall = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
@@ -39,7 +40,7 @@ def summarize(url: str) -> list[dict[str, Any]]:
             "states": dict(states),
             "full_evaluations": len(full),
             "over_budget": sum(1 for t in trials if "skipped" in t.user_attrs),
-            "reused": sum(1 for t in trials if "reused_from" in t.user_attrs),
+            "reused": len(copied),
             "eval_seconds_mean": round(sum(t.user_attrs["seconds"] for t in full) / len(full), 1) if full else None,
             "wall_s": round(wall, 1),
             "front": [{"trial": t.number, **_config(t.user_attrs["config"]),

@@ -118,6 +118,11 @@ def test_a_later_budget_starts_from_the_fronts_of_earlier_ones(tmp_path, tiny_di
             if t.user_attrs.get("warm_start")}
     assert fits - presets, "the 3.0 front found nothing new under 2.8 bits: the test would prove nothing"
     assert fits <= warm  # every point of the 3.0 front that fits 2.8 bits was tried first at 2.8
+    # ... without running inference again: the score comes from the 3.0 study and stands on the 2.8 front.
+    moved = [t for t in studies[2.8].trials if json.dumps(t.user_attrs.get("config"), sort_keys=True) in fits]
+    assert moved and all(t.user_attrs.get("score_from", "").startswith(study_name(campaign_id, 3.0) + "#")
+                         for t in moved)
+    assert {json.dumps(t.user_attrs["config"], sort_keys=True) for t in front_trials(studies[2.8])} >= fits - presets
 
 
 def test_front_keeps_one_trial_per_config_and_exhaustion_is_bounded():

@@ -316,12 +316,16 @@ class CampaignRunner:
         if bits > budget:
             trial.set_user_attr("skipped", "over budget: no inference run")
             return self._values(0.0, bits, None)
-        twin = self._evaluated_twin(trial.study, config)
-        if twin is not None:  # the sampler proposed a config already scored here: reuse, don't re-run
+        found = self._evaluated_twin(trial.study, config)
+        if found is not None:  # a config already scored in this campaign: reuse the score, don't re-run
+            source, twin = found
             for name in SCORE_ATTRS + ("accuracy", "proxy_kl"):
                 if name in twin.user_attrs:
                     trial.set_user_attr(name, twin.user_attrs[name])
-            trial.set_user_attr("reused_from", twin.number)
+            if source == trial.study.study_name:
+                trial.set_user_attr("reused_from", twin.number)  # that trial stands on this front
+            else:  # scored under another budget: the score is the same, and it belongs on this front too
+                trial.set_user_attr("score_from", f"{source}#{twin.number}")
             return tuple(twin.values)
         warm = bool(trial.user_attrs.get("warm_start"))
         if self.spec.multi_fidelity:  # warm starts get a proxy value too: they anchor the pruning rule
@@ -346,12 +350,23 @@ class CampaignRunner:
         trial.set_user_attr("accuracy", score.accuracy)
         return self._values(score.accuracy, bits, score)
 
-    @staticmethod
-    def _evaluated_twin(study: optuna.Study, config: PNMixConfig) -> optuna.trial.FrozenTrial | None:
+    def _evaluated_twin(self, study: optuna.Study,
+                        config: PNMixConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:
+        """(study name, trial) of an earlier full evaluation of `config` in this campaign: in this
+        budget's study first, then in the other budgets' (one evaluator, profile and seed per
+        campaign, so a config scores the same under every budget)."""
         wanted = config.to_dict()
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            if "accuracy" in t.user_attrs and t.user_attrs.get("config") == wanted:
-                return t
+        names = [study.study_name] + [study_name(self.campaign_id, b) for b in self.spec.budgets
+                                      if study_name(self.campaign_id, b) != study.study_name]
+        for name in names:
+            try:
+                st = study if name == study.study_name else optuna.load_study(study_name=name, storage=self.storage)
+            except KeyError:  # that budget's study does not exist yet
+                continue
+            for t in st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+                attrs = t.user_attrs
+                if attrs.get("config") == wanted and "accuracy" in attrs and "score_from" not in attrs:
+                    return name, t
         return None
 
     def _cap_reached(self, trial: optuna.Trial) -> bool:
