@@ -366,7 +366,7 @@ def dashboard(
 
 def run_main_job(
     model: Annotated[str, typer.Option(help="model to tune")] = "smollm2-135m",
-    trials: Annotated[int, typer.Option(help="trials per budget")] = 8,
+    trials: Annotated[int, typer.Option(help="trials per budget")] = 6,
     storage: StorageOpt = None,
 ) -> None:
     """The main job: bit-budget table, then a small real campaign (quick profile, budgets 3.0 and 2.3)."""
