@@ -10,6 +10,7 @@ write in one line and is left unchanged; reads still work.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from contextlib import contextmanager
@@ -36,7 +37,11 @@ def prefix_fronts(study: optuna.Study) -> list[set[int]]:
         feasible = [t for t in complete[: k + 1] if t.user_attrs.get("key_bits", 99) <= BUDGET]
         pareto = [t for t in feasible if not any(
             o.values[0] >= t.values[0] and o.values[1] <= t.values[1] and o.values != t.values for o in feasible)]
-        fronts.append({t.number for t in pareto if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs})
+        kept: dict[str, int] = {}  # like front_trials: scored here, first trial of each config
+        for t in sorted(pareto, key=lambda t: t.number):
+            if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs:
+                kept.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t.number)
+        fronts.append(set(kept.values()))
     return fronts
 
 

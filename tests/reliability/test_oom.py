@@ -22,7 +22,7 @@ from tuner.profiles import profile
 from tuner.session import find_or_create_campaign
 
 FAIL = optuna.trial.TrialState.FAIL
-TRIALS = 5
+TRIALS = 4
 
 
 class Exhausting:
@@ -56,7 +56,8 @@ class Exhausting:
 def test_out_of_memory_trials_fail_with_the_reason_and_the_campaign_continues(tmp_path, tiny_model_dir):
     db = Database(sqlite_url(tmp_path))
     upgrade(db)
-    spec = CampaignSpec(model=tiny_model_dir, budgets=(3.0,), n_trials=TRIALS, profile="smoke", tasks=("fidelity",))
+    spec = CampaignSpec(model=tiny_model_dir, budgets=(3.0,), n_trials=TRIALS, profile="smoke", tasks=("fidelity",),
+                        multi_fidelity=False)
     campaign_id = find_or_create_campaign(db, spec)
     evaluator = Exhausting(Evaluator(tiny_model_dir, profile("smoke"), tasks=("fidelity",)), {2: "cpu", 4: "cuda"})
     study = CampaignRunner(db, db.url, campaign_id, spec, evaluator).run()[3.0]

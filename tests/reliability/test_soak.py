@@ -24,8 +24,8 @@ from storage.testing import sqlite_url
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_api import AUTH, TOKEN, count_rows, seed  # noqa: E402
 
-REQUESTS = 2000
-WARMUP = 200
+REQUESTS = 1500
+WARMUP = 150
 THREADS = 8
 MIB = 1 << 20
 

@@ -21,7 +21,7 @@ from storage import Database, get_campaign, list_front_points, upgrade
 from tuner.campaign import CampaignSpec, finished, front_trials, study_name
 from tuner.session import find_or_create_campaign
 
-TRIALS = 6
+TRIALS = 5
 RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
 
 
