@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pnmix import backend, packing
-from pnmix.config import PNMixConfig
+from pnmix.config import ConfigError, PNMixConfig
 from pnmix.families import check_model
 from pnmix.saliency import Pairing, pair_channels, saliency_scores, select_salient_pairs
 
@@ -314,6 +314,9 @@ class PNMixCache(Cache):
     """
 
     def __init__(self, model_config: Any, config: PNMixConfig) -> None:
+        if not isinstance(config, PNMixConfig):  # e.g. a dict or JSON text read from a file
+            raise ConfigError("config", type(config).__name__,
+                              "a PNMixConfig (load JSON with PNMixConfig.from_json or from_dict)")
         pairing, _ = check_model(model_config, config)
         text = model_config.get_text_config(decoder=True)
         self.pnmix_config = config

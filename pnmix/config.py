@@ -148,6 +148,8 @@ class PNMixConfig:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError("config", text[:40], f"valid JSON ({exc.msg} at char {exc.pos})") from None
+        except RecursionError:  # absurdly nested input: refuse it like any other malformed JSON
+            raise ConfigError("config", text[:40], "a flat JSON object of PNMixConfig fields") from None
         return cls.from_dict(data)
 
     def with_(self, **changes: Any) -> PNMixConfig:

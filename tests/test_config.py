@@ -71,3 +71,20 @@ def test_salient_pair_count_rounds_half_up():
     assert salient_pair_count(0.15625, 64) == 5  # 5.0 exactly
     assert salient_pair_count(0.140625, 64) == 5  # 4.5 rounds up (banker's rounding would give 4)
     assert salient_pair_count(1.0, 64) == 32
+
+
+def test_deeply_nested_json_is_a_config_error():
+    with pytest.raises(ConfigError, match="flat JSON object"):
+        PNMixConfig.from_json("[" * 100_000 + "]" * 100_000)
+
+
+def test_cache_refuses_a_config_that_is_not_a_pnmixconfig():
+    from transformers import LlamaConfig
+
+    from pnmix.cache import PNMixCache
+
+    model_config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                               intermediate_size=64, vocab_size=100)
+    for bad in (preset("pnmix-paper").to_dict(), preset("pnmix-paper").to_json()):
+        with pytest.raises(ConfigError, match="a PNMixConfig"):
+            PNMixCache(model_config, bad)  # type: ignore[arg-type]

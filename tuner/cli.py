@@ -113,8 +113,6 @@ def load_config_file(path: str) -> Any:
         raise EvalError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         return PNMixConfig.from_json(text)
-    except RecursionError:
-        raise EvalError(f"config file {path} is not a PNMixConfig JSON object (nested too deeply)") from None
     except TypeError as exc:  # e.g. a field given twice through an odd mapping
         raise EvalError(f"config file {path}: {exc}") from None
 

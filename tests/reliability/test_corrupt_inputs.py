@@ -52,7 +52,8 @@ def test_malformed_config_json_is_refused_before_any_cache(text_, message):
 
 def test_malformed_config_file_on_the_command_line_is_one_line(tmp_path):
     cases = {**{f"bad{i}.json": (t, m) for i, (t, m) in enumerate(BAD_CONFIGS[:4])},
-             "deep.json": ("[" * 100_000, "config file PATH is not a PNMixConfig JSON object (nested too deeply)"),
+             "deep.json": ("[" * 100_000,
+                           "invalid config='" + "[" * 40 + "': allowed a flat JSON object of PNMixConfig fields"),
              "binary.json": (None, "cannot read config file PATH: 'utf-8' codec can't decode byte 0xff in "
                                    "position 0: invalid start byte"),
              "missing.json": (..., "cannot read config file PATH: No such file or directory")}
