@@ -120,8 +120,14 @@ def test_a_later_budget_starts_from_the_fronts_of_earlier_ones(tmp_path, tiny_di
     assert fits <= warm  # every point of the 3.0 front that fits 2.8 bits was tried first at 2.8
     # ... without running inference again: the score comes from the 3.0 study and stands on the 2.8 front.
     moved = [t for t in studies[2.8].trials if json.dumps(t.user_attrs.get("config"), sort_keys=True) in fits]
-    assert moved and all(t.user_attrs.get("score_from", "").startswith(study_name(campaign_id, 3.0) + "#")
-                         for t in moved)
+    first: dict[str, optuna.trial.FrozenTrial] = {}
+    for t in sorted(moved, key=lambda t: t.number):
+        first.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t)
+    assert first and all(t.user_attrs.get("score_from", "").startswith(study_name(campaign_id, 3.0) + "#")
+                         for t in first.values())
+    # A later repeat in the 2.8 study reuses the 2.8 copy, so the config stays one front point.
+    assert all(t.user_attrs.get("reused_from") == first[json.dumps(t.user_attrs["config"], sort_keys=True)].number
+               for t in moved if t not in first.values())
     assert {json.dumps(t.user_attrs["config"], sort_keys=True) for t in front_trials(studies[2.8])} >= fits - presets
 
 

@@ -365,7 +365,9 @@ class CampaignRunner:
                 continue
             for t in st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
                 attrs = t.user_attrs
-                if attrs.get("config") == wanted and "accuracy" in attrs and "score_from" not in attrs:
+                # Elsewhere, point at the original evaluation, not at another budget's copy of it.
+                original = name == study.study_name or "score_from" not in attrs
+                if attrs.get("config") == wanted and "accuracy" in attrs and original:
                     return name, t
         return None
 
