@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -31,15 +33,11 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 
 
 def write_tiny(tokenizer_dir: str, out: str) -> None:
-    """The tests' tiny Llama (tests/test_campaign.py), built here so that it need not be carried."""
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=len(tok),
-                                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
-                                  eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    tok.save_pretrained(out)
+    """The tests' tiny Llama (tests/tiny.py), built here so that it need not be carried."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny import save_tiny_llama
+
+    save_tiny_llama(out, AutoTokenizer.from_pretrained(tokenizer_dir))
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from tiny import save_tiny_llama
+from transformers import AutoTokenizer
 
 from pnmix import models
 from pnmix.bits import key_bits
@@ -33,16 +33,8 @@ ENV = {**os.environ, "PNMIX_HEARTBEAT_S": "1", "PNMIX_GRACE_S": "3", "PYTHONUNBU
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, embedded):
     """A tiny random Llama (head_dim 64) with the embedded model's tokenizer, saved as a checkpoint."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
-    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=len(tok),
-                                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
-                                  eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tok)
 
 
 def spec_for(model: str, budgets, n_trials, **kw) -> CampaignSpec:

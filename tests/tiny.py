@@ -27,3 +27,20 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
         config.sliding_window = None
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def save_tiny_llama(folder, tokenizer) -> str:  # type: ignore[no-untyped-def]
+    """A tiny random Llama (2 layers, head_dim 64) saved with `tokenizer` as a checkpoint in `folder`.
+
+    Campaign tests, the reliability suite and the GPU probe's smoke campaign all use this one
+    checkpoint shape: trials on it take about a second on the CPU, and what they score is
+    meaningless, which is fine for testing the machinery around the model.
+    """
+    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=len(tokenizer),
+                                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
+                                  eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -7,6 +7,7 @@ fail; every PostgreSQL database is dropped with its connections.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,20 +42,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     Trials on it take about a second on the CPU; what they score is meaningless, which is fine here.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from pnmix import models
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny import save_tiny_llama
+
     tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
-    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=len(tok),
-                                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
-                                  eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tok)
 
 
