@@ -406,12 +406,11 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_t: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int = 4,
     num_stages: int = 1,
     out: torch.Tensor | None = None,
     fast_unpack: bool | None = None,
     max_registers: int | None = -1,
-    variant: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over a PN-Mix layer cache.
 
@@ -426,9 +425,6 @@ def decode_attention(
     thread (ptxas maxnreg) to trade a few spills for occupancy; -1: 128 on CUDA, None: no cap.
     The defaults (64-token steps, 4 warps, 1 stage, 128 registers) were the best or within 10% of
     the best of the variants measured on an H200 (benchmarks/RESULTS.md).
-    variant: "simt" (CUDA cores, kernels/decode_simt.py; the default for GQ <= 8) or "mma" (tensor
-    cores, this module; the default above). For "simt", num_warps None picks 4, 2 or 1 so that the
-    GPU gets enough programs, and block_t, num_stages, fast_unpack and max_registers are unused.
     """
     bsz, hq, d = q.shape
     _, hkv, _, d_cache = cache.k_sink.shape
@@ -454,17 +450,6 @@ def decode_attention(
     if cache.k_scale.stride() != cache.k_zero.stride() or cache.v_scale.stride() != cache.v_zero.stride():
         raise ValueError("scales and zeros must share strides")
 
-    if variant is None:
-        variant = "simt" if gq <= SIMT_MAX_GQ else "mma"
-    if variant not in ("simt", "mma"):
-        raise ValueError(f"unknown decode variant {variant!r}; allowed: 'simt', 'mma'")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with contiguous channels")
-    if variant == "simt":
-        _launch_simt(q, cache, scale, num_splits, num_warps, out, m_p)
-        return out
     if num_splits is None:  # about four packed-region programs per SM
         target = 4 * _sm_count(q.device.index or 0) if q.is_cuda else 4
         num_splits = max(1, min(ng_cap, triton.cdiv(target, bsz * hkv)))
@@ -473,8 +458,6 @@ def decode_attention(
     num_splits = triton.cdiv(ng_cap, groups_per_split) if ng_cap else 0
     if block_t is None:
         block_t = min(g, 64)
-    if num_warps is None:
-        num_warps = 4
     if max_registers == -1:
         max_registers = 128 if q.is_cuda else None
     n_parts = num_splits + 1
@@ -482,6 +465,10 @@ def decode_attention(
     pm = torch.empty((bsz * hkv, n_parts, m_p), dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, m_p, d), dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with contiguous channels")
     k_high = cache.k_high
     _decode_split_kernel[(bsz * hkv, n_parts)](
         q, q.stride(0), q.stride(1),
@@ -507,69 +494,3 @@ def decode_attention(
         HKV=hkv, GQ=gq, M_P=m_p, D=d, num_warps=4,
     )
     return out
-
-
-SIMT_MAX_GQ = 8  # above this the CUDA-core kernel holds too many score rows per thread
-
-
-def _launch_simt(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
-                 num_warps: int | None, out: torch.Tensor, m_p: int) -> None:
-    """Launches kernels/decode_simt.py and the shared combine step (arguments as `decode_attention`)."""
-    from kernels.decode_simt import _decode_raw_kernel, _decode_simt_kernel
-
-    bsz, hq, d = q.shape
-    hkv = cache.k_sink.shape[1]
-    gq = hq // hkv
-    g = cache.group_size
-    ng_cap = cache.k_low.shape[2]
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 1
-
-    def tile_groups(warps: int) -> int:  # one packed byte column (8 tokens) per thread
-        return max(1, 256 * warps // g)
-
-    if num_warps is None:  # fewer warps per program when the grid would leave SMs idle
-        num_warps = 4
-        while num_warps > 1 and bsz * hkv * triton.cdiv(ng_cap, tile_groups(num_warps)) < 4 * sms:
-            num_warps //= 2
-    tg = tile_groups(num_warps)
-    if num_splits is None:  # about four packed-region programs per SM, whole tiles each
-        num_splits = max(1, min(triton.cdiv(ng_cap, tg), triton.cdiv(4 * sms, bsz * hkv)))
-    num_splits = max(1, min(num_splits, max(ng_cap, 1)))
-    groups_per_split = triton.cdiv(ng_cap, num_splits) if ng_cap else 0
-    num_splits = triton.cdiv(ng_cap, groups_per_split) if ng_cap else 0
-    ms = next_pow2(gq)
-    vrow = d * cache.value_bits // 8
-    tcv = 2 * max(1, 32 * num_warps // vrow)  # two tokens per thread and step
-    n_parts = num_splits + 1
-    dev = q.device
-    pm = torch.empty((bsz * hkv, n_parts, m_p), dtype=torch.float32, device=dev)
-    pl = torch.empty_like(pm)
-    pa = torch.empty((bsz * hkv, n_parts, m_p, d), dtype=torch.float32, device=dev)
-    scratch = torch.empty((bsz * hkv * max(num_splits, 1), tg * g, ms), dtype=torch.float32, device=dev)
-    k_high = cache.k_high
-    _decode_raw_kernel[(bsz * hkv,)](
-        q, q.stride(0), q.stride(1),
-        cache.k_sink, cache.v_sink, cache.k_sink.stride(0), cache.k_sink.stride(1), cache.k_sink.stride(2),
-        cache.k_res, cache.v_res, cache.k_res.stride(0), cache.k_res.stride(1), cache.k_res.stride(2),
-        cache.sink_len, cache.res_len, pm, pl, pa, scale * LOG2E, num_splits,
-        HKV=hkv, GQ=gq, M_P=m_p, D=d, BLOCK_R=32, num_warps=4,
-    )
-    if num_splits:
-        _decode_simt_kernel[(bsz * hkv, num_splits)](
-            q, q.stride(0), q.stride(1),
-            cache.k_low, cache.k_low.stride(0), cache.k_low.stride(1),
-            k_high, k_high.stride(0), k_high.stride(1),
-            cache.k_scale, cache.k_zero, cache.k_scale.stride(0), cache.k_scale.stride(1),
-            cache.v_packed, cache.v_packed.stride(0), cache.v_packed.stride(1),
-            cache.v_scale, cache.v_zero, cache.v_scale.stride(0), cache.v_scale.stride(1),
-            cache.channel_order, cache.channel_order.stride(0), cache.channel_order.stride(1),
-            cache.n_groups, pm, pl, pa, scratch,
-            scale * LOG2E, groups_per_split, num_splits,
-            HKV=hkv, GQ=gq, MS=ms, M_P=m_p, D=d, G=g, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
-            NSC=cache.n_salient_channels, BV=cache.value_bits, GV=cache.value_group_size, TG=tg, TCV=tcv,
-            num_warps=num_warps, num_stages=1,
-        )
-    _combine_kernel[(bsz * hkv,)](
-        pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
-        HKV=hkv, GQ=gq, M_P=m_p, D=d, num_warps=4,
-    )

@@ -110,16 +110,15 @@ def build(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, DecodeCache]:
     return q, cache
 
 
-@pytest.mark.parametrize("variant", ["simt", "mma"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: (
     f"b{c.b_low}{c.b_high}-G{c.group_size}-r{c.ratio}-s{c.n_sink}-{c.residual}-gqa{c.gqa}-d{c.head_dim}"
     f"-v{c.value_bits}g{c.value_group}-{str(c.dtype)[6:]}-sp{c.splits}"))
-def test_decode_matches_dequantize_then_attend(case, variant):
+def test_decode_matches_dequantize_then_attend(case):
     gen = fresh_generator()
     q, cache = build(case, gen)
     scale = case.head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    got = decode_attention(q, cache, scale, num_splits=case.splits, out=out, variant=variant)
+    got = decode_attention(q, cache, scale, num_splits=case.splits, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == case.dtype
     assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
     want = decode_reference(q, cache, scale)
