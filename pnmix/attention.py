@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from pnmix.cache import LayerStep
+from pnmix.cache import LayerStep, StaticStep
 
 ATTENTION_NAME = "pnmix"
 
@@ -44,6 +44,9 @@ def pnmix_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    if isinstance(key, StaticStep):  # a static decode step (pnmix/static.py): append, then attend
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return key.layer.step(key.keys, key.values, query, scale), None
     if not isinstance(key, LayerStep):
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, **kwargs)

@@ -40,6 +40,15 @@ class LayerStep:
     values: torch.Tensor  # [B, H_kv, q_len, d]
 
 
+@dataclass
+class StaticStep:
+    """The handle of a static layer (pnmix/static.py): one decode step, appended and attended there."""
+
+    layer: Any  # StaticQuantLayer | StaticFullLayer
+    keys: torch.Tensor  # [B, H_kv, 1, d], post-RoPE
+    values: torch.Tensor
+
+
 class PNMixLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False

@@ -1,0 +1,397 @@
+"""Static-shape decoding: a preallocated cache and one decode step replayed as a CUDA graph.
+
+`generate` with a dynamic cache spends most of a decode step on host work (tens of ms for an 8B
+shape on an H200, ../shared/GPU.md). Here every buffer is allocated once to `max_len` tokens,
+every length lives in a device tensor, and the whole step (embedding, the model's own decoder
+layers, cache append, attention, final norm, LM head, greedy argmax) is captured once in a CUDA
+graph and replayed. Prefill runs eagerly through the ordinary path (`PNMixCache` and the "pnmix"
+attention, or a DynamicCache for fp16), and its state is then copied into the static buffers, so
+the static path stores exactly what `generate` would.
+
+Two cache kinds, same driver:
+- `StaticQuantLayer`: PN-Mix and KIVI (keys and values quantized). Buffers are the decode kernel's
+  operands (`kernels.layout.DecodeCache`) at full capacity. A step appends the new token (to the
+  sinks while a sequence holds fewer than `n_sink`, else to the residual buffer) with predicated
+  device writes. When a sequence's residual buffer becomes full, the same step quantizes it into
+  the packed region before attending, as `PNMixCache` does. The host knows from its own counters
+  which steps those are (no device read), so it replays a second graph ("flush step") only then;
+  that graph quantizes every sequence's residual and commits it only where the residual is full.
+- `StaticFullLayer`: the fp16 baseline, [B, H_kv, max_len, d] keys and values. Attention reads a
+  window of the first W positions (masked by length), W rounded up to `FULL_WINDOW` tokens; one
+  graph per window, so an early step does not pay for the whole capacity.
+
+Off CUDA (tests, CPU) the same step runs eagerly: attention is the fp32 dequantize-then-attend
+reference for quantized layers and SDPA for full ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from pnmix import backend, packing
+from pnmix.cache import PNMixLayer, StaticStep
+from pnmix.config import ConfigError, PNMixConfig
+from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
+
+FULL_WINDOW = 512  # the fp16 baseline's attention window grows in steps of this many tokens
+
+
+def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
+    """t[b, :, start[b] : start[b] + n] = value[b] where where[b], else unchanged; no host sync.
+
+    t [B, H, N, ...], start int [B] (device), value [B, H, n, ...], where bool [B].
+    """
+    n = value.shape[2]
+    b = torch.arange(t.shape[0], device=t.device)[:, None]
+    idx = start.long()[:, None] + torch.arange(n, device=t.device)[None, :]  # [B, n]
+    old = t[b, :, idx]  # advanced indices first: [B, n, H, ...]
+    keep = where.view(-1, *([1] * (old.dim() - 1)))
+    t[b, :, idx] = torch.where(keep, value.transpose(1, 2).to(t.dtype), old)
+
+
+class StaticQuantLayer(CacheLayerMixin):
+    """One layer's PN-Mix/KIVI cache at full capacity, in the decode kernel's layout."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, dyn: PNMixLayer, max_len: int) -> None:
+        """Copies a prefilled `PNMixLayer` into buffers that hold `max_len` tokens per sequence."""
+        super().__init__()
+        cfg = dyn.config
+        self.config, self.layer_idx = cfg, dyn.layer_idx
+        b, h, d, dev, dt = dyn.batch, dyn.kv_heads, dyn.head_dim, dyn.device, dyn.dtype
+        g, r = cfg.group_size, cfg.residual_len
+        self.batch, self.kv_heads, self.head_dim, self.device, self.dtype = b, h, d, dev, dt
+        self.groups_per_flush = r // g
+        # One flush's worth of spare groups: a flush step writes every sequence's slot past its
+        # last group and commits only the full ones.
+        ng_cap = math.ceil(max(0, max_len - cfg.n_sink) / g) + self.groups_per_flush
+        if max(dyn.n_groups, default=0) > ng_cap:
+            raise ValueError(f"prefill already holds more than max_len={max_len} tokens")
+        src = backend.layer_decode_cache(dyn)
+        n_sc, vg = src.n_salient_channels, d // cfg.value_group_size
+
+        def buf(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, n_held: int) -> torch.Tensor:
+            out = torch.zeros(shape, dtype=dtype, device=dev)
+            out[:, :, :n_held] = like[:, :, :n_held]
+            return out
+
+        held = src.k_low.shape[2]
+        u8, f16 = torch.uint8, torch.float16
+        self.k_sink = buf(src.k_sink.shape, dt, src.k_sink, cfg.n_sink)
+        self.v_sink = buf(src.v_sink.shape, dt, src.v_sink, cfg.n_sink)
+        self.k_res = buf((b, h, r, d), dt, src.k_res, min(r, src.k_res.shape[2]))
+        self.v_res = buf((b, h, r, d), dt, src.v_res, min(r, src.v_res.shape[2]))
+        self.k_low = buf((b, h, ng_cap, cfg.b_low, d, g // 8), u8, src.k_low, held)
+        self.k_high = buf((b, h, ng_cap, cfg.high_planes, n_sc, g // 8), u8, src.k_high, held)
+        self.k_scale = buf((b, h, ng_cap, d), f16, src.k_scale, held)
+        self.k_zero = buf((b, h, ng_cap, d), f16, src.k_zero, held)
+        self.v_packed = buf((b, h, ng_cap * g, d * cfg.value_bits // 8), u8, src.v_packed, held * g)
+        self.v_scale = buf((b, h, ng_cap * g, vg), f16, src.v_scale, held * g)
+        self.v_zero = buf((b, h, ng_cap * g, vg), f16, src.v_zero, held * g)
+        order = src.channel_order if src.channel_order is not None else backend.channel_order(
+            dyn.salient_channels_all(), d)
+        self.channel_order = order.to(torch.int32).contiguous()
+        self.salient_channels = backend.salient_channels_from_order(self.channel_order, n_sc)
+        self.sink_len = src.sink_len.clone()
+        self.n_groups = src.n_groups.clone()
+        self.res_len = src.res_len.clone()
+        self.use_kernels = backend.use_triton(dev, cfg, d)
+        self.flush_now = False  # set by the driver for the step that fills some residual buffer
+        self.is_initialized = True
+
+    # transformers' layer protocol: `update` returns handles for the attention function
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        step = StaticStep(self, key_states, value_states)
+        return step, step
+
+    def get_seq_length(self) -> int:
+        return 0  # never asked during a static step; lengths are per sequence, on the device
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a static layer is built from a prefilled cache, never lazily")
+
+    def decode_cache(self) -> Any:
+        from kernels.layout import DecodeCache
+
+        cfg = self.config
+        return DecodeCache(
+            self.k_sink, self.v_sink, self.k_res, self.v_res, self.k_low, self.k_high, self.k_scale,
+            self.k_zero, self.v_packed, self.v_scale, self.v_zero, self.channel_order,
+            self.sink_len, self.n_groups, self.res_len,
+            cfg.b_low, cfg.b_high, cfg.group_size, cfg.value_bits, cfg.value_group_size,
+        )
+
+    def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Append one token per sequence (key/value [B, H_kv, 1, d]), flush if due, attend.
+
+        query [B, H_q, 1, d] -> [B, 1, H_q, d]. Device work only (graph-capturable).
+        """
+        cfg = self.config
+        in_sink = self.sink_len < cfg.n_sink
+        if cfg.n_sink:
+            at = self.sink_len.clamp(max=cfg.n_sink - 1)
+            _put_block(self.k_sink, at, key, in_sink)
+            _put_block(self.v_sink, at, value, in_sink)
+        at = self.res_len.clamp(max=cfg.residual_len - 1)
+        _put_block(self.k_res, at, key, ~in_sink)
+        _put_block(self.v_res, at, value, ~in_sink)
+        self.sink_len += in_sink.to(torch.int32)
+        self.res_len += (~in_sink).to(torch.int32)
+        if self.flush_now:
+            self._flush()
+        if self.use_kernels:
+            from kernels.decode import decode_attention
+
+            out = decode_attention(query[:, :, 0], self.decode_cache(), scaling)
+        else:
+            out = backend.decode_reference(query[:, :, 0], self.decode_cache(), scaling).to(query.dtype)
+        return out.unsqueeze(1)
+
+    def _flush(self) -> None:
+        """Quantizes every residual buffer into the groups past its sequence's packed region and
+        commits the result (groups count up, residual empties) only where the buffer is full."""
+        cfg = self.config
+        g, n = cfg.group_size, self.groups_per_flush
+        full = self.res_len == cfg.residual_len
+        quantize_keys = backend.quantize_keys if self.use_kernels else packing.quantize_keys
+        quantize_values = backend.quantize_values if self.use_kernels else packing.quantize_values
+        pk = quantize_keys(self.k_res, self.salient_channels, cfg.b_low, cfg.b_high, g)
+        pv = quantize_values(self.v_res, cfg.value_bits, cfg.value_group_size)
+        for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
+            _put_block(getattr(self, name), self.n_groups, new, full)
+        for name, new in (("v_packed", pv.packed), ("v_scale", pv.scale), ("v_zero", pv.zero)):
+            _put_block(getattr(self, name), self.n_groups * g, new, full)
+        self.n_groups += full.to(torch.int32) * n
+        self.res_len.masked_fill_(full, 0)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.k_sink, self.v_sink, self.k_res, self.v_res, self.k_low, self.k_high,
+                                      self.k_scale, self.k_zero, self.v_packed, self.v_scale, self.v_zero))
+
+
+class StaticFullLayer(CacheLayerMixin):
+    """One layer's unquantized cache (the fp16 baseline): [B, H_kv, max_len, d] keys and values."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, max_len: int,
+                 layer_idx: int) -> None:
+        """keys/values [B, H_kv, T, d] of a prefill with left padding; real bool [B, T]: real tokens."""
+        super().__init__()
+        b, h, _, d = keys.shape
+        self.layer_idx = layer_idx
+        self.k = torch.zeros((b, h, max_len, d), dtype=keys.dtype, device=keys.device)
+        self.v = torch.zeros_like(self.k)
+        for i in range(b):  # drop the left padding: sequence i holds its real tokens from slot 0
+            cols = real[i].nonzero().squeeze(-1)
+            self.k[i, :, : cols.numel()] = keys[i][:, cols]
+            self.v[i, :, : cols.numel()] = values[i][:, cols]
+        self.lengths = real.sum(-1).to(torch.int32)
+        self.window = max_len  # positions attention reads; the driver sets it per captured graph
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        step = StaticStep(self, key_states, value_states)
+        return step, step
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a static layer is built from a prefilled cache, never lazily")
+
+    def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Append one token per sequence and attend over the first `window` positions: [B, 1, H_q, d]."""
+        every = torch.ones_like(self.lengths, dtype=torch.bool)
+        _put_block(self.k, self.lengths, key, every)
+        _put_block(self.v, self.lengths, value, every)
+        self.lengths += 1
+        b, hq, _, d = query.shape
+        h = self.k.shape[1]
+        w = self.window
+        mask = (torch.arange(w, device=query.device)[None, :] < self.lengths[:, None])[:, None, None, :]
+        q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.k[:, :, :w], self.v[:, :, :w],
+                                                               attn_mask=mask, scale=scaling)
+        return out.reshape(b, 1, hq, d)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class StaticCache(Cache):
+    """The static layers of one batch, handed to the model's decoder layers during a step."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        super().__init__(layers=layers)
+        self.static_layers = layers
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.static_layers)
+
+
+def _method_config(method: str | PNMixConfig) -> PNMixConfig | None:
+    """None for the fp16 baseline, else a PN-Mix config the static path supports."""
+    if isinstance(method, str) and method == "fp16":
+        return None
+    if not isinstance(method, PNMixConfig):
+        raise ConfigError("method", method, "'fp16' or a PNMixConfig")
+    if not (method.keys_quantized and method.values_quantized):
+        raise ConfigError("method", method.to_dict() if hasattr(method, "to_dict") else method,
+                          "'fp16' or a config with quantized keys and values (the static path has no mixed mode)")
+    return method
+
+
+class StaticGenerator:
+    """Greedy generation with a static cache; the decode step is a replayed CUDA graph on CUDA.
+
+        gen = StaticGenerator(model, preset("pnmix-paper"), max_len=8192 + 141)
+        tokens = gen.generate(input_ids, attention_mask, max_new_tokens=64)   # [B, 64]
+
+    `method` is "fp16" or a PN-Mix config whose keys and values are quantized (PN-Mix, KIVI).
+    `max_len` bounds prompt + generated tokens per sequence. `graphs` (default: on CUDA) captures
+    the step; off, the same step runs eagerly. No end-of-sequence stop: every sequence gets
+    `max_new_tokens` tokens (a serving loop would mask finished rows).
+    """
+
+    def __init__(self, model: Any, method: str | PNMixConfig, max_len: int, graphs: bool | None = None) -> None:
+        self.model = model
+        self.config = _method_config(method)
+        self.max_len = max_len
+        self.graphs_on = model.device.type == "cuda" if graphs is None else graphs
+        self.decoder = model.get_decoder()
+        self.cache: StaticCache | None = None
+        self.layers: list[Any] = []
+        self._graphs: dict[Any, torch.cuda.CUDAGraph] = {}
+        self._warm: set[Any] = set()
+        self._pool: Any = None
+
+    # -- prefill (eager) ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the prompt [B, T] (left padding marked 0 in attention_mask); returns the first tokens [B]."""
+        model, dev = self.model, self.model.device
+        ids = input_ids.to(dev)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(dev)
+        real = mask.bool()
+        n_real = real.sum(-1)
+        if int(n_real.max()) + 1 > self.max_len:
+            raise ValueError(f"prompt of {int(n_real.max())} tokens leaves no room under max_len={self.max_len}")
+        use_pnmix_attention(model)
+        cache: Any = new_cache(model, self.config) if self.config is not None else DynamicCache()
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                    **cache_kwargs(model, cache))
+        first = out.logits[:, -1].argmax(-1)
+        if self.config is not None:
+            layers: list[Any] = [StaticQuantLayer(layer, self.max_len) for layer in cache.layers]
+        else:
+            layers = [StaticFullLayer(cl.keys, cl.values, real, self.max_len, i) for i, cl in enumerate(cache.layers)]
+        del cache, out
+        self.cache = StaticCache(layers)
+        self.layers = layers
+        # Decoder layers take the cache as `cache` on newer transformers, `past_key_values` on 5.17.
+        params = inspect.signature(self.decoder.layers[0].forward).parameters
+        self._cache_kw = {"cache" if "cache" in params else "past_key_values": self.cache}
+        self.ids = first[:, None].clone()  # the next step's input token, per sequence
+        self.pos = n_real[:, None].clone()  # its position: real tokens held so far
+        self.out = first.clone()
+        self.host_len = n_real.tolist()  # host mirrors of the lengths (one read, at prefill)
+        cfg = self.config
+        if cfg is not None:
+            self.host_sink = [min(cfg.n_sink, n) for n in self.host_len]
+            self.host_res = layers[0].res_len.tolist()
+        self._graphs.clear()
+        self._warm.clear()
+        return first
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def _graph_key(self) -> Any:
+        """Advances the host counters by one step; returns what selects this step's graph."""
+        self.host_len = [n + 1 for n in self.host_len]
+        if self.max_len < max(self.host_len):
+            raise ValueError(f"max_len={self.max_len} reached: no room for another token")
+        if self.config is None:  # fp16: the smallest window that holds every sequence
+            window = min(self.max_len, math.ceil(max(self.host_len) / FULL_WINDOW) * FULL_WINDOW)
+            for layer in self.layers:
+                layer.window = window
+            return ("window", window)
+        cfg, flush = self.config, False
+        for b in range(len(self.host_len)):
+            if self.host_sink[b] < cfg.n_sink:
+                self.host_sink[b] += 1
+            else:
+                self.host_res[b] += 1
+                if self.host_res[b] == cfg.residual_len:
+                    self.host_res[b], flush = 0, True
+        for layer in self.layers:
+            layer.flush_now = flush
+        return ("flush", flush)
+
+    def _step_body(self) -> None:
+        """One decode step on the static buffers: device work only."""
+        h = self.decoder.embed_tokens(self.ids)
+        pe = self.decoder.rotary_emb(h, self.pos)
+        for layer in self.decoder.layers:
+            out = layer(h, attention_mask=None, position_ids=self.pos, use_cache=True, cache_position=self.pos[0],
+                        position_embeddings=pe, **self._cache_kw)
+            h = out[0] if isinstance(out, tuple) else out
+        logits = self.model.lm_head(self.decoder.norm(h[:, -1]))
+        nxt = logits.argmax(-1)
+        self.out.copy_(nxt)
+        self.ids.copy_(nxt[:, None])
+        self.pos += 1
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        """One decode step for every sequence; returns the new tokens [B] (a device tensor, reused)."""
+        if self.cache is None:
+            raise RuntimeError("call prefill() before step()")
+        key = self._graph_key()
+        if not self.graphs_on:
+            self._step_body()
+        elif key in self._graphs:
+            self._graphs[key].replay()
+        elif key in self._warm:  # seen once eagerly (kernels compiled): capture, then run it
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step_body()
+            self._graphs[key] = graph
+            graph.replay()
+        else:
+            self._step_body()
+            self._warm.add(key)
+        return self.out
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 32) -> torch.Tensor:
+        """Greedy tokens [B, max_new_tokens] (the first from the prefill)."""
+        tokens = [self.prefill(input_ids, attention_mask).clone()]
+        for _ in range(max_new_tokens - 1):
+            tokens.append(self.step().clone())
+        return torch.stack(tokens, dim=1)

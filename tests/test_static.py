@@ -1,0 +1,151 @@
+"""The static decode path (pnmix/static.py) against `generate` and the dynamic PN-Mix cache.
+
+On the CPU the static step runs eagerly (CUDA graphs need a GPU; benchmarks/static_study.py checks
+the graph path there). What is checked here is what the graph replays: predicated appends to sinks
+and residual, the in-step flush into the packed region, per-sequence lengths and positions with
+left padding, and the fp16 window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from pnmix.config import ConfigError, PNMixConfig, preset
+from pnmix.generation import generate, new_cache, use_pnmix_attention
+from pnmix.static import FULL_WINDOW, StaticGenerator, StaticQuantLayer
+
+# Small groups so that flushes happen within a short generation; 4 sinks so that the short row
+# (3 real tokens) fills its sinks during decode.
+SMALL = PNMixConfig(b_high=3, b_low=1, salient_ratio=0.5, group_size=32, n_sink=4, residual_len=32,
+                    value_bits=2, value_group_size=16)
+KIVI_LIKE = PNMixConfig(b_high=2, b_low=2, salient_ratio=0.0, n_sink=0, group_size=32, residual_len=64,
+                        value_bits=4, value_group_size=16)
+
+
+def until_eos(tokens: torch.Tensor, eos: int | list[int] | None) -> list[list[int]]:
+    """Each row up to and including its first end-of-sequence token (`generate` pads after it)."""
+    stops = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    rows = []
+    for row in tokens.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def reference(model, ids, mask, method, n):  # type: ignore[no-untyped-def]
+    if method == "fp16":
+        use_pnmix_attention(model)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+        return out[:, ids.shape[1]:]
+    return generate(model, ids, method, attention_mask=mask, max_new_tokens=n)[0]
+
+
+def batch_of_three(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts of 70, 40 and 3 real tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 70), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    mask[2, :67] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("method", ["fp16", SMALL, KIVI_LIKE], ids=["fp16", "pnmix", "kivi-like"])
+def test_static_tokens_equal_generate_tiny(family, method):
+    model = tiny_model(family)
+    ids, mask = batch_of_three(model.config.vocab_size, seed=3)
+    n = 80  # each row flushes at least once (groups of 32) and the short row fills its sinks
+    want = reference(model, ids, mask, method, n)
+    got = StaticGenerator(model, method, max_len=160).generate(ids, mask, max_new_tokens=n)
+    assert got.shape == (3, n)
+    eos = model.generation_config.eos_token_id
+    assert until_eos(got, eos) == until_eos(want, eos)
+
+
+def test_static_layer_bytes_equal_dynamic_layer():
+    """Fed the same keys and values, a static layer ends with the dynamic layer's bytes and counters
+    (sinks filled during decode, several flushes, rows at different phases)."""
+    gen = torch.Generator().manual_seed(11)
+    b, h, d, t = 3, 2, 16, 70
+    model = tiny_model("llama")
+    dyn = new_cache(model, SMALL).layers[0]
+    keys = torch.randn((b, h, t, d), generator=gen)
+    values = torch.randn((b, h, t, d), generator=gen)
+    real = torch.ones((b, t), dtype=torch.bool)
+    real[1, :30] = False
+    real[2, :67] = False  # 3 real tokens: fewer than the 4 sinks
+    dyn.update(keys, values)
+    dyn.prefill(torch.randn((b, 2 * h, t, d), generator=gen), keys, values, real)
+    st = StaticQuantLayer(dyn, max_len=200)
+    for _ in range(75):
+        k = torch.randn((b, h, 1, d), generator=gen)
+        v = torch.randn((b, h, 1, d), generator=gen)
+        # The driver's rule: this step flushes if it fills some row's residual buffer.
+        st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
+                           for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
+        st.step(k, v, torch.randn((b, 2 * h, 1, d), generator=gen), d**-0.5)
+        dyn.append(k, v)
+    assert st.n_groups.tolist() == dyn.n_groups
+    assert st.res_len.tolist() == dyn.res_len
+    assert st.sink_len.tolist() == [min(SMALL.n_sink, n) for n in dyn.lengths]
+    assert min(dyn.n_groups) >= 2  # the short row flushed too
+    for i in range(b):
+        ng, r = dyn.n_groups[i], dyn.res_len[i]
+        for name in ("k_low", "k_high", "k_scale", "k_zero"):
+            assert torch.equal(getattr(st, name)[i, :, :ng], dyn.packed[name][i, :, :ng]), name
+        for name in ("v_packed", "v_scale", "v_zero"):
+            g = ng * SMALL.group_size
+            assert torch.equal(getattr(st, name)[i, :, :g], dyn.packed[name][i, :, :g]), name
+        assert torch.equal(st.k_res[i, :, :r], dyn.k_res[i, :, :r])
+        assert torch.equal(st.v_res[i, :, :r], dyn.v_res[i, :, :r])
+        assert torch.equal(st.k_sink[i], dyn.k_sink[i])
+
+
+def test_fp16_window_grows_with_the_longest_row():
+    model = tiny_model("llama")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=7)
+    static = StaticGenerator(model, "fp16", max_len=FULL_WINDOW + 100)
+    static.prefill(ids, mask)
+    static.step()
+    assert static.layers[0].window == FULL_WINDOW
+    assert static.layers[0].lengths.tolist() == [71, 41, 4]
+
+
+def test_static_tokens_equal_generate_embedded(embedded):
+    """The issue's check on the embedded model: pnmix-paper and fp16, a left-padded batch of two."""
+    tok, model = embedded.tokenizer, embedded.model
+    texts = ["Write a detailed essay about the history of the bicycle. " * 13,
+             "Explain how photosynthesis works, step by step, for a student. " * 5]
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    n = 24
+    cfg = preset("pnmix-paper")
+    # The first row's residual buffer fills within the generation, so a flush step is included.
+    first_res = (len(rows[0]) - cfg.n_sink) % cfg.group_size
+    assert cfg.residual_len - first_res < n, "prompt no longer exercises the flush step"
+    eos = model.generation_config.eos_token_id
+    for method in (cfg, "fp16"):
+        want = reference(model, ids, mask, method, n)
+        got = StaticGenerator(model, method, max_len=width + n).generate(ids, mask, max_new_tokens=n)
+        assert until_eos(got, eos) == until_eos(want, eos), f"{method} differs"
+
+
+def test_bad_methods_and_lengths_are_one_line_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="method"):
+        StaticGenerator(model, "int4", max_len=64)
+    with pytest.raises(ConfigError, match="quantized keys and values"):
+        StaticGenerator(model, preset("fp16"), max_len=64)
+    ids = torch.randint(3, 100, (1, 40))
+    gen = StaticGenerator(model, SMALL, max_len=41)
+    with pytest.raises(ValueError, match="max_len=41"):
+        gen.generate(ids, max_new_tokens=5)
+    with pytest.raises(ValueError, match="leaves no room"):
+        StaticGenerator(model, SMALL, max_len=40).prefill(ids)
+    new_cache(model, SMALL)  # the model still works with the ordinary path afterwards
