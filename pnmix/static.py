@@ -301,8 +301,9 @@ class StaticGenerator:
         use_pnmix_attention(model)
         cache: Any = new_cache(model, self.config) if self.config is not None else DynamicCache()
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **cache_kwargs(model, cache))
+                    **cache_kwargs(model, cache), **keep)  # only the last position's logits: B x vocab
         first = out.logits[:, -1].argmax(-1)
         if self.config is not None:
             layers: list[Any] = [StaticQuantLayer(layer, self.max_len) for layer in cache.layers]

@@ -1,0 +1,426 @@
+"""The memory/throughput study of issue 8: fp16 vs KIVI-2 vs pnmix-paper on the static decode path.
+
+On `qwen3-8b-shape` (random bf16 weights; performance only), prompt 141 tokens, greedy, under a
+40 GiB memory budget enforced in-process (`torch.cuda.set_per_process_memory_fraction`), with
+every decode step replayed as a CUDA graph (pnmix/static.py):
+
+  memory      (a) peak memory vs generated length 2K..32K at batch 32; (b) peak memory vs batch
+              at 8K, and each method's largest feasible batch (a config is feasible when prefill,
+              the static cache for prompt + N tokens, graph capture and decode steps at the full
+              length all fit the budget).
+  throughput  (c) decode throughput vs batch at 8K generated tokens, up to each method's largest
+              feasible batch; plus HF `generate` with fp16 DynamicCache (what users run today).
+  latency     (d) per-step latency along a 32K generation at batch 1; slope over 11K-31K.
+  equality    greedy tokens of the static path (graphs, kernels, bf16) vs `generate` on the
+              embedded model (needs the GGUF: --gguf).
+
+How time is measured: generating 8K tokens at batch 110 would take minutes per point, so the step
+time t(L) is measured at several cache lengths L (cache lengths set directly on the device, so a
+step reads exactly the bytes of a cache holding L tokens; medians of CUDA-graph replays), and the
+decode time of an N-token generation is the integral of t over L = 141 .. 141 + N (trapezoids),
+plus one flush step per `residual_len` steps for the quantized caches. A real generation of a few
+hundred steps checks the estimate (`validate` in the JSON).
+
+    python benchmarks/static_study.py --part memory,throughput --out DIR   # GPU
+    python benchmarks/static_study.py --plot DIR/static_study.json        # anywhere: PNGs + table
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = 141
+BUDGET_BYTES = 40 * 2**30
+METHODS = ("fp16", "kivi2", "pnmix-paper")
+GEN_LENGTHS = (2048, 4096, 8192, 16384, 32768)
+BATCHES = (1, 8, 16, 20, 24, 32, 48, 64, 80, 96, 110, 128, 160, 192)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def method_arg(name: str) -> Any:
+    from pnmix.config import preset
+
+    return "fp16" if name == "fp16" else preset(name)
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def set_fill(gen: Any, length: int) -> None:
+    """Makes every sequence's static cache hold `length` tokens (contents as they are: timing only)."""
+    for layer in gen.layers:
+        if hasattr(layer, "window"):  # fp16
+            layer.lengths.fill_(length - 1)  # the step appends the length-th token
+            layer.window = min(gen.max_len, math.ceil(length / 512) * 512)
+        else:
+            cfg = layer.config
+            sinks = min(cfg.n_sink, length)
+            groups = min((length - sinks) // cfg.group_size, layer.k_low.shape[2] - layer.groups_per_flush)
+            layer.sink_len.fill_(sinks)
+            layer.n_groups.fill_(groups)
+            layer.res_len.fill_(max(0, min(length - sinks - groups * cfg.group_size, cfg.residual_len - 1) - 1))
+            layer.flush_now = False
+
+
+def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> float:
+    """Median ms of one decode step (a CUDA-graph replay) with every cache holding ~`length` tokens."""
+    set_fill(gen, length)
+    key = ("window", gen.layers[0].window) if gen.config is None else ("flush", flush)
+    for layer in gen.layers:
+        if gen.config is not None:
+            layer.flush_now = flush
+    if key not in gen._graphs:  # eager warm-up once (compiles kernels), then capture
+        gen._step_body()
+        set_fill(gen, length)
+        if gen._pool is None:
+            gen._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=gen._pool):
+            gen._step_body()
+        gen._graphs[key] = graph
+    times = []
+    for _ in range(reps):
+        set_fill(gen, length)
+        if flush:
+            for layer in gen.layers:
+                layer.res_len.fill_(layer.config.residual_len - 1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gen._graphs[key].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def build(model: Any, method: str, batch: int, max_len: int) -> Any:
+    """Prefill a batch of 141-token prompts into a static generator with room for max_len tokens."""
+    from pnmix.static import StaticGenerator
+
+    gen = StaticGenerator(model, method_arg(method), max_len=max_len)
+    ids = torch.randint(100, 50000, (batch, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    gen.prefill(ids)
+    return gen
+
+
+def try_config(model: Any, method: str, batch: int, n_new: int, fills: tuple[int, ...] = ()) -> dict:
+    """Feasibility and peak memory of (method, batch, N new tokens); step times at `fills` if given."""
+    free()
+    row: dict[str, Any] = {"method": method, "batch": batch, "new_tokens": n_new}
+    gen = None
+    try:
+        gen = build(model, method, batch, PROMPT + n_new)
+        row["cache_bytes"] = gen.cache.nbytes()
+        t_full = time_graph(gen, PROMPT + n_new, reps=3)  # a step at the full length must fit too
+        if gen.config is not None:
+            time_graph(gen, PROMPT + n_new, flush=True, reps=2)
+        row["feasible"] = True
+        row["step_ms_full"] = t_full
+        for fill in fills:
+            row.setdefault("step_ms", {})[fill] = time_graph(gen, fill)
+        if fills and gen.config is not None:
+            row["flush_step_ms"] = time_graph(gen, fills[-1], flush=True)
+    except torch.OutOfMemoryError:
+        row["feasible"] = False
+    row["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+    del gen
+    free()
+    return row
+
+
+def decode_seconds(row: dict, n_new: int, residual: int | None) -> float:
+    """Integral of the measured step time over the generation (trapezoids), plus the flush steps."""
+    pts = sorted((int(k), v) for k, v in row["step_ms"].items())
+    total = 0.0
+    for (l0, t0), (l1, t1) in zip(pts, pts[1:], strict=False):
+        total += (l1 - l0) * (t0 + t1) / 2
+    total += (pts[0][0] - PROMPT) * pts[0][1] + (PROMPT + n_new - pts[-1][0]) * pts[-1][1]
+    if residual:
+        total += n_new / residual * (row["flush_step_ms"] - pts[-1][1])
+    return total / 1e3
+
+
+def part_memory(model: Any, res: dict) -> None:
+    res["memory_vs_length"] = []
+    for method in METHODS:
+        for n in GEN_LENGTHS:
+            row = try_config(model, method, 32, n)
+            log(f"[a] {method:12s} B=32 N={n:6d}: feasible {row['feasible']}  peak {row['peak_bytes'] / 2**30:.2f} GiB")
+            res["memory_vs_length"].append(row)
+    res["memory_vs_batch"], res["max_batch"] = [], {}
+    for method in METHODS:
+        last_ok, first_bad = 0, None
+        for b in BATCHES:
+            row = try_config(model, method, b, 8192)
+            log(f"[b] {method:12s} B={b:4d} N=8192: feasible {row['feasible']}  "
+                f"peak {row['peak_bytes'] / 2**30:.2f} GiB")
+            res["memory_vs_batch"].append(row)
+            if not row["feasible"]:
+                first_bad = b
+                break
+            last_ok = b
+        hi = first_bad if first_bad is not None else last_ok
+        while first_bad is not None and hi - last_ok > 1:  # bisect the largest feasible batch
+            mid = (last_ok + hi) // 2
+            row = try_config(model, method, mid, 8192)
+            res["memory_vs_batch"].append(row)
+            last_ok, hi = (mid, hi) if row["feasible"] else (last_ok, mid)
+        res["max_batch"][method] = last_ok
+        log(f"[b] {method}: largest feasible batch at 8K = {last_ok}")
+
+
+def part_throughput(model: Any, res: dict) -> None:
+    from pnmix.config import preset
+
+    fills = (PROMPT + 1, 1024, 2048, 4096, 6144, PROMPT + 8192)
+    res["throughput"] = []
+    for method in METHODS:
+        top = res.get("max_batch", {}).get(method) or {"fp16": 18, "kivi2": 96, "pnmix-paper": 96}[method]
+        batches = sorted({b for b in (1, 8, 16, 32, 64, 96, 128) if b < top} | {top})
+        for b in batches:
+            row = try_config(model, method, b, 8192, fills)
+            if row["feasible"]:
+                residual = None if method == "fp16" else preset(method).residual_len
+                secs = decode_seconds(row, 8192, residual)
+                row["decode_s"], row["tok_s"] = secs, b * 8192 / secs
+                log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s  step ms at fills "
+                    + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
+            res["throughput"].append(row)
+    res["hf_generate"] = hf_generate_fp16(model, res.get("max_batch", {}).get("fp16") or 18)
+    res["validate"] = validate(model)
+
+
+def hf_generate_fp16(model: Any, batch: int) -> dict:
+    """HF `generate`, DynamicCache, SDPA: ms per decode step at ~1K, 4K and 8K tokens of context.
+
+    Starts at fp16's largest static batch and halves it until an 8K prompt's prefill fits too.
+    """
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    while batch >= 1:
+        out: dict[str, Any] = {"batch": batch, "step_ms": {}}
+        try:
+            for ctx in (1024, 4096, PROMPT + 8192):
+                free()
+                ids = torch.randint(100, 50000, (batch, ctx), device="cuda")
+                times = []
+                for n in (2, 10):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                   min_new_tokens=n, do_sample=False, past_key_values=DynamicCache(), pad_token_id=0)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                out["step_ms"][str(ctx)] = (times[1] - times[0]) / 8 * 1e3
+                out["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+                log(f"[c] HF generate fp16 B={batch} ctx={ctx}: {out['step_ms'][str(ctx)]:.1f} ms/step")
+        except torch.OutOfMemoryError:
+            log(f"[c] HF generate fp16 B={batch}: out of memory within the budget; halving")
+            batch //= 2
+            continue
+        out["tok_s"] = batch * 8192 / decode_seconds(out, 8192, None)
+        free()
+        return out
+    return {}
+
+
+def validate(model: Any) -> dict:
+    """A real static generation (prefill + 384 steps, flushes included) vs the estimate for it."""
+    from pnmix.config import preset
+
+    out = {}
+    for method in ("fp16", "pnmix-paper"):
+        free()
+        n, b = 384, 32
+        gen = build(model, method, b, PROMPT + n)
+        for _ in range(4):
+            gen.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n - 5):
+            gen.step()
+        torch.cuda.synchronize()
+        real_ms = (time.perf_counter() - t0) / (n - 5) * 1e3
+        del gen
+        row = try_config(model, method, b, n, (PROMPT + 4, PROMPT + n // 2, PROMPT + n))
+        residual = None if method == "fp16" else preset(method).residual_len
+        est_ms = decode_seconds(row, n, residual) / n * 1e3
+        out[method] = {"batch": b, "steps": n, "real_ms_per_step": real_ms, "estimated_ms_per_step": est_ms}
+        log(f"[validate] {method}: real {real_ms:.2f} ms/step, estimated {est_ms:.2f} ms/step")
+    return out
+
+
+def part_latency(model: Any, res: dict) -> None:
+    fills = (1024, 11264, 16384, 21504, 26624, 31744)
+    res["latency"] = []
+    for method in METHODS:
+        row = try_config(model, method, 1, 32768, fills)
+        if row["feasible"]:
+            xs = [f for f in fills if f >= 11264]
+            ys = [row["step_ms"][f] * 1e3 for f in xs]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            row["growth_us_11k_to_31k"] = ys[-1] - ys[0]
+            row["slope_us_per_1k_steps"] = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+                (x - mx) ** 2 for x in xs) * 1000
+            log(f"[d] {method:12s} B=1: step ms " + " ".join(f"{v:.3f}" for v in row["step_ms"].values())
+                + f"; slope {row['slope_us_per_1k_steps']:.2f} us per 1K steps")
+        res["latency"].append(row)
+
+
+def part_equality(res: dict, gguf: str) -> None:
+    """Static path (CUDA graphs, kernels, bf16) vs `generate` on the embedded model."""
+    from pnmix import models
+    from pnmix.generation import generate, use_pnmix_attention
+    from pnmix.static import StaticGenerator
+
+    os.environ["PNMIX_SMOLLM2_GGUF"] = gguf
+    loaded = models.load("smollm2-135m", dtype=torch.bfloat16, device="cuda")
+    tok, model = loaded.tokenizer, loaded.model
+    texts = ["Write a detailed essay about the history of the bicycle. " * 40,
+             "Explain how photosynthesis works, step by step, for a student. " * 12]
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device="cuda")
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device="cuda")
+    n = 160  # crosses at least one flush step for every row (residual 128)
+    eos = model.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos])
+
+    def until_eos(tokens: torch.Tensor) -> list[list[int]]:
+        return [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in tokens.tolist()]
+
+    res["equality"] = {}
+    for name in METHODS:
+        method = method_arg(name)
+        if method == "fp16":
+            use_pnmix_attention(model)
+            want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)[:, width:]
+        else:
+            want = generate(model, ids, method, attention_mask=mask, max_new_tokens=n)[0]
+        gen = StaticGenerator(model, method, max_len=width + n)
+        got = until_eos(gen.generate(ids, mask, max_new_tokens=n))
+        ref = until_eos(want)
+        first_diff = [next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b),
+                           None if len(g) == len(r) else min(len(g), len(r))) for g, r in zip(got, ref, strict=True)]
+        res["equality"][name] = {"tokens": [len(r) for r in ref], "equal": got == ref, "first_diff": first_diff,
+                                 "graphs": len(gen._graphs)}
+        log(f"[equality] {name}: equal {got == ref}, compared {[len(r) for r in ref]} tokens, first difference "
+            f"per row {first_diff}, graphs captured {len(gen._graphs)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", default="memory,throughput,latency")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--merge", help="an earlier static_study.json to extend")
+    ap.add_argument("--gguf", help="the embedded model's GGUF (for --part equality)")
+    ap.add_argument("--plot", metavar="JSON", help="draw the PNGs and print the RESULTS table from a JSON")
+    args = ap.parse_args()
+    if args.plot:
+        plot(Path(args.plot))
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = json.loads(Path(args.merge).read_text()) if args.merge else {}
+    import transformers
+    import triton
+
+    res.setdefault("env", {})[args.part] = {
+        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+    }
+    parts = args.part.split(",")
+    if "equality" in parts:
+        part_equality(res, args.gguf)
+    if set(parts) - {"equality"}:
+        from pnmix import models
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(BUDGET_BYTES / total)
+        res["budget_bytes"] = BUDGET_BYTES
+        model = models.load("qwen3-8b-shape", purpose="performance", dtype=torch.bfloat16, device="cuda").model
+        res["weight_bytes"] = sum(p.nbytes for p in model.parameters())
+        log(f"qwen3-8b-shape weights {res['weight_bytes'] / 2**30:.2f} GiB; budget {BUDGET_BYTES / 2**30:.0f} GiB")
+        for part, fn in (("memory", part_memory), ("throughput", part_throughput), ("latency", part_latency)):
+            if part in parts:
+                t0 = time.time()
+                fn(model, res)
+                log(f"part {part}: {time.time() - t0:.0f} s")
+                (out / "static_study.json").write_text(json.dumps(res, indent=1))
+    (out / "static_study.json").write_text(json.dumps(res, indent=1))
+
+
+def plot(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(path.read_text())
+    gib = 2**30
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    if "memory_vs_length" in res:
+        ax = axes[0]
+        for m in METHODS:
+            rows = [r for r in res["memory_vs_length"] if r["method"] == m and r["feasible"]]
+            ax.plot([r["new_tokens"] for r in rows], [r["peak_bytes"] / gib for r in rows], "o-", label=m)
+        ax.axhline(res["budget_bytes"] / gib, color="k", ls="--", lw=1, label="budget")
+        ax.set(xscale="log", xlabel="generated tokens (batch 32)", ylabel="peak memory (GiB)", title="(a)")
+        ax.legend()
+    if "memory_vs_batch" in res:
+        ax = axes[1]
+        for m in METHODS:
+            rows = sorted((r for r in res["memory_vs_batch"] if r["method"] == m and r["feasible"]),
+                          key=lambda r: r["batch"])
+            ax.plot([r["batch"] for r in rows], [r["peak_bytes"] / gib for r in rows], "o-", label=m)
+        ax.axhline(res["budget_bytes"] / gib, color="k", ls="--", lw=1)
+        ax.set(xlabel="batch (8K generated)", ylabel="peak memory (GiB)", title="(b)")
+        ax.legend()
+    if "throughput" in res:
+        ax = axes[2]
+        for m in METHODS:
+            rows = sorted((r for r in res["throughput"] if r["method"] == m and r.get("tok_s")),
+                          key=lambda r: r["batch"])
+            ax.plot([r["batch"] for r in rows], [r["tok_s"] for r in rows], "o-", label=f"{m} (static, graphs)")
+        hf = res.get("hf_generate", {})
+        if hf.get("tok_s"):
+            ax.plot([hf["batch"]], [hf["tok_s"]], "kx", ms=10, label="fp16 HF generate")
+        ax.set(xlabel="batch (8K generated)", ylabel="decode tokens/s", title="(c)")
+        ax.legend()
+    if "latency" in res:
+        ax = axes[3]
+        for r in res["latency"]:
+            if r.get("step_ms"):
+                pts = sorted((int(k), v) for k, v in r["step_ms"].items())
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=r["method"])
+        ax.set(xlabel="tokens in cache (batch 1)", ylabel="ms per decode step", title="(d)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
