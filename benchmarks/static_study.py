@@ -330,6 +330,7 @@ def part_equality(res: dict, gguf: str) -> None:
             f"per row {first_diff}, graphs captured {len(gen._graphs)}")
 
 
+@torch.inference_mode()  # the static generator's buffers are inference tensors
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="memory,throughput,latency")
