@@ -193,11 +193,16 @@ def part_throughput(model: Any, res: dict) -> None:
     from pnmix.config import preset
 
     fills = (PROMPT + 1, 1024, 2048, 4096, 6144, PROMPT + 8192)
-    res["throughput"] = []
+    res.setdefault("throughput", [])
+    fp16_top = res.get("max_batch", {}).get("fp16") or 20
     for method in METHODS:
-        top = res.get("max_batch", {}).get(method) or {"fp16": 18, "kivi2": 96, "pnmix-paper": 96}[method]
-        batches = sorted({b for b in (1, 8, 16, 32, 64, 96, 128) if b < top} | {top})
+        top = res.get("max_batch", {}).get(method) or {"fp16": 20, "kivi2": 104, "pnmix-paper": 102}[method]
+        # every method also at fp16's largest batch, the equal-batch comparison
+        batches = sorted({b for b in (1, 8, 16, 32, 64, 96, 128) if b < top} | {top, min(top, fp16_top)})
+        done = {r["batch"] for r in res["throughput"] if r["method"] == method}
         for b in batches:
+            if b in done:  # measured by an earlier run (--merge)
+                continue
             row = try_config(model, method, b, 8192, fills)
             if row["feasible"]:
                 residual = None if method == "fp16" else preset(method).residual_len
@@ -206,8 +211,10 @@ def part_throughput(model: Any, res: dict) -> None:
                 log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s  step ms at fills "
                     + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
             res["throughput"].append(row)
-    res["hf_generate"] = hf_generate_fp16(model, res.get("max_batch", {}).get("fp16") or 18)
-    res["validate"] = validate(model)
+    if "hf_generate" not in res or min(res["hf_generate"].get("step_ms", {"": -1}).values()) <= 0:
+        res["hf_generate"] = hf_generate_fp16(model, fp16_top)
+    if "validate" not in res:
+        res["validate"] = validate(model)
 
 
 def hf_generate_fp16(model: Any, batch: int) -> dict:
@@ -225,6 +232,8 @@ def hf_generate_fp16(model: Any, batch: int) -> dict:
                 free()
                 ids = torch.randint(100, 50000, (batch, ctx), device="cuda")
                 times = []
+                if not out["step_ms"]:  # warm-up: the first generate call pays one-off costs
+                    model.generate(input_ids=ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)
                 for n in (2, 10):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
