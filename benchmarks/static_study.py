@@ -12,7 +12,8 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
               feasible batch; plus HF `generate` with fp16 DynamicCache (what users run today).
   latency     (d) per-step latency along a 32K generation at batch 1; slope over 11K-31K.
   equality    greedy tokens of the static path (graphs, kernels, bf16) vs `generate` on the
-              embedded model (needs the GGUF: --gguf).
+              embedded model (needs the GGUF: --gguf), and the tuner's cost measurement there.
+  fullkernel  the fp16 baseline's decode kernel (kernels/decode_full.py) vs SDPA without a mask.
 
 How time is measured: generating 8K tokens at batch 110 would take minutes per point, so the step
 time t(L) is measured at several cache lengths L (cache lengths set directly on the device, so a
@@ -29,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
-import math
 import os
 import platform
 import sys
@@ -69,9 +70,8 @@ def free() -> None:
 def set_fill(gen: Any, length: int) -> None:
     """Makes every sequence's static cache hold `length` tokens (contents as they are: timing only)."""
     for layer in gen.layers:
-        if hasattr(layer, "window"):  # fp16
+        if gen.config is None:  # fp16
             layer.lengths.fill_(length - 1)  # the step appends the length-th token
-            layer.window = min(gen.max_len, math.ceil(length / 512) * 512)
         else:
             cfg = layer.config
             sinks = min(cfg.n_sink, length)
@@ -85,7 +85,7 @@ def set_fill(gen: Any, length: int) -> None:
 def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> float:
     """Median ms of one decode step (a CUDA-graph replay) with every cache holding ~`length` tokens."""
     set_fill(gen, length)
-    key = ("window", gen.layers[0].window) if gen.config is None else ("flush", flush)
+    key = ("flush", flush)
     for layer in gen.layers:
         if gen.config is not None:
             layer.flush_now = flush
@@ -297,6 +297,54 @@ def part_latency(model: Any, res: dict) -> None:
         res["latency"].append(row)
 
 
+def part_fullkernel(res: dict) -> None:
+    """The fp16 baseline's decode kernel vs SDPA (no mask) on issue 4's shapes, bf16, 32/8 heads, d 128."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from kernels.decode_full import full_decode_attention
+
+    res["fullkernel"] = []
+    for bsz, ctx in ((1, 32768), (32, 8192), (32, 32768), (110, 8192)):
+        free()
+        q = torch.randn((bsz, 32, 128), device="cuda", dtype=torch.bfloat16)
+        k = torch.randn((bsz, 8, ctx, 128), device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        lengths = torch.full((bsz,), ctx, dtype=torch.int32, device="cuda")
+        out = full_decode_attention(q, k, v, lengths, 128**-0.5)
+        ref = F.scaled_dot_product_attention(q.view(bsz, 32, 1, 128), k, v, enable_gqa=True).view(bsz, 32, 128)
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        t_k = do_bench(functools.partial(full_decode_attention, q, k, v, lengths, 128**-0.5), return_mode="median")
+        t_s = do_bench(functools.partial(F.scaled_dot_product_attention, q.view(bsz, 32, 1, 128), k, v,
+                                         enable_gqa=True), return_mode="median")
+        gbps = (k.nbytes + v.nbytes) / (t_k * 1e-3) / 1e9
+        row = {"batch": bsz, "ctx": ctx, "kernel_us": t_k * 1e3, "sdpa_us": t_s * 1e3, "kernel_GBps": gbps,
+               "rel_err": err}
+        res["fullkernel"].append(row)
+        log(f"[fullkernel] {bsz}x{ctx}: kernel {t_k * 1e3:.1f} us ({gbps:.0f} GB/s), SDPA {t_s * 1e3:.1f} us, "
+            f"rel err {err:.1e}")
+
+
+def part_tuner_cost(res: dict, model: Any) -> None:
+    """The tuner's cost measurement on CUDA (static path) for the embedded model, as a trial runs it."""
+    from types import SimpleNamespace
+
+    from tuner.evaluate import Evaluator
+
+    res["tuner_cost"] = {}
+    for name in METHODS:
+        ev = SimpleNamespace(model=model, seed=0, head_dim=64)
+        kv_bytes, tok_s, peak = Evaluator.measure_cost(ev, method_arg(name) if name != "fp16" else _fp16())
+        res["tuner_cost"][name] = {"kv_bytes": kv_bytes, "tok_s": tok_s, "peak_bytes": peak}
+        log(f"[tuner] {name}: kv {kv_bytes / 1024:.0f} KiB, {tok_s:.1f} tok/s, peak {peak / 2**20:.0f} MiB")
+
+
+def _fp16() -> Any:
+    from pnmix.config import preset
+
+    return preset("fp16")
+
+
 def part_equality(res: dict, gguf: str) -> None:
     """Static path (CUDA graphs, kernels, bf16) vs `generate` on the embedded model."""
     from pnmix import models
@@ -337,6 +385,7 @@ def part_equality(res: dict, gguf: str) -> None:
                                  "graphs": len(gen._graphs)}
         log(f"[equality] {name}: equal {got == ref}, compared {[len(r) for r in ref]} tokens, first difference "
             f"per row {first_diff}, graphs captured {len(gen._graphs)}")
+    part_tuner_cost(res, model)
 
 
 @torch.inference_mode()  # the static generator's buffers are inference tensors
@@ -364,7 +413,9 @@ def main() -> None:
     parts = args.part.split(",")
     if "equality" in parts:
         part_equality(res, args.gguf)
-    if set(parts) - {"equality"}:
+    if "fullkernel" in parts:
+        part_fullkernel(res)
+    if set(parts) - {"equality", "fullkernel"}:
         from pnmix import models
 
         total = torch.cuda.get_device_properties(0).total_memory

@@ -16,12 +16,13 @@ Two cache kinds, same driver:
   the packed region before attending, as `PNMixCache` does. The host knows from its own counters
   which steps those are (no device read), so it replays a second graph ("flush step") only then;
   that graph quantizes every sequence's residual and commits it only where the residual is full.
-- `StaticFullLayer`: the fp16 baseline, [B, H_kv, max_len, d] keys and values. Attention reads a
-  window of the first W positions (masked by length), W rounded up to `FULL_WINDOW` tokens; one
-  graph per window, so an early step does not pay for the whole capacity.
+- `StaticFullLayer`: the fp16 baseline, [B, H_kv, max_len, d] keys and values, attended by a
+  flash-decoding kernel over each sequence's length (kernels/decode_full.py), the same scheme as
+  the PN-Mix kernel, so that a comparison isolates the cache format.
 
 Off CUDA (tests, CPU) the same step runs eagerly: attention is the fp32 dequantize-then-attend
-reference for quantized layers and SDPA for full ones.
+reference for quantized layers and masked SDPA for full ones (PNMIX_BACKEND=triton runs the
+kernels there too, in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from pnmix import backend, packing
 from pnmix.cache import PNMixLayer, StaticStep
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
-
-FULL_WINDOW = 512  # the fp16 baseline's attention window grows in steps of this many tokens
 
 
 def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
@@ -201,7 +200,10 @@ class StaticFullLayer(CacheLayerMixin):
             self.k[i, :, : cols.numel()] = keys[i][:, cols]
             self.v[i, :, : cols.numel()] = values[i][:, cols]
         self.lengths = real.sum(-1).to(torch.int32)
-        self.window = max_len  # positions attention reads; the driver sets it per captured graph
+        # The flash-decoding kernel (kernels/decode_full.py) where the quantized layers use theirs;
+        # SDPA with a length mask otherwise (with a mask SDPA does not split long sequences).
+        name = backend.backend_name()
+        self.use_kernels = name != "torch" and d >= 16 and not d & (d - 1) and (keys.is_cuda or name == "triton")
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -221,18 +223,20 @@ class StaticFullLayer(CacheLayerMixin):
         raise RuntimeError("a static layer is built from a prefilled cache, never lazily")
 
     def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Append one token per sequence and attend over the first `window` positions: [B, 1, H_q, d]."""
+        """Append one token per sequence and attend over each sequence's tokens: [B, 1, H_q, d]."""
         every = torch.ones_like(self.lengths, dtype=torch.bool)
         _put_block(self.k, self.lengths, key, every)
         _put_block(self.v, self.lengths, value, every)
         self.lengths += 1
         b, hq, _, d = query.shape
+        if self.use_kernels:
+            from kernels.decode_full import full_decode_attention
+
+            return full_decode_attention(query[:, :, 0], self.k, self.v, self.lengths, scaling).unsqueeze(1)
         h = self.k.shape[1]
-        w = self.window
-        mask = (torch.arange(w, device=query.device)[None, :] < self.lengths[:, None])[:, None, None, :]
+        mask = (torch.arange(self.k.shape[2], device=query.device)[None, :] < self.lengths[:, None])[:, None, None]
         q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
-        out = torch.nn.functional.scaled_dot_product_attention(q, self.k[:, :, :w], self.v[:, :, :w],
-                                                               attn_mask=mask, scale=scaling)
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scaling)
         return out.reshape(b, 1, hq, d)
 
     def nbytes(self) -> int:
@@ -334,11 +338,8 @@ class StaticGenerator:
         self.host_len = [n + 1 for n in self.host_len]
         if self.max_len < max(self.host_len):
             raise ValueError(f"max_len={self.max_len} reached: no room for another token")
-        if self.config is None:  # fp16: the smallest window that holds every sequence
-            window = min(self.max_len, math.ceil(max(self.host_len) / FULL_WINDOW) * FULL_WINDOW)
-            for layer in self.layers:
-                layer.window = window
-            return ("window", window)
+        if self.config is None:  # fp16: every step is the same graph
+            return ("flush", False)
         cfg, flush = self.config, False
         for b in range(len(self.host_len)):
             if self.host_sink[b] < cfg.n_sink:
@@ -396,3 +397,44 @@ class StaticGenerator:
         for _ in range(max_new_tokens - 1):
             tokens.append(self.step().clone())
         return torch.stack(tokens, dim=1)
+
+
+def static_method(config: PNMixConfig, device: torch.device, head_dim: int) -> str | PNMixConfig | None:
+    """What the static path runs for `config` on `device`: "fp16" (nothing quantized), the config
+    (keys and values quantized, decode kernels available), or None (not covered: mixed configs,
+    or a quantized config whose attention would take the torch path, which syncs with the host)."""
+    if not (config.keys_quantized or config.values_quantized):
+        return "fp16"
+    if config.keys_quantized and config.values_quantized and backend.use_triton(device, config, head_dim):
+        return config
+    return None
+
+
+@torch.inference_mode()
+def decode_cost(model: Any, method: str | PNMixConfig, input_ids: torch.Tensor, new_tokens: int) -> tuple[float, int]:
+    """(decode tokens/s, peak device bytes) of a static generation of `new_tokens` after `input_ids`.
+
+    Two untimed steps first (on CUDA they compile the kernels and capture the step's graph), then
+    the rest are timed; the first token comes from the prefill. Peak bytes: CUDA only, else 0.
+    """
+    import time
+
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    gen = StaticGenerator(model, method, max_len=input_ids.shape[1] + new_tokens)
+    gen.prefill(input_ids)
+    for _ in range(2):
+        gen.step()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    timed = max(1, new_tokens - 3)
+    for _ in range(timed):
+        gen.step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = int(torch.cuda.max_memory_allocated()) if cuda else 0
+    return timed * input_ids.shape[0] / seconds, peak

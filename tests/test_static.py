@@ -12,9 +12,10 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from pnmix import backend
 from pnmix.config import ConfigError, PNMixConfig, preset
 from pnmix.generation import generate, new_cache, use_pnmix_attention
-from pnmix.static import FULL_WINDOW, StaticGenerator, StaticQuantLayer
+from pnmix.static import StaticGenerator, StaticQuantLayer, decode_cost, static_method
 
 # Small groups so that flushes happen within a short generation; 4 sinks so that the short row
 # (3 real tokens) fills its sinks during decode.
@@ -105,14 +106,22 @@ def test_static_layer_bytes_equal_dynamic_layer():
         assert torch.equal(st.k_sink[i], dyn.k_sink[i])
 
 
-def test_fp16_window_grows_with_the_longest_row():
-    model = tiny_model("llama")
-    ids, mask = batch_of_three(model.config.vocab_size, seed=7)
-    static = StaticGenerator(model, "fp16", max_len=FULL_WINDOW + 100)
-    static.prefill(ids, mask)
-    static.step()
-    assert static.layers[0].window == FULL_WINDOW
-    assert static.layers[0].lengths.tolist() == [71, 41, 4]
+@pytest.mark.parametrize("method", ["fp16", SMALL], ids=["fp16", "pnmix"])
+def test_static_kernel_path_equals_generate(method):
+    """PNMIX_BACKEND=triton: the static step runs the decode kernels (interpreted), as on CUDA."""
+    model = tiny_model("qwen3")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=9)
+    n = 34  # rows 0 and 1 flush once (steps 30 and 28), row 2 fills its sinks
+    backend.set_backend("triton")
+    try:
+        gen = StaticGenerator(model, method, max_len=120)
+        got = gen.generate(ids, mask, max_new_tokens=n)
+        assert all(layer.use_kernels for layer in gen.layers)
+        want = reference(model, ids, mask, method, n)
+    finally:
+        backend.set_backend(None)
+    eos = model.generation_config.eos_token_id
+    assert until_eos(got, eos) == until_eos(want, eos)
 
 
 def test_static_tokens_equal_generate_embedded(embedded):
@@ -149,3 +158,18 @@ def test_bad_methods_and_lengths_are_one_line_errors():
     with pytest.raises(ValueError, match="leaves no room"):
         StaticGenerator(model, SMALL, max_len=40).prefill(ids)
     new_cache(model, SMALL)  # the model still works with the ordinary path afterwards
+
+
+def test_static_method_and_decode_cost():
+    """What the tuner measures on CUDA: which configs take the static path, and its cost figures."""
+    cpu = torch.device("cpu")
+    assert static_method(preset("fp16"), cpu, 64) == "fp16"
+    assert static_method(preset("pnmix-paper"), cpu, 64) is None  # torch attention path: not graph-safe
+    backend.set_backend("triton")
+    try:
+        assert static_method(preset("pnmix-paper"), cpu, 64) == preset("pnmix-paper")
+    finally:
+        backend.set_backend(None)
+    model = tiny_model("llama")
+    tok_s, peak = decode_cost(model, SMALL, torch.randint(3, 100, (2, 50)), new_tokens=12)
+    assert tok_s > 0 and peak == 0  # peak memory is measured on CUDA only
