@@ -92,12 +92,7 @@ def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> fl
     if key not in gen._graphs:  # eager warm-up once (compiles kernels), then capture
         gen._step_body()
         set_fill(gen, length)
-        if gen._pool is None:
-            gen._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=gen._pool):
-            gen._step_body()
-        gen._graphs[key] = graph
+        gen.capture(key)
     times = []
     for _ in range(reps):
         set_fill(gen, length)

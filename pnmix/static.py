@@ -53,11 +53,32 @@ def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where:
     t[b, :, idx] = torch.where(keep, value.transpose(1, 2).to(t.dtype), old)
 
 
-class StaticQuantLayer(CacheLayerMixin):
-    """One layer's PN-Mix/KIVI cache at full capacity, in the decode kernel's layout."""
+class _StaticLayer(CacheLayerMixin):
+    """transformers' layer protocol for the static layers: `update` only hands the new states to
+    the attention function (as a `StaticStep`), which appends and attends in the layer's `step`."""
 
     is_compileable = True
     is_sliding = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        step = StaticStep(self, key_states, value_states)
+        return step, step
+
+    def get_seq_length(self) -> int:
+        return 0  # never asked during a static step; lengths are per sequence, on the device
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a static layer is built from a prefilled cache, never lazily")
+
+
+class StaticQuantLayer(_StaticLayer):
+    """One layer's PN-Mix/KIVI cache at full capacity, in the decode kernel's layout."""
 
     def __init__(self, dyn: PNMixLayer, max_len: int) -> None:
         """Copies a prefilled `PNMixLayer` into buffers that hold `max_len` tokens per sequence."""
@@ -104,23 +125,6 @@ class StaticQuantLayer(CacheLayerMixin):
         self.use_kernels = backend.use_triton(dev, cfg, d)
         self.flush_now = False  # set by the driver for the step that fills some residual buffer
         self.is_initialized = True
-
-    # transformers' layer protocol: `update` returns handles for the attention function
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        step = StaticStep(self, key_states, value_states)
-        return step, step
-
-    def get_seq_length(self) -> int:
-        return 0  # never asked during a static step; lengths are per sequence, on the device
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("a static layer is built from a prefilled cache, never lazily")
 
     def decode_cache(self) -> Any:
         from kernels.layout import DecodeCache
@@ -181,11 +185,8 @@ class StaticQuantLayer(CacheLayerMixin):
                                       self.k_scale, self.k_zero, self.v_packed, self.v_scale, self.v_zero))
 
 
-class StaticFullLayer(CacheLayerMixin):
+class StaticFullLayer(_StaticLayer):
     """One layer's unquantized cache (the fp16 baseline): [B, H_kv, max_len, d] keys and values."""
-
-    is_compileable = True
-    is_sliding = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, max_len: int,
                  layer_idx: int) -> None:
@@ -205,22 +206,6 @@ class StaticFullLayer(CacheLayerMixin):
         name = backend.backend_name()
         self.use_kernels = name != "torch" and d >= 16 and not d & (d - 1) and (keys.is_cuda or name == "triton")
         self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        step = StaticStep(self, key_states, value_states)
-        return step, step
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("a static layer is built from a prefilled cache, never lazily")
 
     def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Append one token per sequence and attend over each sequence's tokens: [B, 1, H_q, d]."""
@@ -377,17 +362,22 @@ class StaticGenerator:
         elif key in self._graphs:
             self._graphs[key].replay()
         elif key in self._warm:  # seen once eagerly (kernels compiled): capture, then run it
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step_body()
-            self._graphs[key] = graph
-            graph.replay()
+            self.capture(key).replay()
         else:
             self._step_body()
             self._warm.add(key)
         return self.out
+
+    def capture(self, key: Any) -> torch.cuda.CUDAGraph:
+        """Records the step as it stands (the graph for `key`) without running it; all graphs share
+        one memory pool. The step must have run eagerly once before (Triton compiles on first use)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step_body()
+        self._graphs[key] = graph
+        return graph
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
