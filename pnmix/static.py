@@ -264,6 +264,8 @@ class StaticGenerator:
     """
 
     def __init__(self, model: Any, method: str | PNMixConfig, max_len: int, graphs: bool | None = None) -> None:
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"invalid max_len={max_len!r}: allowed an integer >= 2 (prompt + new tokens per row)")
         self.model = model
         self.config = _method_config(method)
         self.max_len = max_len
@@ -281,10 +283,17 @@ class StaticGenerator:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the prompt [B, T] (left padding marked 0 in attention_mask); returns the first tokens [B]."""
         model, dev = self.model, self.model.device
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: allowed [batch, tokens] with tokens >= 1")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)}: allowed the shape of input_ids "
+                             f"{tuple(input_ids.shape)}")
         ids = input_ids.to(dev)
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(dev)
         real = mask.bool()
         n_real = real.sum(-1)
+        if int(n_real.min()) == 0:
+            raise ValueError("a row of attention_mask has no real token: allowed rows with at least one 1")
         if int(n_real.max()) + 1 > self.max_len:
             raise ValueError(f"prompt of {int(n_real.max())} tokens leaves no room under max_len={self.max_len}")
         use_pnmix_attention(model)
@@ -383,6 +392,8 @@ class StaticGenerator:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32) -> torch.Tensor:
         """Greedy tokens [B, max_new_tokens] (the first from the prefill)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: allowed an integer >= 1")
         tokens = [self.prefill(input_ids, attention_mask).clone()]
         for _ in range(max_new_tokens - 1):
             tokens.append(self.step().clone())

@@ -157,6 +157,16 @@ def test_bad_methods_and_lengths_are_one_line_errors():
         gen.generate(ids, max_new_tokens=5)
     with pytest.raises(ValueError, match="leaves no room"):
         StaticGenerator(model, SMALL, max_len=40).prefill(ids)
+    with pytest.raises(ValueError, match="max_len"):
+        StaticGenerator(model, SMALL, max_len=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        StaticGenerator(model, SMALL, max_len=64).generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"allowed \[batch, tokens\]"):
+        StaticGenerator(model, SMALL, max_len=64).prefill(ids[0])
+    with pytest.raises(ValueError, match="attention_mask of shape"):
+        StaticGenerator(model, SMALL, max_len=64).prefill(ids, torch.ones((1, 3), dtype=torch.long))
+    with pytest.raises(ValueError, match="no real token"):
+        StaticGenerator(model, SMALL, max_len=64).prefill(ids, torch.zeros_like(ids))
     new_cache(model, SMALL)  # the model still works with the ordinary path afterwards
 
 
