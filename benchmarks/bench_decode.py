@@ -350,6 +350,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--quick", action="store_true", help="first variant only")
+    ap.add_argument("--variants", help="launch variants to time instead of VARIANTS, e.g. '64,1,1,none;64,2,1,128' "
+                                       "(block_t, num_warps, num_stages, max_registers; inline-PTX expansion)")
     ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
     ap.add_argument("--variant", default="0", help="index into VARIANTS for --profile")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
@@ -374,6 +376,9 @@ def main() -> None:
     fh = open(out_dir / "bench_decode.log", "w")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     variants = VARIANTS[:1] if args.quick else VARIANTS
+    if args.variants:
+        variants = [tuple(int(x) if x != "none" else None for x in v.split(",")) + (True,)
+                    for v in args.variants.split(";")]
     env = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
