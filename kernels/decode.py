@@ -406,11 +406,11 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
     num_stages: int = 1,
     out: torch.Tensor | None = None,
     fast_unpack: bool | None = None,
-    max_registers: int | None = -1,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over a PN-Mix layer cache.
 
@@ -422,9 +422,10 @@ def decode_attention(
     `out`, if given, receives the result (same shape as q, channels contiguous).
     fast_unpack: expand codes with inline PTX (default on CUDA); the portable Triton path is the
     one the CPU interpreter runs, which has no inline assembly. max_registers caps registers per
-    thread (ptxas maxnreg) to trade a few spills for occupancy; -1: 128 on CUDA, None: no cap.
-    The defaults (64-token steps, 4 warps, 1 stage, 128 registers) were the best or within 10% of
-    the best of the variants measured on an H200 (benchmarks/RESULTS.md).
+    thread (ptxas maxnreg) to trade a few spills for occupancy; None: no cap.
+    The defaults (64-token steps, 2 warps, 1 stage, no register cap) were the fastest of the
+    variants measured on an H200 on every benchmark shape, 10-15% faster than the earlier
+    4 warps / 128 registers from batch 32 up (benchmarks/RESULTS.md, section Kernels).
     """
     bsz, hq, d = q.shape
     _, hkv, _, d_cache = cache.k_sink.shape
@@ -458,8 +459,6 @@ def decode_attention(
     num_splits = triton.cdiv(ng_cap, groups_per_split) if ng_cap else 0
     if block_t is None:
         block_t = min(g, 64)
-    if max_registers == -1:
-        max_registers = 128 if q.is_cuda else None
     n_parts = num_splits + 1
     dev = q.device
     pm = torch.empty((bsz * hkv, n_parts, m_p), dtype=torch.float32, device=dev)
