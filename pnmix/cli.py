@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
-from pnmix.config import PRESETS, PNMixConfig, preset
+from pnmix.config import PRESETS, ConfigError, PNMixConfig, preset
 
 # Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -174,29 +174,52 @@ def generate(
     value_group: VGroupOpt = None,
     criterion: CriterionOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    device: Annotated[str, typer.Option(help="cpu, or cuda (bf16 weights, Triton kernels)")] = "cpu",
+    static: Annotated[bool, typer.Option("--static", help="static cache; on CUDA each step is a CUDA graph")] = False,
 ) -> None:
     """Greedy generation with a PN-Mix cache; prints the text and the bytes the cache held."""
     config = config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group, criterion
     )
+    if device not in ("cpu", "cuda"):
+        raise ConfigError("device", device, "cpu or cuda")
+    if max_new_tokens < 1:
+        raise ConfigError("max_new_tokens", max_new_tokens, "an integer >= 1")
     import time
+
+    import torch
 
     from pnmix import generation, models
 
-    loaded = models.load(model, purpose="accuracy")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", device, "cpu (no CUDA device is visible)")
+    loaded = models.load(model, purpose="accuracy", dtype=torch.bfloat16 if device == "cuda" else None, device=device)
     tok = loaded.tokenizer
     ids = chat_ids(tok, prompt)
     start = time.perf_counter()
-    out, cache = generation.generate(loaded.model, ids["input_ids"], config, ids["attention_mask"], max_new_tokens)
-    seconds = time.perf_counter() - start
+    if static:
+        from pnmix.static import StaticGenerator
+
+        method = config if (config.keys_quantized or config.values_quantized) else "fp16"
+        gen = StaticGenerator(loaded.model, method, max_len=ids["input_ids"].shape[1] + max_new_tokens)
+        out = gen.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens).cpu()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        assert gen.cache is not None
+        path = "static cache, CUDA graphs" if gen.graphs_on else "static cache, eager"
+        summary = f"static cache capacity {gen.cache.nbytes() / 2**20:.2f} MiB"
+    else:
+        out, cache = generation.generate(loaded.model, ids["input_ids"], config, ids["attention_mask"],
+                                         max_new_tokens)
+        seconds = time.perf_counter() - start
+        held = cache.nbytes()
+        path = "CPU torch reference" if device == "cpu" else "generate, Triton kernels"
+        summary = f"cache {held['total'] / 2**20:.2f} MiB: " + ", ".join(
+            f"{k} {v / 2**10:.0f} KiB" for k, v in held["regions"].items() if v)
     console.print(tok.decode(out[0], skip_special_tokens=True))
-    held = cache.nbytes()
-    console.print(
-        f"[dim]{out.shape[1]} tokens in {seconds:.1f} s (CPU torch reference) | prompt {ids['input_ids'].shape[1]} "
-        f"tokens | cache {held['total'] / 2**20:.2f} MiB: "
-        + ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in held["regions"].items() if v)
-        + "[/dim]"
-    )
+    console.print(f"[dim]{out.shape[1]} tokens in {seconds:.1f} s ({path}) | prompt {ids['input_ids'].shape[1]} "
+                  f"tokens | {summary}[/dim]")
 
 
 def chat_ids(tokenizer: object, prompt: str) -> dict:

@@ -183,3 +183,22 @@ def test_static_method_and_decode_cost():
     model = tiny_model("llama")
     tok_s, peak = decode_cost(model, SMALL, torch.randint(3, 100, (2, 50)), new_tokens=12)
     assert tok_s > 0 and peak == 0  # peak memory is measured on CUDA only
+
+
+def test_cli_generate_static_prints_the_same_text(embedded):
+    """`pnmix generate --static` (eager on the CPU) prints what the ordinary path prints."""
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "Name three colors.",
+                              "--max-new-tokens", "12", *extra], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()
+
+    plain, static = run(), run("--static")
+    assert static[:-1] == plain[:-1] and static[:-1]  # the generated text
+    assert "static cache, eager" in static[-1] and "12 tokens" in static[-1]
+    bad = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "hi", "--device", "tpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: invalid device='tpu': allowed cpu or cuda"
