@@ -143,15 +143,15 @@ def try_config(model: Any, method: str, batch: int, n_new: int, fills: tuple[int
     return row
 
 
-def decode_seconds(row: dict, n_new: int, residual: int | None) -> float:
-    """Integral of the measured step time over the generation (trapezoids), plus the flush steps."""
+def decode_seconds(row: dict, start: int, end: int, flushes: float = 0.0) -> float:
+    """Decode time of the steps that take the cache from `start` to `end` tokens: the trapezoid
+    integral of the measured step times (held constant outside the measured lengths), plus
+    `flushes` flush steps at their extra cost over a plain step at the last measured length."""
     pts = sorted((int(k), v) for k, v in row["step_ms"].items())
-    total = 0.0
-    for (l0, t0), (l1, t1) in zip(pts, pts[1:], strict=False):
-        total += (l1 - l0) * (t0 + t1) / 2
-    total += (pts[0][0] - PROMPT) * pts[0][1] + (PROMPT + n_new - pts[-1][0]) * pts[-1][1]
-    if residual:
-        total += n_new / residual * (row["flush_step_ms"] - pts[-1][1])
+    total = sum((l1 - l0) * (t0 + t1) / 2 for (l0, t0), (l1, t1) in zip(pts, pts[1:], strict=False))
+    total += (pts[0][0] - start) * pts[0][1] + (end - pts[-1][0]) * pts[-1][1]
+    if flushes:
+        total += flushes * (row["flush_step_ms"] - pts[-1][1])
     return total / 1e3
 
 
@@ -200,8 +200,8 @@ def part_throughput(model: Any, res: dict) -> None:
                 continue
             row = try_config(model, method, b, 8192, fills)
             if row["feasible"]:
-                residual = None if method == "fp16" else preset(method).residual_len
-                secs = decode_seconds(row, 8192, residual)
+                flushes = 0.0 if method == "fp16" else 8192 / preset(method).residual_len
+                secs = decode_seconds(row, PROMPT, PROMPT + 8192, flushes)
                 row["decode_s"], row["tok_s"] = secs, b * 8192 / secs
                 log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s  step ms at fills "
                     + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
@@ -244,7 +244,7 @@ def hf_generate_fp16(model: Any, batch: int) -> dict:
             log(f"[c] HF generate fp16 B={batch}: out of memory within the budget; halving")
             batch //= 2
             continue
-        out["tok_s"] = batch * 8192 / decode_seconds(out, 8192, None)
+        out["tok_s"] = batch * 8192 / decode_seconds(out, PROMPT, PROMPT + 8192)
         free()
         return out
     return {}
@@ -274,10 +274,8 @@ def validate(model: Any) -> dict:
         del gen
         lo, hi = PROMPT + skip, PROMPT + n
         row = try_config(model, method, b, n, (lo, (lo + hi) // 2, hi))
-        pts = sorted((int(k), v) for k, v in row["step_ms"].items())
-        est_ms = sum((l1 - l0) * (t0_ + t1) / 2 for (l0, t0_), (l1, t1) in zip(pts, pts[1:], strict=False)) / (hi - lo)
-        if method != "fp16":  # one flush step among the timed ones
-            est_ms += (row["flush_step_ms"] - pts[-1][1]) / (n - skip) * ((n - skip) // preset(method).residual_len)
+        flushes = 0 if method == "fp16" else (n - skip) // preset(method).residual_len  # one, at step 275
+        est_ms = decode_seconds(row, lo, hi, flushes) * 1e3 / (hi - lo)
         out[method] = {"batch": b, "timed_steps": f"{skip}-{n - 1}", "real_ms_per_step": real_ms,
                        "estimated_ms_per_step": est_ms}
         log(f"[validate] {method}: real {real_ms:.2f} ms/step, estimated {est_ms:.2f} ms/step")
@@ -333,20 +331,15 @@ def part_tuner_cost(res: dict, model: Any) -> None:
     """The tuner's cost measurement on CUDA (static path) for the embedded model, as a trial runs it."""
     from types import SimpleNamespace
 
+    from pnmix.config import preset
     from tuner.evaluate import Evaluator
 
     res["tuner_cost"] = {}
     for name in METHODS:
         ev = SimpleNamespace(model=model, seed=0, head_dim=64)
-        kv_bytes, tok_s, peak = Evaluator.measure_cost(ev, method_arg(name) if name != "fp16" else _fp16())
+        kv_bytes, tok_s, peak = Evaluator.measure_cost(ev, preset(name))
         res["tuner_cost"][name] = {"kv_bytes": kv_bytes, "tok_s": tok_s, "peak_bytes": peak}
         log(f"[tuner] {name}: kv {kv_bytes / 1024:.0f} KiB, {tok_s:.1f} tok/s, peak {peak / 2**20:.0f} MiB")
-
-
-def _fp16() -> Any:
-    from pnmix.config import preset
-
-    return preset("fp16")
 
 
 def part_equality(res: dict, gguf: str) -> None:

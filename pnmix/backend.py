@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,12 +45,16 @@ def backend_name() -> str:
     return name
 
 
+def head_dim_supported(head_dim: int) -> bool:
+    """Whether the kernels take this head dim (a power of two, at least 16)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def kernels_support(config: Any, head_dim: int) -> bool:
     """Whether the kernels implement this PN-Mix config and head dim (else the torch path runs)."""
-    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
     vg = config.value_group_size
     return (
-        pow2
+        head_dim_supported(head_dim)
         and config.keys_quantized
         and config.values_quantized
         and not vg & (vg - 1)
@@ -57,14 +62,27 @@ def kernels_support(config: Any, head_dim: int) -> bool:
     )
 
 
-def use_triton(device: torch.device, config: Any, head_dim: int) -> bool:
-    """True when the decode path of a layer on `device` should run the Triton kernels."""
+def kernels_enabled(device: torch.device) -> bool:
+    """Whether the backend switch sends attention on `device` to the Triton kernels (whatever the config)."""
     name = backend_name()
-    if name == "torch" or not kernels_support(config, head_dim):
+    if name == "torch":
         return False
     if name == "triton":
         return True
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def use_triton(device: torch.device, config: Any, head_dim: int) -> bool:
+    """True when the decode path of a layer on `device` should run the Triton kernels."""
+    return kernels_enabled(device) and kernels_support(config, head_dim)
+
+
+def quantizers(use_kernels: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(quantize_keys, quantize_values): the Triton pack on the kernel path, else the torch reference
+    (`pnmix.packing`); both write the same bytes."""
+    if use_kernels:
+        return quantize_keys, quantize_values
+    return packing.quantize_keys, packing.quantize_values
 
 
 # -- torch reference of the fused decode kernel ---------------------------------------------------

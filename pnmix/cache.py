@@ -191,8 +191,7 @@ class PNMixLayer(CacheLayerMixin):
         gs = slice(g0, g0 + n_new)
         ts = slice(g0 * cfg.group_size, (g0 + n_new) * cfg.group_size)
         # [triton] Same bytes from the kernels on the kernel path.
-        quantize_keys = backend.quantize_keys if self.use_kernels else packing.quantize_keys
-        quantize_values = backend.quantize_values if self.use_kernels else packing.quantize_values
+        quantize_keys, quantize_values = backend.quantizers(self.use_kernels)
         if cfg.keys_quantized:
             pk = quantize_keys(k, channels, cfg.b_low, cfg.b_high, cfg.group_size)
             p["k_low"][b, :, gs], p["k_high"][b, :, gs] = pk.low, pk.high

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from pnmix import backend, packing
+from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
@@ -87,7 +87,6 @@ class StaticQuantLayer(_StaticLayer):
         self.config, self.layer_idx = cfg, dyn.layer_idx
         b, h, d, dev, dt = dyn.batch, dyn.kv_heads, dyn.head_dim, dyn.device, dyn.dtype
         g, r = cfg.group_size, cfg.residual_len
-        self.batch, self.kv_heads, self.head_dim, self.device, self.dtype = b, h, d, dev, dt
         self.groups_per_flush = r // g
         # One flush's worth of spare groups: a flush step writes every sequence's slot past its
         # last group and commits only the full ones.
@@ -169,8 +168,7 @@ class StaticQuantLayer(_StaticLayer):
         cfg = self.config
         g, n = cfg.group_size, self.groups_per_flush
         full = self.res_len == cfg.residual_len
-        quantize_keys = backend.quantize_keys if self.use_kernels else packing.quantize_keys
-        quantize_values = backend.quantize_values if self.use_kernels else packing.quantize_values
+        quantize_keys, quantize_values = backend.quantizers(self.use_kernels)
         pk = quantize_keys(self.k_res, self.salient_channels, cfg.b_low, cfg.b_high, g)
         pv = quantize_values(self.v_res, cfg.value_bits, cfg.value_group_size)
         for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
@@ -203,8 +201,7 @@ class StaticFullLayer(_StaticLayer):
         self.lengths = real.sum(-1).to(torch.int32)
         # The flash-decoding kernel (kernels/decode_full.py) where the quantized layers use theirs;
         # SDPA with a length mask otherwise (with a mask SDPA does not split long sequences).
-        name = backend.backend_name()
-        self.use_kernels = name != "torch" and d >= 16 and not d & (d - 1) and (keys.is_cuda or name == "triton")
+        self.use_kernels = backend.kernels_enabled(keys.device) and backend.head_dim_supported(d)
         self.is_initialized = True
 
     def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -406,7 +403,7 @@ def static_method(config: PNMixConfig, device: torch.device, head_dim: int) -> s
     or a quantized config whose attention would take the torch path, which syncs with the host)."""
     if not (config.keys_quantized or config.values_quantized):
         return "fp16"
-    if config.keys_quantized and config.values_quantized and backend.use_triton(device, config, head_dim):
+    if backend.use_triton(device, config, head_dim):  # the kernels need both keys and values quantized
         return config
     return None
 
