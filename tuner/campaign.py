@@ -21,8 +21,9 @@ Faults (docs/reliability.md): a trial that runs out of memory is recorded FAILED
 (user attribute `error`) and another trial takes its place, up to `MAX_FAILED_TRIALS`; a lost
 database connection is retried with backoff (`PNMIX_DB_RETRIES` consecutive failures, first wait
 `PNMIX_DB_RETRY_S`) and then ends the run with one line; a worker that finishes its own trials
-waits for the other workers' running ones, or fails them once their heartbeat is stale so that
-Optuna's retry (a copy of the trial, WAITING) runs here; the campaign row carries a heartbeat
+waits for every running trial (other workers', or an orphan a dropped connection left behind),
+or fails it once its heartbeat is stale so that Optuna's retry (a copy of the trial, WAITING) runs
+here if the count still needs it; the campaign row carries a heartbeat
 too, so `pnmix worker` can reclaim a campaign whose every worker died.
 """
 
@@ -484,14 +485,18 @@ class CampaignRunner:
 
         while True:
             remaining = self.spec.n_trials - len(finished(study))
-            if remaining <= 0:
-                break
-            if exhausted(study, self.spec.n_trials):
-                self.progress(f"budget {budget:g}: stopped after {over_budget_limit(self.spec.n_trials)} over-budget "
-                              f"proposals; few configs of the space fit {budget:g} bits")
-                break
             running = len(running_trials(study))  # this worker runs none between optimize calls: others' trials
-            if remaining > running:
+            if remaining <= 0 or exhausted(study, self.spec.n_trials):
+                if remaining > 0 and not wait:
+                    self.progress(f"budget {budget:g}: stopped after {over_budget_limit(self.spec.n_trials)} "
+                                  f"over-budget proposals; few configs of the space fit {budget:g} bits")
+                # The budget is complete, but a RUNNING trial would keep every worker's _finish from
+                # marking the campaign done: a racing worker's surplus trial, or an orphan whose
+                # creation committed while its connection dropped (no heartbeat, never told). The
+                # second pass waits for it to end or go stale.
+                if not wait or not running:
+                    break
+            elif remaining > running:
                 try:
                     study.optimize(objective, n_trials=remaining - running, callbacks=[cap, after_trial],
                                    catch=(RuntimeError, MemoryError), gc_after_trial=True)
@@ -503,9 +508,9 @@ class CampaignRunner:
                           "dropped", file=sys.stderr, flush=True)
                 self._check_failures(study, budget)
                 continue
-            if not wait:
+            elif not wait:
                 break
-            # Every remaining trial is another worker's: wait for it, or for its heartbeat to go stale.
+            # Every running trial is another worker's or an orphan: wait for it, or for it to go stale.
             time.sleep(min(HEARTBEAT_S, 5))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ExperimentalWarning)

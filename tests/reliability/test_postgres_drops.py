@@ -159,3 +159,42 @@ def test_outage_past_the_retries_stops_in_one_line_and_rerun_resumes(pg_url, kil
     assert procs.finish(rerun, 120) == 0, procs.stderr(rerun)[-3000:]
     check_campaign(pg_url, campaign_id, budgets, trials, before)
     storage.engine.dispose()
+
+
+def test_a_trial_orphaned_after_the_last_one_does_not_keep_the_campaign_running(pg_url, monkeypatch):
+    """What a connection dropped inside Optuna's trial creation can leave: a RUNNING trial row that was
+    committed but never reached the worker, so it has no heartbeat and is never told. It is placed
+    here, in process, exactly when the budget's last trial has finished (the window where CI once
+    caught it: every worker saw the orphan, none marked the campaign done). The last worker out must
+    wait for it to go stale, fail it, and mark the campaign done."""
+    from stub_worker import StubEvaluator
+
+    from tuner import campaign as campaign_module
+    from tuner.campaign import CampaignRunner, CampaignSpec
+
+    monkeypatch.setattr(campaign_module, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(campaign_module, "GRACE_S", 3)
+    budgets, trials = (3.0,), 4
+    campaign_id = stub_campaign(pg_url, budgets, trials)
+    db = Database(pg_url)
+    spec = CampaignSpec(model="smollm2-135m", budgets=budgets, n_trials=trials, profile="smoke")
+    runner = CampaignRunner(db, pg_url, campaign_id, spec, StubEvaluator())
+    orphans: list[int] = []
+
+    def orphan_after_the_last(budget: float, study: optuna.Study) -> None:
+        if len(finished(study)) >= trials and not orphans:
+            orphans.append(study._storage.create_new_trial(study._study_id))
+
+    try:
+        runner.run(orphan_after_the_last)
+        study = optuna.load_study(study_name=study_name(campaign_id, 3.0), storage=runner.storage)
+        with db.session(readonly=True) as s:
+            row = get_campaign(s, campaign_id)
+            assert (row.status, row.trials_done) == ("done", trials)
+        assert len(orphans) == 1
+        assert study._storage.get_trial(orphans[0]).state == optuna.trial.TrialState.FAIL
+        assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+        assert len(finished(study)) == trials
+    finally:
+        runner.storage.engine.dispose()
+        db.dispose()
