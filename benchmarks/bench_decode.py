@@ -36,6 +36,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.decode import decode_attention  # noqa: E402
+from kernels.decode_mma import decode_attention_mma  # noqa: E402
+from kernels.decode_mma import supports as mma_supports  # noqa: E402
 from kernels.layout import DecodeCache, channel_order  # noqa: E402
 from kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
 from pnmix import packing  # noqa: E402
@@ -55,9 +57,20 @@ VARIANTS = [
 ]
 
 
+# Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", programs per SM, tokens per step).
+MMA_VARIANTS = [("mma", 16, 16), ("mma", 8, 16), ("mma", 32, 16), ("mma", 16, 32)]
+
+
 def variant_kwargs(variant: tuple) -> dict:
     bt, nw, ns, regs, fast = variant
     return {"block_t": bt, "num_warps": nw, "num_stages": ns, "max_registers": regs, "fast_unpack": fast}
+
+
+def attend(variant: tuple, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
+    """One decode attention with a Triton launch variant or a Gluon ("mma", ...) variant."""
+    if variant[0] == "mma":
+        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], block_t=variant[2], out=out)
+    return decode_attention(q, cache, scale, out=out, **variant_kwargs(variant))
 
 
 def log(msg: str, fh) -> None:
@@ -139,7 +152,7 @@ def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, variant: tup
     sub = DecodeCache(*(getattr(cache, f)[:n] if isinstance(getattr(cache, f), torch.Tensor) else getattr(cache, f)
                         for f in cache.__dataclass_fields__))
     out = torch.full_like(q[:n], float("nan"))  # poisoned: an unwritten element fails the check
-    decode_attention(q[:n], sub, scale, out=out, **variant_kwargs(variant))
+    attend(variant, q[:n], sub, scale, out=out)
     ref = decode_reference(q[:n], sub, scale)
     if not torch.isfinite(out).all():
         return math.inf
@@ -184,6 +197,18 @@ def sweep_correctness(gen: torch.Generator, fh) -> list[dict]:
             decode_attention(q, cache, d**-0.5, num_splits=2, fast_unpack=fast, out=out)
             ok = bool(torch.isfinite(out).all())
             row["fast" if fast else "portable"] = float((out.float() - ref).norm() / ref.norm()) if ok else math.inf
+        for bt in (16, 32):
+            key = f"mma{bt}"
+            if not mma_supports(cache, q):
+                row[key] = None  # outside the Gluon kernel's limits: the Triton kernel serves it
+                continue
+            try:
+                out = torch.full_like(q, float("nan"))
+                decode_attention_mma(q, cache, d**-0.5, num_splits=2, block_t=bt, out=out)
+                ok = bool(torch.isfinite(out).all())
+                row[key] = float((out.float() - ref).norm() / ref.norm()) if ok else math.inf
+            except Exception as exc:
+                row[key] = f"FAILED {type(exc).__name__}: {str(exc)[:200]}"
         log(f"sweep {json.dumps(row)}", fh)
         results.append(row)
     return results
@@ -232,7 +257,7 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple],
         f"SDPA gqa {t_gqa * 1e3:.1f} us, folded {t_fold * 1e3:.1f} us (agree {sdpa_agree:.1e})", fh)
     best = None
     for variant in variants:
-        run = functools.partial(decode_attention, q, cache, scale, **variant_kwargs(variant))
+        run = functools.partial(attend, variant, q, cache, scale)
         try:
             err = check_decode(q, cache, scale, variant)
             out = torch.full_like(q, float("nan"))  # poisoned; the whole batch must be written, finite
@@ -375,9 +400,10 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     fh = open(out_dir / "bench_decode.log", "w")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    variants = VARIANTS[:1] if args.quick else VARIANTS
+    variants = VARIANTS[:1] + MMA_VARIANTS[:1] if args.quick else VARIANTS + MMA_VARIANTS
     if args.variants:
-        variants = [tuple(int(x) if x != "none" else None for x in v.split(",")) + (True,)
+        variants = [(("mma",) + tuple(int(x) for x in v.split(",")[1:])) if v.startswith("mma") else
+                    tuple(int(x) if x != "none" else None for x in v.split(",")) + (True,)
                     for v in args.variants.split(";")]
     env = {
         "date": datetime.date.today().isoformat(),
