@@ -33,6 +33,8 @@ this one against the torch reference on the GPU.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,44 +56,70 @@ def available() -> bool:
     return gluon is not None and torch.cuda.is_available()
 
 
-def supports(cache: DecodeCache, q: torch.Tensor) -> bool:
-    """Whether `decode_attention_mma` handles this shape (else use `kernels.decode.decode_attention`)."""
+def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
+    """Whether the kernel's limits (module docstring) admit this cache and query, on any device."""
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
-    return (available() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
-            and d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= M_ROWS
+    return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= M_ROWS
             and cache.group_size % WORD_TOKENS == 0
             and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
             and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
             and cache.k_low.shape[-1] % 4 == 0)
 
 
-@functools.cache
-def _layouts(d: int, value_bits: int, block_t: int):
-    """(MMA, A operand, B operand, value-word 3-D layout) for head dim d, b_V value bits and
-    block_t (16 or 32) tokens per step.
+def supports(cache: DecodeCache, q: torch.Tensor) -> bool:
+    """Whether `decode_attention_mma` can run here (else use `kernels.decode.decode_attention`)."""
+    return (available() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
+            and shape_supported(cache, q))
 
-    The 3-D layout views the values' B operand [block_t tokens, d] as [block_t, words, codes per word]; its
-    bases are the B operand's (token t, channel c) bases with c split into (c // cpw, c % cpw), so
-    reshaping it back to [32, d] gives the B operand layout itself (checked: assert_trivial).
+
+@dataclass(frozen=True)
+class _Layouts:
+    mma: Any  # the mma.sync accumulator, one warp
+    a_op: Any  # its A operand (query side) and B operand (keys [d, 16], values [16, d])
+    b_op: Any
+    v4: Any  # the values' B operand [16, d] viewed as [16, value groups, words per group, codes per word]
+    words_load: Any  # [16, value groups, words per group], word bits in the fastest registers (wide loads)
+    scales_load: Any  # [16, value groups], group bits fastest
+
+
+@functools.cache
+def _layouts(d: int, value_bits: int, value_group: int) -> _Layouts:
+    """Layouts for head dim d and values of b_V bits in groups of G_V channels (16 tokens a step).
+
     The B operand of mma.sync m16n8k16 for a [K, N] tile, per warp: register bases k+1, k+8, then the
-    K tiles, then the N tiles; lane bases k+2, k+4, n+1, n+2, n+4.
+    K tiles, then the N tiles; lane bases k+2, k+4, n+1, n+2, n+4 (Gluon's `to_linear_layout`). For
+    values, K is 16 tokens and N the d channels; splitting each channel basis c into
+    (c // G_V, (c % G_V) // cpw, c % cpw) views the same registers as [16, groups, words, codes], so
+    the codes can be computed there from one word and one scale/zero per (token, group), and
+    reshaping back gives the B operand itself (the kernel asserts that the conversion is trivial).
+    The load layouts hold the same elements per thread in another register order, so that a
+    token's words (and its groups' scales) are contiguous registers: one wide load each.
     """
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     cpw = 32 // value_bits
-    regs = [[1, 0], [8, 0]] + ([[16, 0]] if block_t == 32 else []) + [[0, 8 << i]
-                                                                       for i in range((d // 8).bit_length() - 1)]
+    regs = [[1, 0], [8, 0]] + [[0, 8 << i] for i in range((d // 8).bit_length() - 1)]
     lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
+    shape4 = [16, d // value_group, value_group // cpw, cpw]
 
     def split(basis: list[int]) -> list[int]:
         t, c = basis
-        return [t, c // cpw, c % cpw]
+        return [t, c // value_group, (c % value_group) // cpw, c % cpw]
 
-    words3 = gl.DistributedLinearLayout(reg_bases=[split(b) for b in regs], lane_bases=[split(b) for b in lanes],
-                                        warp_bases=[], block_bases=[], shape=[block_t, d // cpw, cpw])
-    return mma, a_op, b_op, words3
+    def layout(reg: list[list[int]], lane: list[list[int]], shape: list[int]) -> Any:
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[], shape=shape)
+
+    regs4, lanes4 = [split(b) for b in regs], [split(b) for b in lanes]
+    # Words: drop the code dim (registers along it vanish, lanes along it broadcast).
+    w_regs = [b[:3] for b in regs4 if b[3] == 0]
+    w_lanes = [b[:3] if b[3] == 0 else [0, 0, 0] for b in lanes4]
+    w_regs = sorted(w_regs, key=lambda b: (b[2] == 0, b[1] == 0))  # word bits, then group bits, then tokens
+    s_regs = sorted([b[:2] for b in w_regs if b[2] == 0], key=lambda b: b[1] == 0)
+    s_lanes = [b[:2] if b[2] == 0 else [0, 0] for b in w_lanes]
+    return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4), layout(w_regs, w_lanes, shape4[:3]),
+                    layout(s_regs, s_lanes, shape4[:2]))
 
 
 if gluon is not None:
@@ -102,13 +130,30 @@ if gluon is not None:
         return (code | 0x6400).to(gl.int16).to(gl.float16, bitcast=True) - 1024.0
 
     @gluon.jit
-    def _key_tile(w_ptr, plane_stride, mask, j, N_PLANES: gl.constexpr):
-        """Codes [C, BT] (B operand) from N_PLANES bit planes: word pointers [C], j = bit of each token [BT]."""
-        w = gl.load(w_ptr, mask=mask, other=0)
-        code = (w[:, None] >> j[None, :]) & 1
-        for p in gl.static_range(1, N_PLANES):
-            w = gl.load(w_ptr + p * plane_stride, mask=mask, other=0)
-            code |= ((w[:, None] >> j[None, :]) & 1) << p
+    def _plane_words(ptr, plane_stride, mask, N_PLANES: gl.constexpr):
+        """The 32-bit words of up to 4 bit planes (plane p at ptr + p * plane_stride); unused ones repeat plane 0."""
+        w0 = gl.load(ptr, mask=mask, other=0)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if N_PLANES > 1:
+            w1 = gl.load(ptr + plane_stride, mask=mask, other=0)
+        if N_PLANES > 2:
+            w2 = gl.load(ptr + 2 * plane_stride, mask=mask, other=0)
+        if N_PLANES > 3:
+            w3 = gl.load(ptr + 3 * plane_stride, mask=mask, other=0)
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _key_codes(w0, w1, w2, w3, j, N_PLANES: gl.constexpr):
+        """Codes [C, 16] (B operand) from plane words [C]: bit j[t] of plane p is bit p of token t's code."""
+        code = (w0[:, None] >> j[None, :]) & 1
+        if N_PLANES > 1:
+            code |= ((w1[:, None] >> j[None, :]) & 1) << 1
+        if N_PLANES > 2:
+            code |= ((w2[:, None] >> j[None, :]) & 1) << 2
+        if N_PLANES > 3:
+            code |= ((w3[:, None] >> j[None, :]) & 1) << 3
         return _codes_f16(code)
 
     @gluon.jit
@@ -127,8 +172,9 @@ if gluon is not None:
         qk_scale, groups_per_split, n_split,
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
-        BV: gl.constexpr, GV: gl.constexpr, BT: gl.constexpr, BLOCK_R: gl.constexpr,
-        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, W3: gl.constexpr,
+        BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
+        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V4: gl.constexpr, VW_LOAD: gl.constexpr,
+        VS_LOAD: gl.constexpr,
     ):
         """Operands as in `decode._decode_split_kernel`, except: klo, khi and vp are int32 views of
         the packed bytes (strides in words), and partials use M_ROWS = 16 rows."""
@@ -139,6 +185,7 @@ if gluon is not None:
         G32: gl.constexpr = G // 32  # words per channel and plane in a group
         CPW: gl.constexpr = 32 // BV  # value codes per word
         NW: gl.constexpr = D // CPW  # value words per token
+        WPG: gl.constexpr = GV // CPW  # value words per value group
         NVG: gl.constexpr = D // GV
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         # Query-side operands are computed in the accumulator layout (reductions need it) and moved
@@ -147,6 +194,9 @@ if gluon is not None:
         cols_a = gl.arange(0, D, layout=gl.SliceLayout(0, MMA))
         q_base = q_ptr + b.to(gl.int64) * stride_qb + (h * GQ + rows_a) * stride_qh
         # Padded query rows are zero, so their scores stay finite (never -inf - -inf).
+        # Kept in fp16 (half the registers of fp32): q * softmax scale * log2 e is well inside its range.
+        q16 = (gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
+                       other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         rows_c = gl.arange(0, 16, layout=ROW)
         cols_c = gl.arange(0, D, layout=gl.SliceLayout(0, MMA))
         part = bh.to(gl.int64) * (n_split + 1) + split
@@ -164,60 +214,66 @@ if gluon is not None:
             vsc = vsc_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             vze = vze_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             ch_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
-            j_b = gl.arange(0, BT, layout=gl.SliceLayout(0, B_OP))
+            j_b = gl.arange(0, 16, layout=gl.SliceLayout(0, B_OP))
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
             js_b = gl.arange(0, NSC_P, layout=gl.SliceLayout(1, B_OP))
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
-            WL: gl.constexpr = gl.SliceLayout(2, W3)
-            tv = gl.arange(0, BT, layout=gl.SliceLayout(1, WL))
-            wv = gl.arange(0, NW, layout=gl.SliceLayout(0, WL))
-            kv = gl.arange(0, CPW, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
-            shift3 = (kv * BV)[None, None, :]
+            q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
+                             other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
+            # Value words [16, NVG, WPG] and scales [16, NVG] of a step, as offsets from its first token.
+            WL3: gl.constexpr = gl.SliceLayout(3, V4)
+            tw = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, VW_LOAD)))
+            aw = gl.arange(0, NVG, layout=gl.SliceLayout(0, gl.SliceLayout(2, VW_LOAD)))
+            bw = gl.arange(0, WPG, layout=gl.SliceLayout(0, gl.SliceLayout(1, VW_LOAD)))
+            w_off = (gl.expand_dims(gl.expand_dims(tw * NW, 1), 2) + gl.expand_dims(gl.expand_dims(aw * WPG, 0), 2)
+                     + gl.expand_dims(gl.expand_dims(bw, 0), 1))
+            ts = gl.arange(0, 16, layout=gl.SliceLayout(1, VS_LOAD))
+            as_ = gl.arange(0, NVG, layout=gl.SliceLayout(0, VS_LOAD))
+            s_off = gl.expand_dims(ts * NVG, 1) + gl.expand_dims(as_, 0)
+            kv = gl.arange(0, CPW, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V4))))
+            shift4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(kv * BV, 0), 1), 2)
             for g in range(g_start, g_end):
                 s_row = gl.load(ksc_ptr + ks_off + g * D + cols_a).to(gl.float32)
                 z_row = gl.load(kze_ptr + ks_off + g * D + cols_a).to(gl.float32)
-                # The query is read again per group (an L1 hit): kept live, it would push the loop into spills.
-                q32 = gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
-                              other=0.0).to(gl.float32) * qk_scale
+                q32 = q16.to(gl.float32)
                 u = gl.convert_layout((q32 * s_row[None, :]).to(gl.float16), A_OP)  # scale folded into the query
                 bias = gl.sum(q32 * z_row[None, :], axis=1)  # zero: u @ z
                 s_sal = gl.load(ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
-                q_sal = gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
-                                other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))
-                u_hi = gl.convert_layout((q_sal * s_sal[None, :]).to(gl.float16), A_OP)
+                u_hi = gl.convert_layout((q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16), A_OP)
                 lo_g = klo + g * (B_LOW * D * G32)
                 hi_g = khi + g * (NH * NSC * G32)
-                for st in range(G // BT):
-                    word = (st * BT) // 32  # this step's tokens: bits j_b + bit0 of that word
-                    bit0 = (st * BT) % 32
-                    scores = gl.zeros([16, BT], gl.float32, layout=MMA) + bias[:, None]
-                    k_lo = _key_tile(lo_g + ch_b * G32 + word, D * G32, ch_b < D, j_b + bit0, B_LOW)
-                    scores = mma_v2(u, k_lo, scores)
-                    if NH > 0:
-                        if NSC > 0:
-                            k_hi = _key_tile(hi_g + js_b * G32 + word, NSC * G32, js_b < NSC, j_b + bit0, NH)
-                            scores = mma_v2(u_hi, k_hi, scores)
-                    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-                    alpha = gl.exp2(m_i - m_new)
-                    p = gl.exp2(scores - m_new[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
-                    p16 = gl.convert_layout(p.to(gl.float16), A_OP)  # the accumulator layout: no movement
-                    # Values of the same BT tokens: words [BT, NW] -> codes [BT, NW, CPW] -> [BT, D].
-                    t = g * G + st * BT + tv
-                    words = gl.load(vp + t[:, None] * NW + wv[None, :])
-                    sz = t[:, None] * NVG + ((wv * CPW) // GV)[None, :]
-                    v_s = gl.load(vsc + sz)
-                    v_z = gl.load(vze + sz)
-                    codes = _codes_f16((words[:, :, None] >> shift3) & ((1 << BV) - 1))
-                    v3 = codes * v_s[:, :, None] + v_z[:, :, None]
-                    v = gl.convert_layout(gl.reshape(v3, [BT, D]), B_OP, assert_trivial=True)
-                    acc = mma_v2(p16, v, acc * alpha[:, None])
+                for wd in range(G32):  # one 32-bit word of every plane and channel: 32 tokens, two steps
+                    l0, l1, l2, l3 = _plane_words(lo_g + ch_b * G32 + wd, D * G32, ch_b < D, B_LOW)
+                    h0, h1, h2, h3 = _plane_words(hi_g + js_b * G32 + wd, NSC * G32, js_b < NSC, NH)
+                    for half in gl.static_range(2):
+                        scores = gl.zeros([16, 16], gl.float32, layout=MMA) + bias[:, None]
+                        scores = mma_v2(u, _key_codes(l0, l1, l2, l3, j_b + 16 * half, B_LOW), scores)
+                        if NH > 0:
+                            if NSC > 0:
+                                scores = mma_v2(u_hi, _key_codes(h0, h1, h2, h3, j_b + 16 * half, NH), scores)
+                        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+                        alpha = gl.exp2(m_i - m_new)
+                        p = gl.exp2(scores - m_new[:, None])
+                        l_i = l_i * alpha + gl.sum(p, axis=1)
+                        # Rescale the accumulator only when a running max moved (rare after the first
+                        # tokens); alpha is 1 for every row otherwise.
+                        if gl.max(m_new - m_i, axis=0) > 0:
+                            acc = acc * alpha[:, None]
+                        m_i = m_new
+                        p16 = gl.convert_layout(p.to(gl.float16), A_OP)  # the accumulator layout: no movement
+                        # Values of the same 16 tokens: codes [16, NVG, WPG, CPW] -> [16, D].
+                        t0 = g * G + wd * 32 + half * 16
+                        words = gl.convert_layout(gl.load(vp + t0 * NW + w_off), WL3)
+                        v_s = gl.convert_layout(gl.load(vsc + t0 * NVG + s_off), gl.SliceLayout(2, WL3))
+                        v_z = gl.convert_layout(gl.load(vze + t0 * NVG + s_off), gl.SliceLayout(2, WL3))
+                        codes = _codes_f16((gl.expand_dims(words, 3) >> shift4) & ((1 << BV) - 1))
+                        v_s4 = gl.expand_dims(gl.expand_dims(v_s, 2), 3)
+                        v_z4 = gl.expand_dims(gl.expand_dims(v_z, 2), 3)
+                        v = gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [16, D]), B_OP, assert_trivial=True)
+                        acc = mma_v2(p16, v, acc)
         else:
-            q32 = gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
-                          other=0.0).to(gl.float32) * qk_scale
-            u0 = gl.convert_layout(q32.to(gl.float16), A_OP)
+            u0 = gl.convert_layout(q16, A_OP)
             t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
             c_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
             tr_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, B_OP))  # value tokens (rows)
@@ -266,38 +322,33 @@ def _words(t: torch.Tensor) -> torch.Tensor:
                                                              device=t.device)
 
 
-def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
-                         programs_per_sm: int = 16, block_t: int = 16,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
+@dataclass
+class SplitLaunch:
+    """Everything one launch of `_mma_split_kernel` needs; `decode_attention_mma` runs it, and the
+    CPU tests run the same kernel source through an emulator (tests/gluon_emu.py)."""
+    grid: tuple[int, int]
+    args: tuple
+    constexprs: dict
+    pm: torch.Tensor  # partials, as `decode._combine_kernel` reads them
+    pl: torch.Tensor
+    pa: torch.Tensor
 
-    num_splits: splits of the packed region per (b, h_kv); by default enough for about
-    `programs_per_sm` one-warp programs per SM. block_t: tokens per inner step (16 or 32).
-    """
-    import triton
 
-    from kernels.decode import _combine_kernel
-
+def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int) -> SplitLaunch:
+    """The split kernel's grid, arguments and compile-time constants for `num_splits` splits."""
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
-    gq = hq // hkv
     ng_cap = cache.k_low.shape[2]
     n_sc = cache.n_salient_channels
-    if num_splits is None:
-        target = programs_per_sm * _sm_count(q.device.index or 0)
-        num_splits = max(1, min(ng_cap, triton.cdiv(target, bsz * hkv)))
     num_splits = max(1, min(num_splits, max(ng_cap, 1)))
-    groups_per_split = triton.cdiv(ng_cap, num_splits) if ng_cap else 0
-    num_splits = triton.cdiv(ng_cap, groups_per_split) if ng_cap else 0
+    groups_per_split = -(-ng_cap // num_splits) if ng_cap else 0
+    num_splits = -(-ng_cap // groups_per_split) if ng_cap else 0
     n_parts = num_splits + 1
     pm = torch.empty((bsz * hkv, n_parts, M_ROWS), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, M_ROWS, d), dtype=torch.float32, device=q.device)
-    if out is None:
-        out = torch.empty_like(q)
     klo, khi, vp = _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)
-    mma, a_op, b_op, words3 = _layouts(d, cache.value_bits, block_t)
-    _mma_split_kernel[(bsz * hkv, n_parts)](
+    args = (
         q, q.stride(0), q.stride(1),
         cache.k_sink, cache.v_sink, cache.k_sink.stride(0), cache.k_sink.stride(1), cache.k_sink.stride(2),
         cache.k_res, cache.v_res, cache.k_res.stride(0), cache.k_res.stride(1), cache.k_res.stride(2),
@@ -310,14 +361,82 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
         cache.sink_len, cache.n_groups, cache.res_len,
         pm, pl, pa,
         scale * LOG2E, groups_per_split, num_splits,
-        HKV=hkv, GQ=gq, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
-        NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), BV=cache.value_bits, GV=cache.value_group_size,
-        BT=block_t, BLOCK_R=32,
-        MMA=mma, A_OP=a_op, B_OP=b_op, W3=words3,
-        num_warps=1,
     )
-    _combine_kernel[(bsz * hkv,)](
-        pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
-        HKV=hkv, GQ=gq, M_P=M_ROWS, D=d, num_warps=4,
+    constexprs = dict(
+        HKV=hkv, GQ=hq // hkv, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
+        NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), BV=cache.value_bits, GV=cache.value_group_size, BLOCK_R=32,
+    )
+    return SplitLaunch((bsz * hkv, n_parts), args, constexprs, pm, pl, pa)
+
+
+def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
+    """Merges the split partials into `out` [B, H_q, d] (`decode._combine_kernel`)."""
+    from kernels.decode import _combine_kernel
+
+    bsz, hq, d = out.shape
+    _combine_kernel[(launch.grid[0],)](
+        launch.pm, launch.pl, launch.pa, out, out.stride(0), out.stride(1), launch.grid[1],
+        HKV=launch.constexprs["HKV"], GQ=launch.constexprs["GQ"], M_P=M_ROWS, D=d, num_warps=4,
     )
     return out
+
+
+def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
+                         programs_per_sm: int = 16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
+
+    num_splits: splits of the packed region per (b, h_kv); by default enough for about
+    `programs_per_sm` one-warp programs per SM.
+    """
+    bsz, hq, d = q.shape
+    hkv = cache.k_sink.shape[1]
+    ng_cap = cache.k_low.shape[2]
+    if num_splits is None:
+        target = programs_per_sm * _sm_count(q.device.index or 0)
+        num_splits = max(1, min(ng_cap, -(-target // (bsz * hkv))))
+    if out is None:
+        out = torch.empty_like(q)
+    launch = split_launch(q, cache, scale, num_splits)
+    lay = _layouts(d, cache.value_bits, cache.value_group_size)
+    _mma_split_kernel[launch.grid](
+        *launch.args, **launch.constexprs,
+        MMA=lay.mma, A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
+        num_warps=1,
+    )
+    return combine(launch, out)
+
+
+def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
+                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90) -> Any:
+    """Compiles the split kernel for an NVIDIA GPU of compute capability `arch` without one.
+
+    For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
+    the shared memory. Pointers and strides are specialized as divisible by 16, as the JIT does for
+    real caches. Must run without TRITON_INTERPRET (it replaces the language's own functions).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = _layouts(d, value_bits, value_group)
+    const = dict(HKV=8, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
+                 NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=32, MMA=lay.mma,
+                 A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load)
+    words = {"klo_ptr", "khi_ptr", "vp_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr", "res_len_ptr"}
+    halves = {"ksc_ptr", "kze_ptr", "vsc_ptr", "vze_ptr"}
+
+    def kind(name: str) -> str:
+        if name in const:
+            return "constexpr"
+        if name.endswith("_ptr"):
+            return "*i32" if name in words else "*fp16" if name in halves else "*fp32" if name in (
+                "pm_ptr", "pl_ptr", "pa_ptr") else activation
+        return "fp32" if name == "qk_scale" else "i32"
+
+    fn = _mma_split_kernel
+    sig = {n: kind(n) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+

@@ -1,0 +1,152 @@
+"""Runs the Gluon decode kernel's own source on the CPU with torch (tests only).
+
+Gluon kernels cannot run under TRITON_INTERPRET, and CI has no GPU. A layout only says which thread
+holds which element; it changes no value. So executing the kernel function's Python body with the
+layouts ignored computes what the GPU computes, program by program: tensors are torch tensors,
+pointers are (flat tensor, offsets) pairs, `mma_v2` is an fp32 matmul of its fp16 operands (exact
+products, as on the tensor cores) added to the accumulator. What this checks is the kernel's
+arithmetic and indexing (bit positions, word and scale offsets, splits, masks, online softmax);
+what it cannot check is the placement (the layouts) and Triton's lowering, which the sm_90
+compile test and `benchmarks/bench_decode.py` on the GPU cover.
+
+Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The one helper it replaces is
+`_codes_f16`, whose int16 -> fp16 bitcast has no torch `.to` spelling; the replacement is the same
+two operations (`| 0x6400`, reinterpret, `- 1024`).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+class Ptr:
+    """A pointer tensor: a flat view of an operand's storage and int64 element offsets into it."""
+
+    def __init__(self, flat: torch.Tensor, off: Any) -> None:
+        self.flat = flat
+        self.off = off
+
+    def __add__(self, x: Any) -> Ptr:
+        return Ptr(self.flat, self.off + (x.to(torch.int64) if isinstance(x, torch.Tensor) else int(x)))
+
+    __radd__ = __add__
+
+    def __getitem__(self, index: Any) -> Ptr:
+        return Ptr(self.flat, torch.as_tensor(self.off)[index])
+
+
+def pointer(t: torch.Tensor) -> Ptr:
+    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return Ptr(torch.as_strided(t, (n,), (1,)), torch.tensor(0, dtype=torch.int64))
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.tensor(x)
+
+
+class FakeGluon:
+    """The `gl` namespace of the kernel, on torch."""
+
+    int16, int32, int64 = torch.int16, torch.int32, torch.int64
+    float16, float32 = torch.float16, torch.float32
+
+    def __init__(self) -> None:
+        self.pid = (0, 0)
+
+    @staticmethod
+    def _layout(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    SliceLayout = DotOperandLayout = NVMMADistributedLayout = DistributedLinearLayout = _layout
+
+    def program_id(self, axis: int) -> torch.Tensor:
+        return torch.tensor(self.pid[axis], dtype=torch.int32)
+
+    @staticmethod
+    def arange(start: int, end: int, layout: Any = None) -> torch.Tensor:
+        return torch.arange(start, end, dtype=torch.int32)
+
+    @staticmethod
+    def full(shape: list[int], value: float, dtype: torch.dtype, layout: Any = None) -> torch.Tensor:
+        return torch.full(shape, value, dtype=dtype)
+
+    @staticmethod
+    def zeros(shape: list[int], dtype: torch.dtype, layout: Any = None) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def load(ptr: Ptr, mask: Any = None, other: Any = None) -> torch.Tensor:
+        off = _tensor(ptr.off)
+        if mask is None:
+            return ptr.flat[off]
+        off, mask = torch.broadcast_tensors(off, _tensor(mask))
+        fill = torch.tensor(other if other is not None else 0, dtype=ptr.flat.dtype)
+        if not ptr.flat.numel():  # an empty operand (no high planes): every lane is masked off
+            assert not mask.any(), "unmasked load from an empty operand"
+            return fill.expand(mask.shape).clone()
+        return torch.where(mask, ptr.flat[torch.where(mask, off, 0)], fill)
+
+    @staticmethod
+    def store(ptr: Ptr, value: torch.Tensor, mask: Any = None) -> None:
+        off, value = torch.broadcast_tensors(_tensor(ptr.off), value)
+        assert mask is None
+        ptr.flat[off.reshape(-1)] = value.reshape(-1).to(ptr.flat.dtype)
+
+    @staticmethod
+    def convert_layout(x: torch.Tensor, layout: Any, assert_trivial: bool = False) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def reshape(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+        return x.reshape(shape)
+
+    @staticmethod
+    def expand_dims(x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.unsqueeze(axis)
+
+    @staticmethod
+    def maximum(a: Any, b: Any) -> torch.Tensor:
+        return torch.maximum(_tensor(a), _tensor(b))
+
+    @staticmethod
+    def minimum(a: Any, b: Any) -> torch.Tensor:
+        return torch.minimum(_tensor(a), _tensor(b))
+
+    @staticmethod
+    def max(x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.amax(dim=axis)
+
+    @staticmethod
+    def sum(x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.sum(dim=axis)
+
+    exp2 = staticmethod(torch.exp2)
+    where = staticmethod(torch.where)
+    static_range = staticmethod(range)
+
+
+def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    assert a.dtype == b.dtype == torch.float16, "mma_v2 operands are fp16 here"
+    return acc + a.float() @ b.float()
+
+
+def _codes_f16(code: torch.Tensor) -> torch.Tensor:
+    return (code | 0x6400).to(torch.int16).view(torch.float16) - 1024.0
+
+
+def run_split_kernel(module: Any, launch: Any) -> None:
+    """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
+    gl = FakeGluon()
+    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, _codes_f16=_codes_f16)
+    for name in ("_plane_words", "_key_codes"):
+        env[name] = types.FunctionType(getattr(module, name).fn.__code__, env, name)
+    kernel = types.FunctionType(module._mma_split_kernel.fn.__code__, env, "_mma_split_kernel")
+    args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
+    layouts = {k: None for k in ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD")}
+    for bh in range(launch.grid[0]):
+        for split in range(launch.grid[1]):
+            gl.pid = (bh, split)
+            kernel(*args, **launch.constexprs, **layouts)
