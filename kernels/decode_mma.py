@@ -81,11 +81,14 @@ class _Layouts:
     v4: Any  # the values' B operand [16, d] viewed as [16, value groups, words per group, codes per word]
     words_load: Any  # [16, value groups, words per group], word bits in the fastest registers (wide loads)
     scales_load: Any  # [16, value groups], group bits fastest
+    pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
+    pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
 
 
 @functools.cache
-def _layouts(d: int, value_bits: int, value_group: int) -> _Layouts:
-    """Layouts for head dim d and values of b_V bits in groups of G_V channels (16 tokens a step).
+def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts:
+    """Layouts for head dim d, values of b_V bits in groups of G_V channels (16 tokens a step), and
+    n_sc_p (padded) salient channels.
 
     The B operand of mma.sync m16n8k16 for a [K, N] tile, per warp: register bases k+1, k+8, then the
     K tiles, then the N tiles; lane bases k+2, k+4, n+1, n+2, n+4 (Gluon's `to_linear_layout`). For
@@ -95,6 +98,10 @@ def _layouts(d: int, value_bits: int, value_group: int) -> _Layouts:
     reshaping back gives the B operand itself (the kernel asserts that the conversion is trivial).
     The load layouts hold the same elements per thread in another register order, so that a
     token's words (and its groups' scales) are contiguous registers: one wide load each.
+    For keys (K = channels, N = 16 tokens) the first register basis is c+1: a thread's register
+    holds channels c and c+1 of one token. The pair layouts drop that basis and halve the channel
+    bases, so one int32 element there is that register: both codes are built in its two halves at
+    once, and splitting the halves (join + reshape) gives the B operand with no data movement.
     """
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -118,8 +125,14 @@ def _layouts(d: int, value_bits: int, value_group: int) -> _Layouts:
     w_regs = sorted(w_regs, key=lambda b: (b[2] == 0, b[1] == 0))  # word bits, then group bits, then tokens
     s_regs = sorted([b[:2] for b in w_regs if b[2] == 0], key=lambda b: b[1] == 0)
     s_lanes = [b[:2] if b[2] == 0 else [0, 0] for b in w_lanes]
+
+    def pairs(channels: int) -> Any:
+        k_regs = [[8, 0]] + [[16 << i, 0] for i in range((channels // 16).bit_length() - 1)] + [[0, 8]]
+        k_lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
+        return layout([[c // 2, t] for c, t in k_regs], [[c // 2, t] for c, t in k_lanes], [channels // 2, 16])
+
     return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4), layout(w_regs, w_lanes, shape4[:3]),
-                    layout(s_regs, s_lanes, shape4[:2]))
+                    layout(s_regs, s_lanes, shape4[:2]), pairs(d), pairs(n_sc_p))
 
 
 if gluon is not None:
@@ -128,6 +141,49 @@ if gluon is not None:
     def _codes_f16(code):
         """Integer codes 0..15 (int32) -> fp16, exactly: 0x6400 | q is 1024 + q in fp16."""
         return (code | 0x6400).to(gl.int16).to(gl.float16, bitcast=True) - 1024.0
+
+    @gluon.jit
+    def _halves_f16(x):
+        """int32 [R, T] holding two fp16 bit patterns -> fp16 [R, T, 2], the low half first."""
+        lo = x.to(gl.int16).to(gl.float16, bitcast=True)
+        hi = (x >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _pair_bits(we, wo, t, half, p: gl.constexpr):
+        """Bit p of the codes of channels 2i (low half) and 2i + 1 (high half) for tokens t of a half step.
+
+        we, wo: plane words [C // 2] of the even and odd channels (32 tokens each); t: [16] tokens.
+        The 16 tokens of the half are first moved side by side into one word per pair (low half:
+        even channel), so one shift and one mask per element extract both channels' bits.
+        """
+        if half == 0:
+            w = (we & 0xFFFF) | (wo << 16)
+        else:
+            w = ((we >> 16) & 0xFFFF) | (wo & -65536)
+        return ((w[:, None] >> t[None, :]) & 0x10001) << p
+
+    @gluon.jit
+    def _pair_words(ptr, stride_pair, plane_stride, mask, N_PLANES: gl.constexpr):
+        """Words of the even channels (ptr [C // 2]) and the odd ones (+ stride_pair), planes 0..3
+        (plane p at + p * plane_stride; unused planes repeat plane 0)."""
+        e0, e1, e2, e3 = _plane_words(ptr, plane_stride, mask, N_PLANES)
+        o0, o1, o2, o3 = _plane_words(ptr + stride_pair, plane_stride, mask, N_PLANES)
+        return e0, o0, e1, o1, e2, o2, e3, o3
+
+    @gluon.jit
+    def _key_pair_codes(e0, o0, e1, o1, e2, o2, e3, o3, t, half: gl.constexpr, N_PLANES: gl.constexpr,
+                        C: gl.constexpr, B_OP: gl.constexpr):
+        """fp16 codes [C, 16] (B operand) of half step `half` of a 32-token word, from the plane words."""
+        x = _pair_bits(e0, o0, t, half, 0)
+        if N_PLANES > 1:
+            x |= _pair_bits(e1, o1, t, half, 1)
+        if N_PLANES > 2:
+            x |= _pair_bits(e2, o2, t, half, 2)
+        if N_PLANES > 3:
+            x |= _pair_bits(e3, o3, t, half, 3)
+        codes = gl.reshape(gl.permute(_halves_f16(x | 0x64006400), [0, 2, 1]), [C, 16])
+        return gl.convert_layout(codes, B_OP, assert_trivial=True) - 1024.0
 
     @gluon.jit
     def _plane_words(ptr, plane_stride, mask, N_PLANES: gl.constexpr):
@@ -143,18 +199,6 @@ if gluon is not None:
         if N_PLANES > 3:
             w3 = gl.load(ptr + 3 * plane_stride, mask=mask, other=0)
         return w0, w1, w2, w3
-
-    @gluon.jit
-    def _key_codes(w0, w1, w2, w3, j, N_PLANES: gl.constexpr):
-        """Codes [C, 16] (B operand) from plane words [C]: bit j[t] of plane p is bit p of token t's code."""
-        code = (w0[:, None] >> j[None, :]) & 1
-        if N_PLANES > 1:
-            code |= ((w1[:, None] >> j[None, :]) & 1) << 1
-        if N_PLANES > 2:
-            code |= ((w2[:, None] >> j[None, :]) & 1) << 2
-        if N_PLANES > 3:
-            code |= ((w3[:, None] >> j[None, :]) & 1) << 3
-        return _codes_f16(code)
 
     @gluon.jit
     def _mma_split_kernel(
@@ -174,7 +218,7 @@ if gluon is not None:
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V4: gl.constexpr, VW_LOAD: gl.constexpr,
-        VS_LOAD: gl.constexpr,
+        VS_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
     ):
         """Operands as in `decode._decode_split_kernel`, except: klo, khi and vp are int32 views of
         the packed bytes (strides in words), and partials use M_ROWS = 16 rows."""
@@ -213,8 +257,10 @@ if gluon is not None:
             vp = vp_ptr + b.to(gl.int64) * stride_vpb + h * stride_vph
             vsc = vsc_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             vze = vze_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
-            ch_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
-            j_b = gl.arange(0, 16, layout=gl.SliceLayout(0, B_OP))
+            pl = gl.arange(0, D // 2, layout=gl.SliceLayout(1, PAIRS_LO))  # channel pairs (2 pl, 2 pl + 1)
+            ph = gl.arange(0, NSC_P // 2, layout=gl.SliceLayout(1, PAIRS_HI))
+            t_lo = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_LO))  # tokens of a half step
+            t_hi = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_HI))
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
             js_b = gl.arange(0, NSC_P, layout=gl.SliceLayout(1, B_OP))
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
@@ -244,14 +290,18 @@ if gluon is not None:
                 lo_g = klo + g * (B_LOW * D * G32)
                 hi_g = khi + g * (NH * NSC * G32)
                 for wd in range(G32):  # one 32-bit word of every plane and channel: 32 tokens, two steps
-                    l0, l1, l2, l3 = _plane_words(lo_g + ch_b * G32 + wd, D * G32, ch_b < D, B_LOW)
-                    h0, h1, h2, h3 = _plane_words(hi_g + js_b * G32 + wd, NSC * G32, js_b < NSC, NH)
+                    lw = _pair_words(lo_g + pl * (2 * G32) + wd, G32, D * G32, pl < D // 2, B_LOW)
+                    hw = _pair_words(hi_g + ph * (2 * G32) + wd, G32, NSC * G32, ph < NSC // 2, NH)
                     for half in gl.static_range(2):
                         scores = gl.zeros([16, 16], gl.float32, layout=MMA) + bias[:, None]
-                        scores = mma_v2(u, _key_codes(l0, l1, l2, l3, j_b + 16 * half, B_LOW), scores)
+                        k_lo = _key_pair_codes(lw[0], lw[1], lw[2], lw[3], lw[4], lw[5], lw[6], lw[7], t_lo, half,
+                                               B_LOW, D, B_OP)
+                        scores = mma_v2(u, k_lo, scores)
                         if NH > 0:
                             if NSC > 0:
-                                scores = mma_v2(u_hi, _key_codes(h0, h1, h2, h3, j_b + 16 * half, NH), scores)
+                                k_hi = _key_pair_codes(hw[0], hw[1], hw[2], hw[3], hw[4], hw[5], hw[6], hw[7], t_hi,
+                                                       half, NH, NSC_P, B_OP)
+                                scores = mma_v2(u_hi, k_hi, scores)
                         m_new = gl.maximum(m_i, gl.max(scores, axis=1))
                         alpha = gl.exp2(m_i - m_new)
                         p = gl.exp2(scores - m_new[:, None])
@@ -397,11 +447,11 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
     if out is None:
         out = torch.empty_like(q)
     launch = split_launch(q, cache, scale, num_splits)
-    lay = _layouts(d, cache.value_bits, cache.value_group_size)
+    lay = _layouts(d, cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
     _mma_split_kernel[launch.grid](
         *launch.args, **launch.constexprs,
         MMA=lay.mma, A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
-        num_warps=1,
+        PAIRS_LO=lay.pairs_lo, PAIRS_HI=lay.pairs_hi, num_warps=1,
     )
     return combine(launch, out)
 
@@ -418,10 +468,12 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    lay = _layouts(d, value_bits, value_group)
+    nsc_p = next_pow2(max(n_salient, 16))
+    lay = _layouts(d, value_bits, value_group, nsc_p)
     const = dict(HKV=8, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
-                 NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=32, MMA=lay.mma,
-                 A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load)
+                 NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, MMA=lay.mma,
+                 A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
+                 PAIRS_LO=lay.pairs_lo, PAIRS_HI=lay.pairs_hi)
     words = {"klo_ptr", "khi_ptr", "vp_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr", "res_len_ptr"}
     halves = {"ksc_ptr", "kze_ptr", "vsc_ptr", "vze_ptr"}
 

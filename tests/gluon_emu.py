@@ -9,9 +9,9 @@ arithmetic and indexing (bit positions, word and scale offsets, splits, masks, o
 what it cannot check is the placement (the layouts) and Triton's lowering, which the sm_90
 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
-Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The one helper it replaces is
-`_codes_f16`, whose int16 -> fp16 bitcast has no torch `.to` spelling; the replacement is the same
-two operations (`| 0x6400`, reinterpret, `- 1024`).
+Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
+the two whose int16 -> fp16 bitcast has no torch `.to` spelling (`_codes_f16`, `_halves_f16`); the
+replacements do the same operations with torch's `.view`.
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ class FakeGluon:
     def sum(x: torch.Tensor, axis: int) -> torch.Tensor:
         return x.sum(dim=axis)
 
+    @staticmethod
+    def permute(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+        return x.permute(*dims)
+
     exp2 = staticmethod(torch.exp2)
     where = staticmethod(torch.where)
     static_range = staticmethod(range)
@@ -137,15 +141,19 @@ def _codes_f16(code: torch.Tensor) -> torch.Tensor:
     return (code | 0x6400).to(torch.int16).view(torch.float16) - 1024.0
 
 
+def _halves_f16(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([x.to(torch.int16).view(torch.float16), (x >> 16).to(torch.int16).view(torch.float16)], -1)
+
+
 def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
-    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, _codes_f16=_codes_f16)
-    for name in ("_plane_words", "_key_codes"):
+    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, _codes_f16=_codes_f16, _halves_f16=_halves_f16)
+    for name in ("_plane_words", "_pair_words", "_pair_bits", "_key_pair_codes"):
         env[name] = types.FunctionType(getattr(module, name).fn.__code__, env, name)
     kernel = types.FunctionType(module._mma_split_kernel.fn.__code__, env, "_mma_split_kernel")
     args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
-    layouts = {k: None for k in ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD")}
+    layouts = {k: None for k in ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI")}
     for bh in range(launch.grid[0]):
         for split in range(launch.grid[1]):
             gl.pid = (bh, split)
