@@ -262,7 +262,6 @@ if gluon is not None:
             t_lo = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_LO))  # tokens of a half step
             t_hi = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_HI))
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
-            js_b = gl.arange(0, NSC_P, layout=gl.SliceLayout(1, B_OP))
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
             q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
