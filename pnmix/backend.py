@@ -7,6 +7,14 @@
 `set_backend` overrides the environment (tests use it). The kernels package is imported lazily,
 only when the Triton path is taken, so `pnmix` imports and runs without a Triton GPU backend.
 
+Which fused decode kernel the Triton path runs:
+
+    PNMIX_DECODE_KERNEL=triton  (default) `kernels/decode.py`, tested in CI under the interpreter
+    PNMIX_DECODE_KERNEL=mma     `kernels/decode_mma.py` (Gluon, dequantization in tensor-core operand
+                                registers) on CUDA where its limits admit the shape, else the default.
+                                Opt-in: CI checks its source through a CPU emulator and an offline
+                                sm_90 compile, but it has not yet run on a GPU (benchmarks/RESULTS.md).
+
 This module also holds the torch reference of the fused decode kernel, `decode_reference`:
 dequantize the stored bytes with `pnmix.packing`, then attend in fp32. Tests and the benchmark
 compare the kernel with it.
@@ -27,6 +35,7 @@ if TYPE_CHECKING:
     from kernels.layout import DecodeCache
 
 BACKENDS = ("auto", "torch", "triton")
+DECODE_KERNELS = ("triton", "mma")
 _override: str | None = None
 
 
@@ -190,12 +199,29 @@ def layer_decode_cache(layer: Any) -> DecodeCache:
     )
 
 
-def attend_kernels(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode attention of one new token per sequence: query [B, H_q, 1, d] -> [B, 1, H_q, d]."""
+def decode_kernel_name() -> str:
+    name = os.environ.get("PNMIX_DECODE_KERNEL", "triton")
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"invalid PNMIX_DECODE_KERNEL={name!r}: allowed one of {', '.join(DECODE_KERNELS)}")
+    return name
+
+
+def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float) -> torch.Tensor:
+    """The fused decode kernel that PNMIX_DECODE_KERNEL picks: query [B, H_q, d] -> [B, H_q, d]."""
+    if decode_kernel_name() == "mma":
+        from kernels import decode_mma
+
+        if decode_mma.supports(cache, query):
+            return decode_mma.decode_attention_mma(query, cache, scaling)
     from kernels.decode import decode_attention
 
+    return decode_attention(query, cache, scaling)
+
+
+def attend_kernels(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention of one new token per sequence: query [B, H_q, 1, d] -> [B, 1, H_q, d]."""
     b, hq, _, d = query.shape
-    out = decode_attention(query[:, :, 0], layer_decode_cache(layer), scaling)
+    out = fused_decode(query[:, :, 0], layer_decode_cache(layer), scaling)
     return out.view(b, 1, hq, d)
 
 

@@ -155,9 +155,7 @@ class StaticQuantLayer(_StaticLayer):
         if self.flush_now:
             self._flush()
         if self.use_kernels:
-            from kernels.decode import decode_attention
-
-            out = decode_attention(query[:, :, 0], self.decode_cache(), scaling)
+            out = backend.fused_decode(query[:, :, 0], self.decode_cache(), scaling)
         else:
             out = backend.decode_reference(query[:, :, 0], self.decode_cache(), scaling).to(query.dtype)
         return out.unsqueeze(1)

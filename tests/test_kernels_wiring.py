@@ -108,3 +108,20 @@ def test_kernel_path_without_a_view_still_attends_several_tokens(forced):
     got = cache.layers[0].attend(q, 0.25)
     want = ref_cache.layers[0].attend(q, 0.25)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_decode_kernel_switch(monkeypatch):
+    """PNMIX_DECODE_KERNEL picks the fused kernel; 'mma' falls back to the Triton kernel where the
+    Gluon one cannot run (here: no CUDA), with the same output."""
+    from test_kernels_decode import Case, build, fresh_generator
+
+    q, cache = build(Case(), fresh_generator())
+    monkeypatch.delenv("PNMIX_DECODE_KERNEL", raising=False)
+    assert backend.decode_kernel_name() == "triton"
+    default = backend.fused_decode(q, cache, 0.125)
+    monkeypatch.setenv("PNMIX_DECODE_KERNEL", "mma")
+    assert backend.decode_kernel_name() == "mma"
+    assert torch.equal(backend.fused_decode(q, cache, 0.125), default)
+    monkeypatch.setenv("PNMIX_DECODE_KERNEL", "gluon")
+    with pytest.raises(ValueError, match="invalid PNMIX_DECODE_KERNEL='gluon': allowed one of triton, mma"):
+        backend.fused_decode(q, cache, 0.125)
