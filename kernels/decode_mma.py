@@ -8,26 +8,33 @@ memory; that round trip and the layout shuffles cost more than the bytes saved (
 thread whose `mma.sync` fragment holds it:
 
 - keys, B operand of S[h, t] = U[h, c] @ codes[c, t] (U = query x key scale, one [16, D] per
-  group): a thread holds channel pairs of one token. It loads, per channel and bit plane, the
-  32-bit word holding 32 tokens (8 a byte, LSB first), and shifts its own token's bit out. The low
-  planes of all channels are one product; the salient channels' high planes a second one with
-  U[:, salient] * 2^b_low, since code = low + 2^b_low * high. No channel reordering, no gather of
-  packed bytes.
-- values, B operand of acc[h, c] += P[h, t] @ V[t, c]: a thread holds token pairs of one channel.
-  It loads the 32-bit words of its tokens' rows (32 // b_V channels each) and shifts out its
-  channels; scale and zero are applied in fp16 in the same registers.
-- P leaves the score accumulator in the A-operand layout, as in flash attention: no data movement.
+  group; the zero point is a per-head bias): a thread holds channel pairs (c, c+1) of one token.
+  Per bit plane it loads the 32-bit words (32 tokens, 8 a byte, LSB first) of both channels, puts
+  the 16 tokens of a step side by side in one word (even channel in the low half) and extracts
+  both channels' bits of its token with one shift and one mask: the int32 is then the fp16 pair
+  the tensor core reads (0x6400 | q is 1024 + q). The low planes of all channels are one product;
+  the salient channels' high planes a second one with U[:, salient] * 2^b_low, since
+  code = low + 2^b_low * high. No channel reordering, no gather of packed bytes.
+- values, A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h]: a thread holds token pairs of one
+  channel. It loads the 32-bit words of its tokens' rows (32 // b_V channels each, one wide load
+  per token) and shifts out its channels; scale and zero are applied in fp16 in the same registers.
+  Transposed so that the accumulator is [d, 8] (half the registers of [16, d]) and P^T needs no
+  data movement: the score accumulator's thread mapping is already P^T's B operand (asserted).
+- The accumulator is rescaled only when a running max moved.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
-and keeps its own online softmax, so no shared memory and no barrier is used in the loop. The last
+and keeps its own online softmax, so no shared memory and no barrier is used at all. The last
 split handles the sinks and the residual (fp16 MMA on the raw tokens). Partials go to
 `decode._combine_kernel`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
-Triton with Gluon, group size G a multiple of 32, head dim a multiple of 16, at most 16 query
-heads per KV head, value groups spanning whole 32-bit words (G_V * b_V >= 32). The CPU
-interpreter cannot run Gluon, so CI tests the Triton kernel; `benchmarks/bench_decode.py` checks
-this one against the torch reference on the GPU.
+Triton with Gluon, group size G a multiple of 32, head dim a multiple of 16, at most 8 query heads
+per KV head, value groups spanning whole 32-bit words (G_V * b_V >= 32).
+
+Not yet run on a GPU. CI runs this source through a CPU emulator (`tests/gluon_emu.py`) against
+the fp32 reference and compiles it offline for sm_90 (`compile_offline`);
+`benchmarks/bench_decode.py` checks and times it on the GPU. Offline figures (SASS, registers):
+benchmarks/RESULTS.md, Kernels.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ except ImportError:  # pragma: no cover - older Triton
 
 LOG2E = 1.4426950408889634
 WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: the inner step of the loop
-M_ROWS = 16  # query heads of a KV head, padded to the MMA's M
+M_ROWS = 16  # query heads of a KV head, padded to the MMA's M (score product; partials have 16 rows)
+MAX_GQA = 8  # the value product takes the first 8 heads (its N)
 
 
 def available() -> bool:
@@ -60,7 +68,7 @@ def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
     """Whether the kernel's limits (module docstring) admit this cache and query, on any device."""
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
-    return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= M_ROWS
+    return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= MAX_GQA
             and cache.group_size % WORD_TOKENS == 0
             and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
             and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
@@ -78,9 +86,9 @@ class _Layouts:
     mma: Any  # the mma.sync accumulator, one warp
     a_op: Any  # its A operand (query side) and B operand (keys [d, 16], values [16, d])
     b_op: Any
-    v4: Any  # the values' B operand [16, d] viewed as [16, value groups, words per group, codes per word]
-    words_load: Any  # [16, value groups, words per group], word bits in the fastest registers (wide loads)
-    scales_load: Any  # [16, value groups], group bits fastest
+    v4: Any  # the values' A operand [d, 16] viewed as [value groups, words per group, codes per word, 16]
+    words_load: Any  # [value groups, words per group, 16], word bits in the fastest registers (wide loads)
+    scales_load: Any  # [value groups, 16], group bits fastest
     pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
 
@@ -90,12 +98,14 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     """Layouts for head dim d, values of b_V bits in groups of G_V channels (16 tokens a step), and
     n_sc_p (padded) salient channels.
 
-    The B operand of mma.sync m16n8k16 for a [K, N] tile, per warp: register bases k+1, k+8, then the
-    K tiles, then the N tiles; lane bases k+2, k+4, n+1, n+2, n+4 (Gluon's `to_linear_layout`). For
-    values, K is 16 tokens and N the d channels; splitting each channel basis c into
-    (c // G_V, (c % G_V) // cpw, c % cpw) views the same registers as [16, groups, words, codes], so
-    the codes can be computed there from one word and one scale/zero per (token, group), and
-    reshaping back gives the B operand itself (the kernel asserts that the conversion is trivial).
+    Per warp, mma.sync m16n8k16 operands have (Gluon's `to_linear_layout`): A [M, K]: register
+    bases k+1, m+8, k+8, then the M tiles; lane bases k+2, k+4, m+1, m+2, m+4. B [K, N]: register
+    bases k+1, k+8, then the K tiles, then the N tiles; lane bases k+2, k+4, n+1, n+2, n+4.
+    Values are the A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h] (M = d channels, K = 16 tokens);
+    splitting each channel basis c into (c // G_V, (c % G_V) // cpw, c % cpw) views the same
+    registers as [groups, words, codes, 16], so the codes can be computed there from one word and one
+    scale/zero per (group, token), and reshaping back gives the A operand itself (the kernel
+    asserts that the conversion is trivial).
     The load layouts hold the same elements per thread in another register order, so that a
     token's words (and its groups' scales) are contiguous registers: one wide load each.
     For keys (K = channels, N = 16 tokens) the first register basis is c+1: a thread's register
@@ -107,32 +117,33 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     cpw = 32 // value_bits
-    regs = [[1, 0], [8, 0]] + [[0, 8 << i] for i in range((d // 8).bit_length() - 1)]
-    lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
-    shape4 = [16, d // value_group, value_group // cpw, cpw]
+    regs = [[0, 1], [8, 0], [0, 8]] + [[16 << i, 0] for i in range((d // 16).bit_length() - 1)]
+    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    shape4 = [d // value_group, value_group // cpw, cpw, 16]
 
     def split(basis: list[int]) -> list[int]:
-        t, c = basis
-        return [t, c // value_group, (c % value_group) // cpw, c % cpw]
+        c, t = basis
+        return [c // value_group, (c % value_group) // cpw, c % cpw, t]
 
     def layout(reg: list[list[int]], lane: list[list[int]], shape: list[int]) -> Any:
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[], shape=shape)
 
     regs4, lanes4 = [split(b) for b in regs], [split(b) for b in lanes]
     # Words: drop the code dim (registers along it vanish, lanes along it broadcast).
-    w_regs = [b[:3] for b in regs4 if b[3] == 0]
-    w_lanes = [b[:3] if b[3] == 0 else [0, 0, 0] for b in lanes4]
-    w_regs = sorted(w_regs, key=lambda b: (b[2] == 0, b[1] == 0))  # word bits, then group bits, then tokens
-    s_regs = sorted([b[:2] for b in w_regs if b[2] == 0], key=lambda b: b[1] == 0)
-    s_lanes = [b[:2] if b[2] == 0 else [0, 0] for b in w_lanes]
+    w_regs = [[b[0], b[1], b[3]] for b in regs4 if b[2] == 0]
+    w_lanes = [[b[0], b[1], b[3]] if b[2] == 0 else [0, 0, 0] for b in lanes4]
+    w_regs = sorted(w_regs, key=lambda b: (b[1] == 0, b[0] == 0))  # word bits, then group bits, then tokens
+    s_regs = sorted([[b[0], b[2]] for b in w_regs if b[1] == 0], key=lambda b: b[0] == 0)
+    s_lanes = [[b[0], b[2]] if b[1] == 0 else [0, 0] for b in w_lanes]
 
     def pairs(channels: int) -> Any:
         k_regs = [[8, 0]] + [[16 << i, 0] for i in range((channels // 16).bit_length() - 1)] + [[0, 8]]
         k_lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
         return layout([[c // 2, t] for c, t in k_regs], [[c // 2, t] for c, t in k_lanes], [channels // 2, 16])
 
-    return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4), layout(w_regs, w_lanes, shape4[:3]),
-                    layout(s_regs, s_lanes, shape4[:2]), pairs(d), pairs(n_sc_p))
+    return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4),
+                    layout(w_regs, w_lanes, [shape4[0], shape4[1], 16]), layout(s_regs, s_lanes, [shape4[0], 16]),
+                    pairs(d), pairs(n_sc_p))
 
 
 if gluon is not None:
@@ -184,6 +195,19 @@ if gluon is not None:
             x |= _pair_bits(e3, o3, t, half, 3)
         codes = gl.reshape(gl.permute(_halves_f16(x | 0x64006400), [0, 2, 1]), [C, 16])
         return gl.convert_layout(codes, B_OP, assert_trivial=True) - 1024.0
+
+    @gluon.jit
+    def _p_operand(p, T: gl.constexpr, B_OP: gl.constexpr):
+        """P [16 heads, T tokens] (score accumulator) -> P^T [T, 8] fp16, the B operand of the value
+        product: the first 8 heads. Each thread already holds its operand elements (asserted)."""
+        first, _ = gl.split(gl.permute(gl.reshape(p.to(gl.float16), [2, 8, T]), [1, 2, 0]))
+        return gl.convert_layout(gl.permute(first, [1, 0]), B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _first_heads(x, COLS: gl.constexpr):
+        """[16] per-head values (rows of the score accumulator) -> the first 8, as [8] in COLS."""
+        first, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), [1, 0]))
+        return gl.convert_layout(first, COLS)
 
     @gluon.jit
     def _plane_words(ptr, plane_stride, mask, N_PLANES: gl.constexpr):
@@ -242,11 +266,11 @@ if gluon is not None:
         q16 = (gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
                        other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         rows_c = gl.arange(0, 16, layout=ROW)
-        cols_c = gl.arange(0, D, layout=gl.SliceLayout(0, MMA))
+        HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * (n_split + 1) + split
         m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
         l_i = gl.zeros([16], gl.float32, layout=ROW)
-        acc = gl.zeros([16, D], gl.float32, layout=MMA)
+        acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
         if split < n_split:
             n_groups = gl.load(n_groups_ptr + b)
             g_start = split * groups_per_split
@@ -266,18 +290,18 @@ if gluon is not None:
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
             q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
                              other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
-            # Value words [16, NVG, WPG] and scales [16, NVG] of a step, as offsets from its first token.
-            WL3: gl.constexpr = gl.SliceLayout(3, V4)
-            tw = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, VW_LOAD)))
-            aw = gl.arange(0, NVG, layout=gl.SliceLayout(0, gl.SliceLayout(2, VW_LOAD)))
-            bw = gl.arange(0, WPG, layout=gl.SliceLayout(0, gl.SliceLayout(1, VW_LOAD)))
-            w_off = (gl.expand_dims(gl.expand_dims(tw * NW, 1), 2) + gl.expand_dims(gl.expand_dims(aw * WPG, 0), 2)
-                     + gl.expand_dims(gl.expand_dims(bw, 0), 1))
-            ts = gl.arange(0, 16, layout=gl.SliceLayout(1, VS_LOAD))
-            as_ = gl.arange(0, NVG, layout=gl.SliceLayout(0, VS_LOAD))
-            s_off = gl.expand_dims(ts * NVG, 1) + gl.expand_dims(as_, 0)
-            kv = gl.arange(0, CPW, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V4))))
-            shift4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(kv * BV, 0), 1), 2)
+            # Value words [NVG, WPG, 16] and scales [NVG, 16] of a step, as offsets from its first token.
+            WL3: gl.constexpr = gl.SliceLayout(2, V4)
+            aw = gl.arange(0, NVG, layout=gl.SliceLayout(1, gl.SliceLayout(2, VW_LOAD)))
+            bw = gl.arange(0, WPG, layout=gl.SliceLayout(0, gl.SliceLayout(2, VW_LOAD)))
+            tw = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, VW_LOAD)))
+            w_off = (gl.expand_dims(gl.expand_dims(aw * WPG, 1), 2) + gl.expand_dims(gl.expand_dims(bw, 0), 2)
+                     + gl.expand_dims(gl.expand_dims(tw * NW, 0), 0))
+            as_ = gl.arange(0, NVG, layout=gl.SliceLayout(1, VS_LOAD))
+            ts = gl.arange(0, 16, layout=gl.SliceLayout(0, VS_LOAD))
+            s_off = gl.expand_dims(as_, 1) + gl.expand_dims(ts * NVG, 0)
+            kv = gl.arange(0, CPW, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, V4))))
+            shift4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(kv * BV, 1), 0), 0)
             for g in range(g_start, g_end):
                 s_row = gl.load(ksc_ptr + ks_off + g * D + cols_a).to(gl.float32)
                 z_row = gl.load(kze_ptr + ks_off + g * D + cols_a).to(gl.float32)
@@ -308,25 +332,24 @@ if gluon is not None:
                         # Rescale the accumulator only when a running max moved (rare after the first
                         # tokens); alpha is 1 for every row otherwise.
                         if gl.max(m_new - m_i, axis=0) > 0:
-                            acc = acc * alpha[:, None]
+                            acc = acc * _first_heads(alpha, HEADS)[None, :]
                         m_i = m_new
-                        p16 = gl.convert_layout(p.to(gl.float16), A_OP)  # the accumulator layout: no movement
-                        # Values of the same 16 tokens: codes [16, NVG, WPG, CPW] -> [16, D].
+                        # Values of the same 16 tokens: codes [NVG, WPG, CPW, 16] -> V^T [D, 16].
                         t0 = g * G + wd * 32 + half * 16
                         words = gl.convert_layout(gl.load(vp + t0 * NW + w_off), WL3)
-                        v_s = gl.convert_layout(gl.load(vsc + t0 * NVG + s_off), gl.SliceLayout(2, WL3))
-                        v_z = gl.convert_layout(gl.load(vze + t0 * NVG + s_off), gl.SliceLayout(2, WL3))
-                        codes = _codes_f16((gl.expand_dims(words, 3) >> shift4) & ((1 << BV) - 1))
-                        v_s4 = gl.expand_dims(gl.expand_dims(v_s, 2), 3)
-                        v_z4 = gl.expand_dims(gl.expand_dims(v_z, 2), 3)
-                        v = gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [16, D]), B_OP, assert_trivial=True)
-                        acc = mma_v2(p16, v, acc)
+                        v_s = gl.convert_layout(gl.load(vsc + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
+                        v_z = gl.convert_layout(gl.load(vze + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
+                        codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1))
+                        v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
+                        v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
+                        v = gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
+                        acc = mma_v2(v, _p_operand(p, 16, B_OP), acc)
         else:
             u0 = gl.convert_layout(q16, A_OP)
             t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
             c_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
-            tr_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, B_OP))  # value tokens (rows)
-            cc_b = gl.arange(0, D, layout=gl.SliceLayout(0, B_OP))
+            t_a = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, A_OP))  # value tokens (columns of V^T)
+            c_a = gl.arange(0, D, layout=gl.SliceLayout(1, A_OP))
             tcol = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, MMA))
             for region in gl.static_range(2):
                 if region == 0:
@@ -351,11 +374,12 @@ if gluon is not None:
                     p = gl.exp2(scores - m_new[:, None])
                     l_i = l_i * alpha + gl.sum(p, axis=1)
                     m_i = m_new
-                    p16 = gl.convert_layout(p.to(gl.float16), A_OP)
-                    vt = gl.load(v_base + (t0 + tr_b)[:, None] * stride_t + cc_b[None, :],
-                                 mask=(t0 + tr_b < n_tok)[:, None], other=0.0).to(gl.float16)
-                    acc = mma_v2(p16, vt, acc * alpha[:, None])
-        gl.store(pa_ptr + (part * 16 + rows_c[:, None]) * D + cols_c[None, :], acc)
+                    vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
+                                 mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
+                    acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
+        c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+        h_c = gl.arange(0, 8, layout=HEADS)
+        gl.store(pa_ptr + (part * 16 + h_c[None, :]) * D + c_r[:, None], acc)  # rows 8..15 stay unwritten
         gl.store(pm_ptr + part * 16 + rows_c, m_i)
         gl.store(pl_ptr + part * 16 + rows_c, l_i)
 

@@ -127,6 +127,10 @@ class FakeGluon:
     def permute(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
         return x.permute(*dims)
 
+    @staticmethod
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[..., 0], x[..., 1]
+
     exp2 = staticmethod(torch.exp2)
     where = staticmethod(torch.where)
     static_range = staticmethod(range)
@@ -149,7 +153,7 @@ def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, _codes_f16=_codes_f16, _halves_f16=_halves_f16)
-    for name in ("_plane_words", "_pair_words", "_pair_bits", "_key_pair_codes"):
+    for name in ("_plane_words", "_pair_words", "_pair_bits", "_key_pair_codes", "_p_operand", "_first_heads"):
         env[name] = types.FunctionType(getattr(module, name).fn.__code__, env, name)
     kernel = types.FunctionType(module._mma_split_kernel.fn.__code__, env, "_mma_split_kernel")
     args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
