@@ -55,6 +55,10 @@ except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
 LOG2E = 1.4426950408889634
+# 1024.0 in both fp16 halves. Passed as a kernel argument, not written as a literal: the compiler
+# then keeps it in a register, and "mask the bits, or in the exponent" is one LOP3 (two with an
+# immediate), per pair of codes.
+FP16_PAIR_1024 = 0x64006400
 WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: the inner step of the loop
 M_ROWS = 16  # query heads of a KV head, padded to the MMA's M (score product; partials have 16 rows)
 MAX_GQA = 8  # the value product takes the first 8 heads (its N)
@@ -149,9 +153,10 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
 if gluon is not None:
 
     @gluon.jit
-    def _codes_f16(code):
-        """Integer codes 0..15 (int32) -> fp16, exactly: 0x6400 | q is 1024 + q in fp16."""
-        return (code | 0x6400).to(gl.int16).to(gl.float16, bitcast=True) - 1024.0
+    def _codes_f16(code, magic):
+        """Integer codes 0..15 (int32) -> fp16, exactly: 0x6400 | q is 1024 + q in fp16 (magic holds
+        0x6400 in its low half; see FP16_PAIR_1024)."""
+        return (code | magic).to(gl.int16).to(gl.float16, bitcast=True) - 1024.0
 
     @gluon.jit
     def _halves_f16(x):
@@ -183,7 +188,7 @@ if gluon is not None:
         return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
-    def _key_pair_codes(e0, o0, e1, o1, e2, o2, e3, o3, t, half: gl.constexpr, N_PLANES: gl.constexpr,
+    def _key_pair_codes(e0, o0, e1, o1, e2, o2, e3, o3, t, half: gl.constexpr, magic, N_PLANES: gl.constexpr,
                         C: gl.constexpr, B_OP: gl.constexpr):
         """fp16 codes [C, 16] (B operand) of half step `half` of a 32-token word, from the plane words."""
         x = _pair_bits(e0, o0, t, half, 0)
@@ -193,7 +198,7 @@ if gluon is not None:
             x |= _pair_bits(e2, o2, t, half, 2)
         if N_PLANES > 3:
             x |= _pair_bits(e3, o3, t, half, 3)
-        codes = gl.reshape(gl.permute(_halves_f16(x | 0x64006400), [0, 2, 1]), [C, 16])
+        codes = gl.reshape(gl.permute(_halves_f16(x | magic), [0, 2, 1]), [C, 16])
         return gl.convert_layout(codes, B_OP, assert_trivial=True) - 1024.0
 
     @gluon.jit
@@ -237,7 +242,7 @@ if gluon is not None:
         order_ptr, stride_ob, stride_oh,
         sink_len_ptr, n_groups_ptr, res_len_ptr,
         pm_ptr, pl_ptr, pa_ptr,
-        qk_scale, groups_per_split, n_split,
+        qk_scale, groups_per_split, n_split, magic,
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -318,12 +323,12 @@ if gluon is not None:
                     for half in gl.static_range(2):
                         scores = gl.zeros([16, 16], gl.float32, layout=MMA) + bias[:, None]
                         k_lo = _key_pair_codes(lw[0], lw[1], lw[2], lw[3], lw[4], lw[5], lw[6], lw[7], t_lo, half,
-                                               B_LOW, D, B_OP)
+                                               magic, B_LOW, D, B_OP)
                         scores = mma_v2(u, k_lo, scores)
                         if NH > 0:
                             if NSC > 0:
                                 k_hi = _key_pair_codes(hw[0], hw[1], hw[2], hw[3], hw[4], hw[5], hw[6], hw[7], t_hi,
-                                                       half, NH, NSC_P, B_OP)
+                                                       half, magic, NH, NSC_P, B_OP)
                                 scores = mma_v2(u_hi, k_hi, scores)
                         m_new = gl.maximum(m_i, gl.max(scores, axis=1))
                         alpha = gl.exp2(m_i - m_new)
@@ -339,7 +344,7 @@ if gluon is not None:
                         words = gl.convert_layout(gl.load(vp + t0 * NW + w_off), WL3)
                         v_s = gl.convert_layout(gl.load(vsc + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
                         v_z = gl.convert_layout(gl.load(vze + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
-                        codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1))
+                        codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1), magic)
                         v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
                         v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
                         v = gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
@@ -433,7 +438,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
         cache.channel_order, cache.channel_order.stride(0), cache.channel_order.stride(1),
         cache.sink_len, cache.n_groups, cache.res_len,
         pm, pl, pa,
-        scale * LOG2E, groups_per_split, num_splits,
+        scale * LOG2E, groups_per_split, num_splits, FP16_PAIR_1024,
     )
     constexprs = dict(
         HKV=hkv, GQ=hq // hkv, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,

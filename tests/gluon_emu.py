@@ -141,8 +141,8 @@ def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor
     return acc + a.float() @ b.float()
 
 
-def _codes_f16(code: torch.Tensor) -> torch.Tensor:
-    return (code | 0x6400).to(torch.int16).view(torch.float16) - 1024.0
+def _codes_f16(code: torch.Tensor, magic: int) -> torch.Tensor:
+    return (code | magic).to(torch.int16).view(torch.float16) - 1024.0
 
 
 def _halves_f16(x: torch.Tensor) -> torch.Tensor:
