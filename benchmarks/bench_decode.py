@@ -60,7 +60,7 @@ VARIANTS = [
 
 
 # Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM).
-MMA_VARIANTS = [("mma", 16), ("mma", 8), ("mma", 32)]
+MMA_VARIANTS = [("mma", 16), ("mma", 4), ("mma", 8), ("mma", 32)]
 
 
 def variant_kwargs(variant: tuple) -> dict:

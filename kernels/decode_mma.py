@@ -60,8 +60,7 @@ LOG2E = 1.4426950408889634
 # immediate), per pair of codes.
 FP16_PAIR_1024 = 0x64006400
 WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: the inner step of the loop
-M_ROWS = 16  # query heads of a KV head, padded to the MMA's M (score product; partials have 16 rows)
-MAX_GQA = 8  # the value product takes the first 8 heads (its N)
+MAX_GQA = 8  # query heads per KV head: the value product's N; partials hold this many rows
 
 
 def available() -> bool:
@@ -250,7 +249,7 @@ if gluon is not None:
         VS_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
     ):
         """Operands as in `decode._decode_split_kernel`, except: klo, khi and vp are int32 views of
-        the packed bytes (strides in words), and partials use M_ROWS = 16 rows."""
+        the packed bytes (strides in words), and partials hold MAX_GQA = 8 rows."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // HKV
@@ -384,9 +383,10 @@ if gluon is not None:
                     acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
         c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         h_c = gl.arange(0, 8, layout=HEADS)
-        gl.store(pa_ptr + (part * 16 + h_c[None, :]) * D + c_r[:, None], acc)  # rows 8..15 stay unwritten
-        gl.store(pm_ptr + part * 16 + rows_c, m_i)
-        gl.store(pl_ptr + part * 16 + rows_c, l_i)
+        gl.store(pa_ptr + (part * 8 + h_c[None, :]) * D + c_r[:, None], acc)
+        # Heads 8..15 of the score product are padding (GQ <= 8): only the first 8 rows are partials.
+        gl.store(pm_ptr + part * 8 + rows_c, m_i, mask=rows_c < 8)
+        gl.store(pl_ptr + part * 8 + rows_c, l_i, mask=rows_c < 8)
 
 
 @functools.cache
@@ -422,9 +422,9 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     groups_per_split = -(-ng_cap // num_splits) if ng_cap else 0
     num_splits = -(-ng_cap // groups_per_split) if ng_cap else 0
     n_parts = num_splits + 1
-    pm = torch.empty((bsz * hkv, n_parts, M_ROWS), dtype=torch.float32, device=q.device)
+    pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    pa = torch.empty((bsz * hkv, n_parts, M_ROWS, d), dtype=torch.float32, device=q.device)
+    pa = torch.empty((bsz * hkv, n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)
     klo, khi, vp = _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)
     args = (
         q, q.stride(0), q.stride(1),
@@ -454,7 +454,7 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
     bsz, hq, d = out.shape
     _combine_kernel[(launch.grid[0],)](
         launch.pm, launch.pl, launch.pa, out, out.stride(0), out.stride(1), launch.grid[1],
-        HKV=launch.constexprs["HKV"], GQ=launch.constexprs["GQ"], M_P=M_ROWS, D=d, num_warps=4,
+        HKV=launch.constexprs["HKV"], GQ=launch.constexprs["GQ"], M_P=MAX_GQA, D=d, num_warps=4,
     )
     return out
 

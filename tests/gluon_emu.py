@@ -92,7 +92,9 @@ class FakeGluon:
     @staticmethod
     def store(ptr: Ptr, value: torch.Tensor, mask: Any = None) -> None:
         off, value = torch.broadcast_tensors(_tensor(ptr.off), value)
-        assert mask is None
+        if mask is not None:
+            keep = torch.broadcast_to(_tensor(mask), off.shape)
+            off, value = off[keep], value[keep]
         ptr.flat[off.reshape(-1)] = value.reshape(-1).to(ptr.flat.dtype)
 
     @staticmethod
