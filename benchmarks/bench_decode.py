@@ -59,8 +59,18 @@ VARIANTS = [
 ]
 
 
-# Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM).
-MMA_VARIANTS = [("mma", 16), ("mma", 4), ("mma", 8), ("mma", 32)]
+# Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM, register cap).
+# Uncapped it needs about 250 registers (8 warps per SM); 128 allows 16 with some spills.
+MMA_VARIANTS = [("mma", 16, None), ("mma", 4, None), ("mma", 8, None), ("mma", 32, None), ("mma", 16, 128),
+                ("mma", 32, 168)]
+
+
+def parse_variant(text: str) -> tuple:
+    """'64,2,1,none' (Triton: block_t, warps, stages, register cap) or 'mma,16,none' (Gluon)."""
+    fields = [None if x == "none" else x for x in text.split(",")]
+    if fields[0] == "mma":
+        return ("mma",) + tuple(None if x is None else int(x) for x in fields[1:])
+    return tuple(None if x is None else int(x) for x in fields) + (True,)
 
 
 def variant_kwargs(variant: tuple) -> dict:
@@ -71,7 +81,7 @@ def variant_kwargs(variant: tuple) -> dict:
 def attend(variant: tuple, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
     """One decode attention with a Triton launch variant or a Gluon ("mma", ...) variant."""
     if variant[0] == "mma":
-        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], out=out)
+        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out)
     return decode_attention(q, cache, scale, out=out, **variant_kwargs(variant))
 
 
@@ -376,8 +386,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--quick", action="store_true", help="first variant only")
-    ap.add_argument("--variants", help="launch variants to time instead of VARIANTS, e.g. '64,1,1,none;64,2,1,128' "
-                                       "(block_t, num_warps, num_stages, max_registers; inline-PTX expansion)")
+    ap.add_argument("--variants", help="launch variants to time instead of VARIANTS + MMA_VARIANTS, e.g. "
+                                       "'64,1,1,none;64,2,1,128;mma,16,none' (Triton: block_t, num_warps, "
+                                       "num_stages, max_registers, inline-PTX expansion; Gluon: 'mma', "
+                                       "programs per SM, max_registers)")
     ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
     ap.add_argument("--variant", default="0", help="index into VARIANTS for --profile")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
@@ -403,9 +415,7 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     variants = VARIANTS[:1] + MMA_VARIANTS[:1] if args.quick else VARIANTS + MMA_VARIANTS
     if args.variants:
-        variants = [(("mma",) + tuple(int(x) for x in v.split(",")[1:])) if v.startswith("mma") else
-                    tuple(int(x) if x != "none" else None for x in v.split(",")) + (True,)
-                    for v in args.variants.split(";")]
+        variants = [parse_variant(v) for v in args.variants.split(";")]
     env = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),

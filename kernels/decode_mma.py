@@ -460,11 +460,13 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
-                         programs_per_sm: int = 16, out: torch.Tensor | None = None) -> torch.Tensor:
+                         programs_per_sm: int = 16, max_registers: int | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
 
     num_splits: splits of the packed region per (b, h_kv); by default enough for about
-    `programs_per_sm` one-warp programs per SM.
+    `programs_per_sm` one-warp programs per SM. max_registers caps registers per thread (ptxas
+    maxnreg; the kernel needs about 250 without spills, which allows 8 warps per SM).
     """
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
@@ -480,6 +482,7 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
         *launch.args, **launch.constexprs,
         MMA=lay.mma, A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
         PAIRS_LO=lay.pairs_lo, PAIRS_HI=lay.pairs_hi, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     return combine(launch, out)
 
