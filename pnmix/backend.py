@@ -225,18 +225,25 @@ def attend_kernels(layer: Any, query: torch.Tensor, scaling: float) -> torch.Ten
     return out.view(b, 1, hq, d)
 
 
+def view_from_cache(cache: DecodeCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Token-ordered k, v [B, H_kv, max length, d] in `dtype`, rebuilt from the stored bytes, and
+    each sequence's length. The same values, in the same slots, as a `PNMixLayer`'s kept view."""
+    seqs = dequantized_sequences(cache)
+    lengths = [k.shape[-2] for k, _ in seqs]
+    b, h, _, d = cache.k_sink.shape
+    k_view = torch.zeros((b, h, max(lengths), d), dtype=dtype, device=cache.k_sink.device)
+    v_view = torch.zeros_like(k_view)
+    for i, (k, v) in enumerate(seqs):
+        k_view[i, :, : k.shape[-2]] = k
+        v_view[i, :, : v.shape[-2]] = v
+    return k_view, v_view, lengths
+
+
 def dequantized_view(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-ordered k, v [B, H_kv, max length, d] in the layer's dtype, rebuilt from the stored bytes.
 
     For the rare calls the kernel does not cover (several query tokens at once) when the layer
     keeps no dequantized view.
     """
-    seqs = dequantized_sequences(layer_decode_cache(layer))
-    length = max(k.shape[-2] for k, _ in seqs)
-    shape = (layer.batch, layer.kv_heads, length, layer.head_dim)
-    k_view = torch.zeros(shape, dtype=layer.dtype, device=layer.device)
-    v_view = torch.zeros_like(k_view)
-    for b, (k, v) in enumerate(seqs):
-        k_view[b, :, : k.shape[-2]] = k
-        v_view[b, :, : v.shape[-2]] = v
+    k_view, v_view, _ = view_from_cache(layer_decode_cache(layer), layer.dtype)
     return k_view, v_view

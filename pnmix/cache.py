@@ -49,6 +49,31 @@ class StaticStep:
     values: torch.Tensor
 
 
+def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor, lengths: list[int],
+                scaling: float) -> torch.Tensor:
+    """Attention of the newest q_len tokens of every sequence over a token-ordered view (causal).
+
+    query [B, Hq, q_len, d]; view_k/view_v [B, H_kv, >= max(lengths), d], sequence b's tokens in
+    its first lengths[b] slots -> [B, q_len, Hq, d]. The torch path of both the dynamic cache and
+    the static one (pnmix/static.py) attend here, so given the same view they agree bit for bit.
+    """
+    b, hq, q_len, d = query.shape
+    kv_heads = view_k.shape[1]
+    group = hq // kv_heads
+    length = int(max(lengths))
+    k = view_k[:, :, :length]
+    v = view_v[:, :, :length]
+    # Query head h' reads KV head h' // group: fold the group into the query axis.
+    q = query.reshape(b, kv_heads, group * q_len, d)
+    lens = torch.tensor(lengths, device=query.device)
+    pos = torch.arange(length, device=query.device)
+    q_pos = (lens[:, None] - q_len + torch.arange(q_len, device=query.device))  # [B, q_len]
+    mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
+    mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
+
+
 class PNMixLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
@@ -273,24 +298,11 @@ class PNMixLayer(CacheLayerMixin):
         query [B, Hq, q_len, d] -> [B, q_len, Hq, d]. Reads the dequantized view: sinks and
         residual exact, packed groups as their stored bytes decode.
         """
-        b, hq, q_len, d = query.shape
-        if self.use_kernels and q_len == 1:  # [triton] fused kernel over the stored bytes
+        if self.use_kernels and query.shape[2] == 1:  # [triton] fused kernel over the stored bytes
             return backend.attend_kernels(self, query, scaling)
-        group = hq // self.kv_heads
-        lengths = torch.tensor(self.lengths, device=query.device)
-        length = int(max(self.lengths))
         # [triton] Without a kept view (kernel path, several query tokens), rebuild it from the bytes.
         view_k, view_v = (self.view_k, self.view_v) if self.keep_view else backend.dequantized_view(self)
-        k = view_k[:, :, :length]
-        v = view_v[:, :, :length]
-        # Query head h' reads KV head h' // group: fold the group into the query axis.
-        q = query.reshape(b, self.kv_heads, group * q_len, d)
-        pos = torch.arange(length, device=query.device)
-        q_pos = (lengths[:, None] - q_len + torch.arange(q_len, device=query.device))  # [B, q_len]
-        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
-        mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
+        return attend_view(query, view_k, view_v, self.lengths, scaling)
 
     # -- accounting --------------------------------------------------------------------------------
 

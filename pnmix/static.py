@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from pnmix import backend
-from pnmix.cache import PNMixLayer, StaticStep
+from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
 
@@ -155,10 +155,11 @@ class StaticQuantLayer(_StaticLayer):
         if self.flush_now:
             self._flush()
         if self.use_kernels:
-            out = backend.fused_decode(query[:, :, 0], self.decode_cache(), scaling)
-        else:
-            out = backend.decode_reference(query[:, :, 0], self.decode_cache(), scaling).to(query.dtype)
-        return out.unsqueeze(1)
+            return backend.fused_decode(query[:, :, 0], self.decode_cache(), scaling).unsqueeze(1)
+        # The torch path (eager only: it reads lengths on the host) attends exactly as the dynamic
+        # cache's torch path does, so the two agree bit for bit and a flush quantizes equal inputs.
+        k_view, v_view, lengths = backend.view_from_cache(self.decode_cache(), query.dtype)
+        return attend_view(query, k_view, v_view, lengths, scaling)
 
     def _flush(self) -> None:
         """Quantizes every residual buffer into the groups past its sequence's packed region and
