@@ -59,7 +59,7 @@ LOG2E = 1.4426950408889634
 # then keeps it in a register, and "mask the bits, or in the exponent" is one LOP3 (two with an
 # immediate), per pair of codes.
 FP16_PAIR_1024 = 0x64006400
-WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: the inner step of the loop
+WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: one load per channel and plane feeds two 16-token steps
 MAX_GQA = 8  # query heads per KV head: the value product's N; partials hold this many rows
 
 
