@@ -400,6 +400,71 @@ def _check_inner_contiguous(name: str, t: torch.Tensor, n_inner: int) -> None:
         expected *= size
 
 
+def check_operands(q: torch.Tensor, cache: DecodeCache) -> None:
+    """The shapes, value formats and strides the decode kernels (this one and `decode_mma`) assume;
+    a one-line ValueError otherwise."""
+    bsz, hq, d = q.shape
+    _, hkv, _, d_cache = cache.k_sink.shape
+    if d_cache != d or hq % hkv or d & (d - 1) or d < 16:
+        raise ValueError(f"unsupported decode shape q {tuple(q.shape)}, cache head_dim {d_cache}, H_kv {hkv}")
+    if cache.value_group_size & (cache.value_group_size - 1) or d % cache.value_group_size:
+        raise ValueError(f"value_group_size {cache.value_group_size} must be a power of two dividing {d}")
+    if cache.value_bits not in (1, 2, 4, 8):
+        raise ValueError(f"unsupported value bits {cache.value_bits}")
+    for name, t, n in (("q", q, 1), ("k_sink", cache.k_sink, 1), ("v_sink", cache.v_sink, 1),
+                       ("k_res", cache.k_res, 1), ("v_res", cache.v_res, 1), ("k_low", cache.k_low, 4),
+                       ("k_high", cache.k_high, 4), ("k_scale", cache.k_scale, 2), ("k_zero", cache.k_zero, 2),
+                       ("v_packed", cache.v_packed, 2), ("v_scale", cache.v_scale, 2), ("v_zero", cache.v_zero, 2),
+                       ("channel_order", cache.channel_order, 1)):
+        _check_inner_contiguous(name, t, n)
+    if cache.k_sink.stride() != cache.v_sink.stride() or cache.k_res.stride() != cache.v_res.stride():
+        raise ValueError("keys and values of the sinks and of the residual must share strides")
+    if cache.k_scale.stride() != cache.k_zero.stride() or cache.v_scale.stride() != cache.v_zero.stride():
+        raise ValueError("scales and zeros must share strides")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out`, checked to take the result (q's shape, contiguous channels), or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with contiguous channels")
+    return out
+
+
+def split_plan(q: torch.Tensor, cache: DecodeCache, num_splits: int | None,
+               programs_per_sm: int) -> tuple[int, int]:
+    """(groups per split, splits) of the packed region per (b, h_kv). num_splits None: enough for
+    about `programs_per_sm` packed-region programs per SM. Only capacities decide, never lengths."""
+    n_bh = q.shape[0] * cache.k_sink.shape[1]
+    ng_cap = cache.k_low.shape[2]
+    if num_splits is None:
+        target = programs_per_sm * (_sm_count(q.device.index or 0) if q.is_cuda else 1)
+        num_splits = max(1, min(ng_cap, -(-target // n_bh)))
+    num_splits = max(1, min(num_splits, max(ng_cap, 1)))
+    groups_per_split = -(-ng_cap // num_splits) if ng_cap else 0
+    return groups_per_split, (-(-ng_cap // groups_per_split) if ng_cap else 0)
+
+
+def cache_operands(q: torch.Tensor, cache: DecodeCache, k_low: torch.Tensor, k_high: torch.Tensor,
+                   v_packed: torch.Tensor) -> tuple:
+    """The split kernels' leading arguments, in their order: the query, the cache tensors with their
+    batch/head strides, the lengths. The packed tensors are passed in so that a kernel can take
+    other views of them (`decode_mma` reads int32 words); strides are then in those elements."""
+    return (
+        q, q.stride(0), q.stride(1),
+        cache.k_sink, cache.v_sink, cache.k_sink.stride(0), cache.k_sink.stride(1), cache.k_sink.stride(2),
+        cache.k_res, cache.v_res, cache.k_res.stride(0), cache.k_res.stride(1), cache.k_res.stride(2),
+        k_low, k_low.stride(0), k_low.stride(1),
+        k_high, k_high.stride(0), k_high.stride(1),
+        cache.k_scale, cache.k_zero, cache.k_scale.stride(0), cache.k_scale.stride(1),
+        v_packed, v_packed.stride(0), v_packed.stride(1),
+        cache.v_scale, cache.v_zero, cache.v_scale.stride(0), cache.v_scale.stride(1),
+        cache.channel_order, cache.channel_order.stride(0), cache.channel_order.stride(1),
+        cache.sink_len, cache.n_groups, cache.res_len,
+    )
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: DecodeCache,
@@ -427,36 +492,14 @@ def decode_attention(
     variants measured on an H200 on every benchmark shape, 10-15% faster than the earlier
     4 warps / 128 registers from batch 32 up (benchmarks/RESULTS.md, section Kernels).
     """
+    check_operands(q, cache)
     bsz, hq, d = q.shape
-    _, hkv, _, d_cache = cache.k_sink.shape
-    if d_cache != d or hq % hkv or d & (d - 1) or d < 16:
-        raise ValueError(f"unsupported decode shape q {tuple(q.shape)}, cache head_dim {d_cache}, H_kv {hkv}")
+    hkv = cache.k_sink.shape[1]
     g = cache.group_size
-    if cache.value_group_size & (cache.value_group_size - 1) or d % cache.value_group_size:
-        raise ValueError(f"value_group_size {cache.value_group_size} must be a power of two dividing {d}")
-    if cache.value_bits not in (1, 2, 4, 8):
-        raise ValueError(f"unsupported value bits {cache.value_bits}")
     gq = hq // hkv
     m_p = max(16, next_pow2(gq))
     n_sc = cache.n_salient_channels
-    ng_cap = cache.k_low.shape[2]
-    for name, t, n in (("q", q, 1), ("k_sink", cache.k_sink, 1), ("v_sink", cache.v_sink, 1),
-                       ("k_res", cache.k_res, 1), ("v_res", cache.v_res, 1), ("k_low", cache.k_low, 4),
-                       ("k_high", cache.k_high, 4), ("k_scale", cache.k_scale, 2), ("k_zero", cache.k_zero, 2),
-                       ("v_packed", cache.v_packed, 2), ("v_scale", cache.v_scale, 2), ("v_zero", cache.v_zero, 2),
-                       ("channel_order", cache.channel_order, 1)):
-        _check_inner_contiguous(name, t, n)
-    if cache.k_sink.stride() != cache.v_sink.stride() or cache.k_res.stride() != cache.v_res.stride():
-        raise ValueError("keys and values of the sinks and of the residual must share strides")
-    if cache.k_scale.stride() != cache.k_zero.stride() or cache.v_scale.stride() != cache.v_zero.stride():
-        raise ValueError("scales and zeros must share strides")
-
-    if num_splits is None:  # about four packed-region programs per SM
-        target = 4 * _sm_count(q.device.index or 0) if q.is_cuda else 4
-        num_splits = max(1, min(ng_cap, triton.cdiv(target, bsz * hkv)))
-    num_splits = max(1, min(num_splits, max(ng_cap, 1)))
-    groups_per_split = triton.cdiv(ng_cap, num_splits) if ng_cap else 0
-    num_splits = triton.cdiv(ng_cap, groups_per_split) if ng_cap else 0
+    groups_per_split, num_splits = split_plan(q, cache, num_splits, 4)  # about four programs per SM
     if block_t is None:
         block_t = min(g, 64)
     n_parts = num_splits + 1
@@ -464,22 +507,9 @@ def decode_attention(
     pm = torch.empty((bsz * hkv, n_parts, m_p), dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, m_p, d), dtype=torch.float32, device=dev)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with contiguous channels")
-    k_high = cache.k_high
+    out = output_for(q, out)
     _decode_split_kernel[(bsz * hkv, n_parts)](
-        q, q.stride(0), q.stride(1),
-        cache.k_sink, cache.v_sink, cache.k_sink.stride(0), cache.k_sink.stride(1), cache.k_sink.stride(2),
-        cache.k_res, cache.v_res, cache.k_res.stride(0), cache.k_res.stride(1), cache.k_res.stride(2),
-        cache.k_low, cache.k_low.stride(0), cache.k_low.stride(1),
-        k_high, k_high.stride(0), k_high.stride(1),
-        cache.k_scale, cache.k_zero, cache.k_scale.stride(0), cache.k_scale.stride(1),
-        cache.v_packed, cache.v_packed.stride(0), cache.v_packed.stride(1),
-        cache.v_scale, cache.v_zero, cache.v_scale.stride(0), cache.v_scale.stride(1),
-        cache.channel_order, cache.channel_order.stride(0), cache.channel_order.stride(1),
-        cache.sink_len, cache.n_groups, cache.res_len,
+        *cache_operands(q, cache, cache.k_low, cache.k_high, cache.v_packed),
         pm, pl, pa,
         scale * LOG2E, groups_per_split, num_splits,
         HKV=hkv, GQ=gq, M_P=m_p, D=d, G=g, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,

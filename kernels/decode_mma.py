@@ -389,11 +389,6 @@ if gluon is not None:
         gl.store(pl_ptr + part * 8 + rows_c, l_i, mask=rows_c < 8)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The int32 view of packed bytes (last dim a multiple of 4); strides then count words."""
     return t.view(torch.int32) if t.numel() else torch.empty(t.shape[:-1] + (t.shape[-1] // 4,), dtype=torch.int32,
@@ -412,31 +407,22 @@ class SplitLaunch:
     pa: torch.Tensor
 
 
-def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int) -> SplitLaunch:
-    """The split kernel's grid, arguments and compile-time constants for `num_splits` splits."""
+def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
+                 programs_per_sm: int = 16) -> SplitLaunch:
+    """The split kernel's grid, arguments and compile-time constants (splits as `decode.split_plan`)."""
+    from kernels.decode import cache_operands, check_operands, split_plan
+
+    check_operands(q, cache)
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
-    ng_cap = cache.k_low.shape[2]
     n_sc = cache.n_salient_channels
-    num_splits = max(1, min(num_splits, max(ng_cap, 1)))
-    groups_per_split = -(-ng_cap // num_splits) if ng_cap else 0
-    num_splits = -(-ng_cap // groups_per_split) if ng_cap else 0
+    groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm)
     n_parts = num_splits + 1
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)
-    klo, khi, vp = _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)
     args = (
-        q, q.stride(0), q.stride(1),
-        cache.k_sink, cache.v_sink, cache.k_sink.stride(0), cache.k_sink.stride(1), cache.k_sink.stride(2),
-        cache.k_res, cache.v_res, cache.k_res.stride(0), cache.k_res.stride(1), cache.k_res.stride(2),
-        klo, klo.stride(0), klo.stride(1),
-        khi, khi.stride(0), khi.stride(1),
-        cache.k_scale, cache.k_zero, cache.k_scale.stride(0), cache.k_scale.stride(1),
-        vp, vp.stride(0), vp.stride(1),
-        cache.v_scale, cache.v_zero, cache.v_scale.stride(0), cache.v_scale.stride(1),
-        cache.channel_order, cache.channel_order.stride(0), cache.channel_order.stride(1),
-        cache.sink_len, cache.n_groups, cache.res_len,
+        *cache_operands(q, cache, _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)),
         pm, pl, pa,
         scale * LOG2E, groups_per_split, num_splits, FP16_PAIR_1024,
     )
@@ -468,16 +454,11 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
     `programs_per_sm` one-warp programs per SM. max_registers caps registers per thread (ptxas
     maxnreg; the kernel needs about 250 without spills, which allows 8 warps per SM).
     """
-    bsz, hq, d = q.shape
-    hkv = cache.k_sink.shape[1]
-    ng_cap = cache.k_low.shape[2]
-    if num_splits is None:
-        target = programs_per_sm * _sm_count(q.device.index or 0)
-        num_splits = max(1, min(ng_cap, -(-target // (bsz * hkv))))
-    if out is None:
-        out = torch.empty_like(q)
-    launch = split_launch(q, cache, scale, num_splits)
-    lay = _layouts(d, cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
+    from kernels.decode import output_for
+
+    out = output_for(q, out)
+    launch = split_launch(q, cache, scale, num_splits, programs_per_sm)
+    lay = _layouts(q.shape[-1], cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
     _mma_split_kernel[launch.grid](
         *launch.args, **launch.constexprs,
         MMA=lay.mma, A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
