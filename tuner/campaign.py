@@ -485,7 +485,6 @@ class CampaignRunner:
 
         while True:
             remaining = self.spec.n_trials - len(finished(study))
-            running = len(running_trials(study))  # this worker runs none between optimize calls: others' trials
             if remaining <= 0 or exhausted(study, self.spec.n_trials):
                 if remaining > 0 and not wait:
                     self.progress(f"budget {budget:g}: stopped after {over_budget_limit(self.spec.n_trials)} "
@@ -494,22 +493,24 @@ class CampaignRunner:
                 # marking the campaign done: a racing worker's surplus trial, or an orphan whose
                 # creation committed while its connection dropped (no heartbeat, never told). The
                 # second pass waits for it to end or go stale.
-                if not wait or not running:
+                if not wait or not running_trials(study):
                     break
-            elif remaining > running:
-                try:
-                    study.optimize(objective, n_trials=remaining - running, callbacks=[cap, after_trial],
-                                   catch=(RuntimeError, MemoryError), gc_after_trial=True)
-                except ValueError as exc:  # "Cannot tell a FAIL trial": ours was declared dead meanwhile
-                    if "Cannot tell a" not in str(exc):
-                        raise
-                    print(f"warning: budget {budget:g}: a trial of this worker went without a heartbeat for "
-                          f"{GRACE_S} s (PNMIX_GRACE_S) and was retried by another worker; its result here is "
-                          "dropped", file=sys.stderr, flush=True)
-                self._check_failures(study, budget)
-                continue
-            elif not wait:
-                break
+            else:
+                running = len(running_trials(study))  # this worker runs none between optimize calls: others'
+                if remaining > running:
+                    try:
+                        study.optimize(objective, n_trials=remaining - running, callbacks=[cap, after_trial],
+                                       catch=(RuntimeError, MemoryError), gc_after_trial=True)
+                    except ValueError as exc:  # "Cannot tell a FAIL trial": ours was declared dead meanwhile
+                        if "Cannot tell a" not in str(exc):
+                            raise
+                        print(f"warning: budget {budget:g}: a trial of this worker went without a heartbeat for "
+                              f"{GRACE_S} s (PNMIX_GRACE_S) and was retried by another worker; its result here "
+                              "is dropped", file=sys.stderr, flush=True)
+                    self._check_failures(study, budget)
+                    continue
+                if not wait:
+                    break
             # Every running trial is another worker's or an orphan: wait for it, or for it to go stale.
             time.sleep(min(HEARTBEAT_S, 5))
             with warnings.catch_warnings():
