@@ -391,7 +391,8 @@ def main() -> None:
                                        "num_stages, max_registers, inline-PTX expansion; Gluon: 'mma', "
                                        "programs per SM, max_registers)")
     ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
-    ap.add_argument("--variant", default="0", help="index into VARIANTS for --profile")
+    ap.add_argument("--variant", default="0", help="for --profile: an index into VARIANTS, or a variant as in "
+                                                   "--variants (e.g. 'mma,32,none')")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
     args = ap.parse_args()
     if args.wiring:
@@ -405,8 +406,9 @@ def main() -> None:
     if args.profile:
         bsz, ctx = (int(x) for x in args.profile.split("x"))
         cache, q, *_ = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(0))
+        variant = VARIANTS[int(args.variant)] if args.variant.isdigit() else parse_variant(args.variant)
         for _ in range(3):
-            decode_attention(q, cache, D**-0.5, **variant_kwargs(VARIANTS[int(args.variant)]))
+            attend(variant, q, cache, D**-0.5)
         torch.cuda.synchronize()
         return
     out_dir = Path(args.out)

@@ -357,32 +357,53 @@ def _decode_split_kernel(
 @triton.jit
 def _combine_kernel(
     pm_ptr, pl_ptr, pa_ptr, out_ptr, stride_ob, stride_oh, n_parts,
-    HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr,
+    HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
+    S_BLK: tl.constexpr,
 ):
-    """Program b * HKV + h: merges the n_parts partials (max-rescaled sums) into out[b, h*GQ : (h+1)*GQ].
+    """Program (b * HKV + h, channel block): merges the n_parts partials (max-rescaled sums) into
+    out[b, h*GQ : (h+1)*GQ, DC channels].
 
     partials as in `_decode_split_kernel`; out [B, HKV * GQ, D] (channels contiguous), any float dtype.
+    Partials are read S_BLK at a time: a loop of one dependent load per split was latency-bound
+    (235 us for 256 splits at batch 1 on an H200, five times the split kernel; RESULTS.md, Kernels).
     """
     bh = tl.program_id(0)
     b = bh // HKV
     h = bh % HKV
     rows = tl.arange(0, M_P)
-    c = tl.arange(0, D)
+    c = tl.program_id(1) * DC + tl.arange(0, DC)
+    s = tl.arange(0, S_BLK)
     base = bh.to(tl.int64) * n_parts
     m_all = tl.full([M_P], float("-inf"), tl.float32)
-    for s in range(n_parts):
-        m_all = tl.maximum(m_all, tl.load(pm_ptr + (base + s) * M_P + rows))
+    for s0 in range(0, n_parts, S_BLK):
+        valid = (s0 + s < n_parts)[:, None]
+        m = tl.load(pm_ptr + (base + s0 + s)[:, None] * M_P + rows[None, :], mask=valid, other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(m, axis=0))
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row with no token at all stays 0
     l_all = tl.zeros([M_P], tl.float32)
-    o = tl.zeros([M_P, D], tl.float32)
-    for s in range(n_parts):
-        part = (base + s) * M_P + rows
-        w = tl.math.exp2(tl.load(pm_ptr + part) - m_all)
-        l_all += w * tl.load(pl_ptr + part)
-        o += w[:, None] * tl.load(pa_ptr + part[:, None] * D + c[None, :])
+    o = tl.zeros([M_P, DC], tl.float32)
+    for s0 in range(0, n_parts, S_BLK):
+        valid = (s0 + s < n_parts)[:, None]
+        part = (base + s0 + s)[:, None] * M_P + rows[None, :]  # [S_BLK, M_P]
+        w = tl.math.exp2(tl.load(pm_ptr + part, mask=valid, other=float("-inf")) - m_all[None, :])
+        l_all += tl.sum(w * tl.load(pl_ptr + part, mask=valid, other=0.0), axis=0)
+        a = tl.load(pa_ptr + part[:, :, None] * D + c[None, None, :], mask=valid[:, :, None], other=0.0)
+        o += tl.sum(w[:, :, None] * a, axis=0)
     o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]
     out = out_ptr + b.to(tl.int64) * stride_ob + (h * GQ + rows)[:, None] * stride_oh + c[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=(rows < GQ)[:, None])
+
+
+def combine_partials(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, out: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Merges split partials pm, pl [B * H_kv, parts, M_P], pa [B * H_kv, parts, M_P, d] (every
+    split kernel writes them so) into out [B, H_kv * GQ, d]."""
+    n_bh, n_parts, m_p, d = pa.shape
+    dc = min(d, 32)  # channel blocks: more programs when batch x heads alone does not fill the GPU
+    _combine_kernel[(n_bh, d // dc)](
+        pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
+        HKV=hkv, GQ=out.shape[1] // hkv, M_P=m_p, D=d, DC=dc, S_BLK=16, num_warps=4,
+    )
+    return out
 
 
 @functools.cache
@@ -518,8 +539,4 @@ def decode_attention(
         FAST=q.is_cuda if fast_unpack is None else fast_unpack,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
-    _combine_kernel[(bsz * hkv,)](
-        pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
-        HKV=hkv, GQ=gq, M_P=m_p, D=d, num_warps=4,
-    )
-    return out
+    return combine_partials(pm, pl, pa, out, hkv)

@@ -5,7 +5,7 @@ unequal lengths, and with a mask it falls back to a kernel that does not split t
 an H200 that ran a 32K-token batch-1 step 20x slower than the bandwidth allows. This is the same
 flash-decoding scheme as the PN-Mix kernel (kernels/decode.py), so the comparison isolates the
 cache format: programs (b, h_kv, split) take the GQ query heads of KV head h_kv over a slice of
-the tokens (one read of K/V per KV group), then `_combine_kernel` merges the slices. The grid
+the tokens (one read of K/V per KV group), then `decode.combine_partials` merges the slices. The grid
 depends only on the capacity, so a step can be captured in a CUDA graph.
 """
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode import LOG2E, _combine_kernel, _sm_count, _softmax_step
+from kernels.decode import LOG2E, _sm_count, _softmax_step, combine_partials
 from kernels.layout import next_pow2
 
 
@@ -94,6 +94,4 @@ def full_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
         pm, pl, pa, scale * LOG2E, per_split, num_splits,
         HKV=hkv, GQ=gq, M_P=m_p, D=d, BLOCK_N=block_n, num_warps=4,
     )
-    _combine_kernel[(bsz * hkv,)](pm, pl, pa, out, out.stride(0), out.stride(1), num_splits,
-                                  HKV=hkv, GQ=gq, M_P=m_p, D=d, num_warps=4)
-    return out
+    return combine_partials(pm, pl, pa, out, hkv)

@@ -434,15 +434,10 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
 
 
 def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
-    """Merges the split partials into `out` [B, H_q, d] (`decode._combine_kernel`)."""
-    from kernels.decode import _combine_kernel
+    """Merges the split partials into `out` [B, H_q, d] (`decode.combine_partials`)."""
+    from kernels.decode import combine_partials
 
-    bsz, hq, d = out.shape
-    _combine_kernel[(launch.grid[0],)](
-        launch.pm, launch.pl, launch.pa, out, out.stride(0), out.stride(1), launch.grid[1],
-        HKV=launch.constexprs["HKV"], GQ=launch.constexprs["GQ"], M_P=MAX_GQA, D=d, num_warps=4,
-    )
-    return out
+    return combine_partials(launch.pm, launch.pl, launch.pa, out, launch.constexprs["HKV"])
 
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
