@@ -358,27 +358,29 @@ def _decode_split_kernel(
 def _combine_kernel(
     pm_ptr, pl_ptr, pa_ptr, out_ptr, stride_ob, stride_oh, n_parts,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
-    S_BLK: tl.constexpr,
+    S_MAX: tl.constexpr, S_BLK: tl.constexpr,
 ):
     """Program (b * HKV + h, channel block): merges the n_parts partials (max-rescaled sums) into
     out[b, h*GQ : (h+1)*GQ, DC channels].
 
     partials as in `_decode_split_kernel`; out [B, HKV * GQ, D] (channels contiguous), any float dtype.
-    Partials are read S_BLK at a time: a loop of one dependent load per split was latency-bound
-    (235 us for 256 splits at batch 1 on an H200, five times the split kernel; RESULTS.md, Kernels).
+    Partials are read many splits at a time (S_MAX maxima, then S_BLK values): each pass is a few
+    load round trips. A loop of one dependent load per split was latency-bound (235 us for 256
+    splits at batch 1 on an H200, five times the split kernel; RESULTS.md, Kernels).
     """
     bh = tl.program_id(0)
     b = bh // HKV
     h = bh % HKV
     rows = tl.arange(0, M_P)
     c = tl.program_id(1) * DC + tl.arange(0, DC)
-    s = tl.arange(0, S_BLK)
     base = bh.to(tl.int64) * n_parts
     m_all = tl.full([M_P], float("-inf"), tl.float32)
-    for s0 in range(0, n_parts, S_BLK):
-        valid = (s0 + s < n_parts)[:, None]
-        m = tl.load(pm_ptr + (base + s0 + s)[:, None] * M_P + rows[None, :], mask=valid, other=float("-inf"))
+    sm = tl.arange(0, S_MAX)
+    for s0 in range(0, n_parts, S_MAX):
+        valid = (s0 + sm < n_parts)[:, None]
+        m = tl.load(pm_ptr + (base + s0 + sm)[:, None] * M_P + rows[None, :], mask=valid, other=float("-inf"))
         m_all = tl.maximum(m_all, tl.max(m, axis=0))
+    s = tl.arange(0, S_BLK)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row with no token at all stays 0
     l_all = tl.zeros([M_P], tl.float32)
     o = tl.zeros([M_P, DC], tl.float32)
@@ -398,10 +400,10 @@ def combine_partials(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, out: 
     """Merges split partials pm, pl [B * H_kv, parts, M_P], pa [B * H_kv, parts, M_P, d] (every
     split kernel writes them so) into out [B, H_kv * GQ, d]."""
     n_bh, n_parts, m_p, d = pa.shape
-    dc = min(d, 32)  # channel blocks: more programs when batch x heads alone does not fill the GPU
+    dc = min(d, 16)  # channel blocks: more programs when batch x heads alone does not fill the GPU
     _combine_kernel[(n_bh, d // dc)](
         pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
-        HKV=hkv, GQ=out.shape[1] // hkv, M_P=m_p, D=d, DC=dc, S_BLK=16, num_warps=4,
+        HKV=hkv, GQ=out.shape[1] // hkv, M_P=m_p, D=d, DC=dc, S_MAX=2048 // m_p, S_BLK=512 // m_p, num_warps=4,
     )
     return out
 
