@@ -201,6 +201,23 @@ if gluon is not None:
         return gl.convert_layout(codes, B_OP, assert_trivial=True) - 1024.0
 
     @gluon.jit
+    def _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, half: gl.constexpr, magic, B_LOW: gl.constexpr,
+                     NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr, NSC_P: gl.constexpr, MMA: gl.constexpr,
+                     B_OP: gl.constexpr):
+        """Scores [16 heads, 16 tokens] of half step `half` of a 32-token word: low planes of every
+        channel plus, in a separate accumulator (a shorter dependent MMA chain), the salient
+        channels' high planes."""
+        k_lo = _key_pair_codes(lw[0], lw[1], lw[2], lw[3], lw[4], lw[5], lw[6], lw[7], t_lo, half, magic, B_LOW, D,
+                               B_OP)
+        scores = mma_v2(u, k_lo, gl.zeros([16, 16], gl.float32, layout=MMA) + bias[:, None])
+        if NH > 0:
+            if NSC > 0:
+                k_hi = _key_pair_codes(hw[0], hw[1], hw[2], hw[3], hw[4], hw[5], hw[6], hw[7], t_hi, half, magic, NH,
+                                       NSC_P, B_OP)
+                scores = scores + mma_v2(u_hi, k_hi, gl.zeros([16, 16], gl.float32, layout=MMA))
+        return scores
+
+    @gluon.jit
     def _p_operand(p, T: gl.constexpr, B_OP: gl.constexpr):
         """P [16 heads, T tokens] (score accumulator) -> P^T [T, 8] fp16, the B operand of the value
         product: the first 8 heads. Each thread already holds its operand elements (asserted)."""
@@ -319,26 +336,24 @@ if gluon is not None:
                 for wd in range(G32):  # one 32-bit word of every plane and channel: 32 tokens, two steps
                     lw = _pair_words(lo_g + pl * (2 * G32) + wd, G32, D * G32, pl < D // 2, B_LOW)
                     hw = _pair_words(hi_g + ph * (2 * G32) + wd, G32, NSC * G32, ph < NSC // 2, NH)
+                    # Both 16-token halves' scores first (four independent MMA chains), then one
+                    # online-softmax update for the 32 tokens.
+                    s0 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
+                                      B_OP)
+                    s1 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
+                                      B_OP)
+                    m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), axis=1))
+                    alpha = gl.exp2(m_i - m_new)
+                    p0 = gl.exp2(s0 - m_new[:, None])
+                    p1 = gl.exp2(s1 - m_new[:, None])
+                    l_i = l_i * alpha + gl.sum(p0 + p1, axis=1)
+                    # Rescale the accumulator only when a running max moved (rare after the first
+                    # tokens); alpha is 1 for every row otherwise.
+                    if gl.max(m_new - m_i, axis=0) > 0:
+                        acc = acc * _first_heads(alpha, HEADS)[None, :]
+                    m_i = m_new
+                    # Values of the same tokens, 16 at a time: codes [NVG, WPG, CPW, 16] -> V^T [D, 16].
                     for half in gl.static_range(2):
-                        scores = gl.zeros([16, 16], gl.float32, layout=MMA) + bias[:, None]
-                        k_lo = _key_pair_codes(lw[0], lw[1], lw[2], lw[3], lw[4], lw[5], lw[6], lw[7], t_lo, half,
-                                               magic, B_LOW, D, B_OP)
-                        scores = mma_v2(u, k_lo, scores)
-                        if NH > 0:
-                            if NSC > 0:
-                                k_hi = _key_pair_codes(hw[0], hw[1], hw[2], hw[3], hw[4], hw[5], hw[6], hw[7], t_hi,
-                                                       half, magic, NH, NSC_P, B_OP)
-                                scores = mma_v2(u_hi, k_hi, scores)
-                        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-                        alpha = gl.exp2(m_i - m_new)
-                        p = gl.exp2(scores - m_new[:, None])
-                        l_i = l_i * alpha + gl.sum(p, axis=1)
-                        # Rescale the accumulator only when a running max moved (rare after the first
-                        # tokens); alpha is 1 for every row otherwise.
-                        if gl.max(m_new - m_i, axis=0) > 0:
-                            acc = acc * _first_heads(alpha, HEADS)[None, :]
-                        m_i = m_new
-                        # Values of the same 16 tokens: codes [NVG, WPG, CPW, 16] -> V^T [D, 16].
                         t0 = g * G + wd * 32 + half * 16
                         words = gl.convert_layout(gl.load(vp + t0 * NW + w_off), WL3)
                         v_s = gl.convert_layout(gl.load(vsc + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
@@ -347,7 +362,10 @@ if gluon is not None:
                         v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
                         v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
                         v = gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
-                        acc = mma_v2(v, _p_operand(p, 16, B_OP), acc)
+                        if half == 0:
+                            acc = mma_v2(v, _p_operand(p0, 16, B_OP), acc)
+                        else:
+                            acc = mma_v2(v, _p_operand(p1, 16, B_OP), acc)
         else:
             u0 = gl.convert_layout(q16, A_OP)
             t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)

@@ -154,9 +154,11 @@ def _halves_f16(x: torch.Tensor) -> torch.Tensor:
 def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
-    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, _codes_f16=_codes_f16, _halves_f16=_halves_f16)
-    for name in ("_plane_words", "_pair_words", "_pair_bits", "_key_pair_codes", "_p_operand", "_first_heads"):
-        env[name] = types.FunctionType(getattr(module, name).fn.__code__, env, name)
+    env_replaced = {"_codes_f16": _codes_f16, "_halves_f16": _halves_f16}
+    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, **env_replaced)
+    for name, obj in module.__dict__.items():  # the kernel's jit helpers, run on this namespace
+        if name.startswith("_") and name not in env_replaced and hasattr(obj, "fn") and name != "_mma_split_kernel":
+            env[name] = types.FunctionType(obj.fn.__code__, env, name)
     kernel = types.FunctionType(module._mma_split_kernel.fn.__code__, env, "_mma_split_kernel")
     args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
     layouts = {k: None for k in ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI")}
