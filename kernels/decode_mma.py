@@ -482,7 +482,8 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
 
 
 def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
-                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90) -> Any:
+                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90,
+                    max_registers: int | None = None) -> Any:
     """Compiles the split kernel for an NVIDIA GPU of compute capability `arch` without one.
 
     For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
@@ -515,5 +516,6 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n.startswith("stride")}
     return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 1, **({"maxnreg": max_registers} if max_registers else {})})
 
