@@ -8,10 +8,13 @@ For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pn
    bit for bit against `pnmix.packing` on a slice);
 2. runs the fused decode kernel and checks it against `pnmix.backend.decode_reference`
    (dequantize-then-attend in fp32) on a few sequences, output poisoned before the run;
-3. times it (triton.testing.do_bench, median; do_bench flushes L2 before every call) for a few
-   launch configurations of the Triton kernel (`VARIANTS`) and of the Gluon kernel
-   (`MMA_VARIANTS`, kernels/decode_mma.py; checked the same way), and SDPA on bf16 K/V of the same
-   shape in the same run;
+3. times it for a few launch configurations of the Triton kernel (`VARIANTS`) and of the Gluon
+   kernel (`MMA_VARIANTS`, kernels/decode_mma.py; checked the same way), and SDPA on bf16 K/V of
+   the same shape in the same run. Every operation is timed as a CUDA graph replay (what a
+   captured decode step runs; the static path of `pnmix` captures its steps) with
+   triton.testing.do_bench (median; it flushes L2 before every call), and also eagerly, with the
+   host time per eager call, since a launch that costs more host time than GPU time is
+   host-bound when not captured;
 4. reports time, bytes read, GB/s, share of the measured device copy bandwidth, speedup over SDPA.
 Also the quantize+pack throughput of a 32K-token prefill (1 sequence, 8 KV heads).
 Imports only `kernels` and the torch-only `pnmix.packing` / `pnmix.backend` (no transformers).
@@ -28,6 +31,7 @@ import math
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -83,6 +87,29 @@ def attend(variant: tuple, q: torch.Tensor, cache: DecodeCache, scale: float, ou
     if variant[0] == "mma":
         return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out)
     return decode_attention(q, cache, scale, out=out, **variant_kwargs(variant))
+
+
+def time_us(fn) -> dict:
+    """GPU time of `fn` replayed from a CUDA graph and called eagerly (do_bench medians, L2 flushed
+    before each call), and the host time of one eager call (us)."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch requires
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    out = {"graph": do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3,
+           "eager": do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        fn()
+    out["host"] = (time.perf_counter() - t0) / 50 * 1e6
+    torch.cuda.synchronize()
+    return out
 
 
 def log(msg: str, fh) -> None:
@@ -259,13 +286,14 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple],
     sdpa_fold = functools.partial(F.scaled_dot_product_attention, q.view(bsz, HKV, HQ // HKV, D), k, v, scale=scale)
     ref_sdpa = sdpa_fold().reshape(bsz, HQ, D).float()
     sdpa_agree = float((sdpa_gqa().reshape(bsz, HQ, D).float() - ref_sdpa).norm() / ref_sdpa.norm())
-    t_gqa = do_bench(sdpa_gqa, warmup=25, rep=200, return_mode="median")
-    t_fold = do_bench(sdpa_fold, warmup=25, rep=200, return_mode="median")
-    t_sdpa = min(t_gqa, t_fold)
+    t_gqa = time_us(sdpa_gqa)
+    t_fold = time_us(sdpa_fold)
+    t_sdpa = min(t_gqa["graph"], t_fold["graph"])
     sdpa_bytes = k.nbytes + v.nbytes + 2 * q.nbytes
     log(f"[{bsz}x{ctx}] groups {info['n_groups']} residual {info['residual']} pack exact {exact} "
-        f"bytes {nbytes / 1e6:.1f} MB (bf16 K/V {sdpa_bytes / 1e6:.1f} MB); "
-        f"SDPA gqa {t_gqa * 1e3:.1f} us, folded {t_fold * 1e3:.1f} us (agree {sdpa_agree:.1e})", fh)
+        f"bytes {nbytes / 1e6:.1f} MB (bf16 K/V {sdpa_bytes / 1e6:.1f} MB); SDPA us (graph / eager / host): "
+        f"gqa {t_gqa['graph']:.1f} / {t_gqa['eager']:.1f} / {t_gqa['host']:.1f}, folded {t_fold['graph']:.1f} / "
+        f"{t_fold['eager']:.1f} / {t_fold['host']:.1f} (agree {sdpa_agree:.1e})", fh)
     best = None
     for variant in variants:
         run = functools.partial(attend, variant, q, cache, scale)
@@ -273,24 +301,24 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple],
             err = check_decode(q, cache, scale, variant)
             out = torch.full_like(q, float("nan"))  # poisoned; the whole batch must be written, finite
             run(out=out)
-            ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+            t = time_us(run)
         except Exception as exc:  # a launch config that does not compile is reported, not fatal
             log(f"  variant {variant}: FAILED {type(exc).__name__}: {str(exc)[:300]}", fh)
             continue
+        us = t["graph"]
         finite = bool(torch.isfinite(out).all())
-        gbps = nbytes / (ms * 1e-3) / 1e9
-        log(f"  variant {variant}: {ms * 1e3:.1f} us  {gbps:.0f} GB/s  "
-            f"rel_err {err:.2e}  finite {finite}  speedup {t_sdpa / ms:.2f}x", fh)
-        if err <= 1e-2 and finite and (best is None or ms < best[0]):
-            best = (ms, variant, err)
-    row = {"batch": bsz, "ctx": ctx, "pack_exact": exact, "sdpa_us": t_sdpa * 1e3,
-           "sdpa_gqa_us": t_gqa * 1e3, "sdpa_folded_us": t_fold * 1e3,
-           "sdpa_GBps": sdpa_bytes / (t_sdpa * 1e-3) / 1e9, "bytes_read": nbytes}
+        gbps = nbytes / (us * 1e-6) / 1e9
+        log(f"  variant {variant}: graph {us:.1f} us  eager {t['eager']:.1f} us  host {t['host']:.1f} us  "
+            f"{gbps:.0f} GB/s  rel_err {err:.2e}  finite {finite}  speedup {t_sdpa / us:.2f}x", fh)
+        if err <= 1e-2 and finite and (best is None or us < best[0]):
+            best = (us, variant, err, t)
+    row = {"batch": bsz, "ctx": ctx, "pack_exact": exact, "sdpa_us": t_sdpa, "sdpa_gqa": t_gqa,
+           "sdpa_folded": t_fold, "sdpa_GBps": sdpa_bytes / (t_sdpa * 1e-6) / 1e9, "bytes_read": nbytes}
     if best is not None:
-        ms, variant, err = best
-        gbps = nbytes / (ms * 1e-3) / 1e9
-        row.update({"pnmix_us": ms * 1e3, "variant": variant, "rel_err": err, "GBps": gbps,
-                    "copy_share": gbps / copy_gbps, "speedup": t_sdpa / ms})
+        us, variant, err, t = best
+        gbps = nbytes / (us * 1e-6) / 1e9
+        row.update({"pnmix_us": us, "pnmix_eager_us": t["eager"], "pnmix_host_us": t["host"], "variant": variant,
+                    "rel_err": err, "GBps": gbps, "copy_share": gbps / copy_gbps, "speedup": t_sdpa / us})
     return row
 
 
@@ -439,11 +467,14 @@ def main() -> None:
         rows.append(bench_shape(bsz, ctx, gen, variants, copy_gbps, fh))
 
     log("", fh)
-    log(f"{'B x ctx':>10} | {'PN-Mix us':>9} | {'MB read':>8} | {'GB/s':>6} | {'of copy':>7} | "
+    log("times: CUDA graph replay, L2 flushed; 'eager' and 'host': the best variant called eagerly", fh)
+    log(f"{'B x ctx':>10} | {'PN-Mix us':>9} | {'eager us':>8} | {'host us':>7} | {'MB read':>8} | "
+        f"{'GB/s':>6} | {'of copy':>7} | "
         f"{'SDPA us':>8} | {'SDPA GB/s':>9} | {'speedup':>7} | {'rel err':>8} | variant", fh)
     for r in rows:
         if "pnmix_us" in r:
-            log(f"{r['batch']:>4} x {r['ctx']:<5}| {r['pnmix_us']:9.1f} | {r['bytes_read'] / 1e6:8.1f} | "
+            log(f"{r['batch']:>4} x {r['ctx']:<5}| {r['pnmix_us']:9.1f} | {r['pnmix_eager_us']:8.1f} | "
+                f"{r['pnmix_host_us']:7.1f} | {r['bytes_read'] / 1e6:8.1f} | "
                 f"{r['GBps']:6.0f} | {r['copy_share']:7.1%} | {r['sdpa_us']:8.1f} | {r['sdpa_GBps']:9.0f} | "
                 f"{r['speedup']:6.2f}x | {r['rel_err']:8.1e} | {r['variant']}", fh)
         else:

@@ -2,7 +2,8 @@
 
 Every decode kernel ends with it. The decode tests reach at most a few splits; the GPU launches
 use hundreds at batch 1, read in blocks (of 256 or 128 splits for the maxima, 64 or 32 for the
-values, by the row count), so here the split count crosses and misses multiples of those blocks. Runs under TRITON_INTERPRET=1 on fresh random partials, output poisoned first.
+values, by the row count), so here the split count crosses and misses multiples of those blocks.
+Runs under TRITON_INTERPRET=1 on fresh random partials, output poisoned first.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def reference(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, gq: int) -> 
     return (num / den.clamp_min(1e-300)[..., None])[:, :gq]
 
 
-@pytest.mark.parametrize("n_parts,m_p,gq,d", [(1, 8, 4, 64), (33, 16, 3, 128), (70, 8, 8, 128), (300, 8, 2, 64), (140, 16, 1, 64)])
+@pytest.mark.parametrize("n_parts,m_p,gq,d",
+                         [(1, 8, 4, 64), (33, 16, 3, 128), (70, 8, 8, 128), (300, 8, 2, 64), (140, 16, 1, 64)])
 def test_combine_matches_reference(n_parts, m_p, gq, d):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     bsz, hkv = 2, 3
