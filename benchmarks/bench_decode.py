@@ -63,10 +63,10 @@ VARIANTS = [
 ]
 
 
-# Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM, register cap).
-# Uncapped it needs about 250 registers (8 warps per SM); 128 allows 16 with some spills.
-MMA_VARIANTS = [("mma", 16, None), ("mma", 4, None), ("mma", 8, None), ("mma", 32, None), ("mma", 16, 128),
-                ("mma", 32, 168)]
+# Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM or None for
+# splits that fill whole waves (the default), register cap). Uncapped it takes about 240 registers
+# (8 warps per SM); 168 allows 12 with no spill in the inner loop.
+MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mma", 32, 168)]
 
 
 def parse_variant(text: str) -> tuple:

@@ -23,18 +23,18 @@ thread whose `mma.sync` fragment holds it:
 - The accumulator is rescaled only when a running max moved.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
-and keeps its own online softmax, so no shared memory and no barrier is used at all. The last
-split handles the sinks and the residual (fp16 MMA on the raw tokens). Partials go to
-`decode._combine_kernel`.
+and keeps its own online softmax, so no shared memory and no barrier is used at all. Split 0
+handles the sinks and the residual (fp16 MMA on the raw tokens); the splits of the packed region
+are sized so that their programs fill whole waves of the GPU (`wave_splits`). Partials go to
+`decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
 Triton with Gluon, group size G a multiple of 32, head dim a multiple of 16, at most 8 query heads
 per KV head, value groups spanning whole 32-bit words (G_V * b_V >= 32).
 
-Not yet run on a GPU. CI runs this source through a CPU emulator (`tests/gluon_emu.py`) against
-the fp32 reference and compiles it offline for sm_90 (`compile_offline`);
-`benchmarks/bench_decode.py` checks and times it on the GPU. Offline figures (SASS, registers):
-benchmarks/RESULTS.md, Kernels.
+CI runs this source through a CPU emulator (`tests/gluon_emu.py`) against the fp32 reference and
+compiles it offline for sm_90 (`compile_offline`); `benchmarks/bench_decode.py` checks and times
+it on the GPU. Figures (H200, SASS, registers): benchmarks/RESULTS.md, Kernels.
 """
 
 from __future__ import annotations
@@ -292,9 +292,9 @@ if gluon is not None:
         m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
         l_i = gl.zeros([16], gl.float32, layout=ROW)
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
-        if split < n_split:
+        if split > 0:  # split 0 is the fp16 tail: launched first, the short programs fill the last wave
             n_groups = gl.load(n_groups_ptr + b)
-            g_start = split * groups_per_split
+            g_start = (split - 1) * groups_per_split
             g_end = gl.minimum(g_start + groups_per_split, n_groups)
             ks_off = b.to(gl.int64) * stride_ksb + h * stride_ksh
             klo = klo_ptr + b.to(gl.int64) * stride_lob + h * stride_loh
@@ -425,16 +425,62 @@ class SplitLaunch:
     pa: torch.Tensor
 
 
+# Registers per thread the kernel takes uncapped (230-246 measured offline for sm_90; ptxas may use up
+# to 255): with one-warp programs that allows 8 resident programs per SM.
+UNCAPPED_REGISTERS = 255
+
+
+def resident_programs(device: torch.device, max_registers: int | None) -> int:
+    """One-warp programs of this kernel that fit on the GPU at once (registers are the limit)."""
+    from kernels.decode import _sm_count
+
+    regs = -(-(max_registers or UNCAPPED_REGISTERS) // 8) * 8  # allocated in units of 8 per thread
+    per_sm = min(32, 65536 // (32 * regs))  # 64K registers and at most 32 resident blocks per SM
+    return per_sm * (_sm_count(device.index or 0) if device.type == "cuda" else 1)
+
+
+# What a program costs besides its groups (reading the query, writing and merging its partials), in
+# groups: an estimate. It only keeps `wave_splits` from one-group splits that save a fraction of a wave.
+PROGRAM_OVERHEAD = 0.25
+
+
+@functools.cache
+def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
+    """Splits of the packed region per (b, h_kv) that make the launch shortest.
+
+    Every split is one program and `resident` programs run at once, so a launch lasts about
+    (waves) x (groups per split + PROGRAM_OVERHEAD). A plan with a nearly empty last wave wastes
+    most of it: at 32 x 8K tokens, 17 splits (4.1 waves of 4 groups) take 5 waves where 4 splits
+    (one wave of 16 groups) take one. Ties go to fewer splits: fewer partials to write and merge.
+    """
+    best = (None, 1)
+    for splits in range(1, ng_cap + 1):
+        per = -(-ng_cap // splits)
+        splits = -(-ng_cap // per)  # the same plan with no empty split
+        cost = -(-(n_bh * splits) // resident) * (per + PROGRAM_OVERHEAD)
+        if best[0] is None or cost < best[0]:
+            best = (cost, splits)
+    return best[1]
+
+
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
-                 programs_per_sm: int = 16) -> SplitLaunch:
-    """The split kernel's grid, arguments and compile-time constants (splits as `decode.split_plan`)."""
+                 programs_per_sm: int | None = None, max_registers: int | None = None) -> SplitLaunch:
+    """The split kernel's grid, arguments and compile-time constants.
+
+    Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
+    (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
+    `max_registers`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i) split i.
+    """
     from kernels.decode import cache_operands, check_operands, split_plan
 
     check_operands(q, cache)
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
     n_sc = cache.n_salient_channels
-    groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm)
+    ng_cap = cache.k_low.shape[2]
+    if num_splits is None and programs_per_sm is None and ng_cap:
+        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers))
+    groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
@@ -459,18 +505,18 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
-                         programs_per_sm: int = 16, max_registers: int | None = None,
+                         programs_per_sm: int | None = None, max_registers: int | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
 
-    num_splits: splits of the packed region per (b, h_kv); by default enough for about
-    `programs_per_sm` one-warp programs per SM. max_registers caps registers per thread (ptxas
-    maxnreg; the kernel needs about 250 without spills, which allows 8 warps per SM).
+    num_splits, programs_per_sm: splits of the packed region per (b, h_kv), as `split_launch`
+    (by default balanced over whole waves). max_registers caps registers per thread (ptxas
+    maxnreg; uncapped the kernel takes about 240, which allows 8 warps per SM).
     """
     from kernels.decode import output_for
 
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, num_splits, programs_per_sm)
+    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers)
     lay = _layouts(q.shape[-1], cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
     _mma_split_kernel[launch.grid](
         *launch.args, **launch.constexprs,

@@ -112,3 +112,13 @@ def test_kernel_compiles_for_sm90_without_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert rows == [[0, True, False]] * len(COMPILED), (rows, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("n_bh,ng_cap,resident,want", [
+    (256, 63, 1056, 4),  # 32 x 8K on an H200: one wave of 16-group splits, not 4.1 waves of 4 groups
+    (8, 255, 1056, 128),  # 1 x 32K: two groups per split fill one wave
+    (880, 63, 1056, 7),  # 110 x 8K: 6 waves of 9 groups (54 steps; 6 splits take 5 waves of 11 = 55)
+    (4, 3, 1, 1),  # one program at a time: splitting only adds waves
+])
+def test_wave_splits_fill_whole_waves(n_bh, ng_cap, resident, want):
+    assert decode_mma.wave_splits(n_bh, ng_cap, resident) == want
