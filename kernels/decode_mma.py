@@ -50,7 +50,12 @@ from kernels.layout import DecodeCache, next_pow2
 try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    # Names that changed after Triton 3.6 (the GPU image's): the barrier of a program's threads, and
+    # the asynchronous global -> shared copy (same arguments).
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
@@ -61,6 +66,7 @@ LOG2E = 1.4426950408889634
 FP16_PAIR_1024 = 0x64006400
 WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: one load per channel and plane feeds two 16-token steps
 MAX_GQA = 8  # query heads per KV head: the value product's N; partials hold this many rows
+STAGES = 3  # word steps (32 tokens) in a program's shared-memory ring: copies run STAGES - 1 steps ahead
 
 
 def available() -> bool:
@@ -94,6 +100,25 @@ class _Layouts:
     scales_load: Any  # [value groups, 16], group bits fastest
     pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
+    # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
+    # into it: one lane per element for the strided plane words, 16-byte copies for the contiguous rows.
+    smem1: Any  # rank 1: buffers are [rows, row] and indexed by row
+    cp_lo: Any  # one plane's words of the even (or odd) channels [d // 2]
+    cp_hi: Any  # the same, salient channels [n_sc_p // 2]
+    cp_v: Any  # value words [16 tokens x words], flat
+    cp_s: Any  # value scales or zeros [16 tokens x groups], flat
+    cp_k: Any  # a key scale or zero row [d]
+
+    def constexprs(self) -> dict:
+        """The kernel's layout arguments."""
+        return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V4=self.v4, VW_LOAD=self.words_load,
+                    VS_LOAD=self.scales_load, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
+                    CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
+                    CP_S=self.cp_s, CP_K=self.cp_k)
+
+
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI", "SMEM1", "CP_LO", "CP_HI",
+               "CP_V", "CP_S", "CP_K")
 
 
 @functools.cache
@@ -144,9 +169,13 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
         k_lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
         return layout([[c // 2, t] for c, t in k_regs], [[c // 2, t] for c, t in k_lanes], [channels // 2, 16])
 
+    def flat(vec: int) -> Any:
+        return gl.BlockedLayout([vec], [32], [1], [0])
+
     return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4),
                     layout(w_regs, w_lanes, [shape4[0], shape4[1], 16]), layout(s_regs, s_lanes, [shape4[0], 16]),
-                    pairs(d), pairs(n_sc_p))
+                    pairs(d), pairs(n_sc_p), gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
+                    flat(1), flat(1), flat(4), flat(8), flat(8))
 
 
 if gluon is not None:
@@ -177,14 +206,6 @@ if gluon is not None:
         else:
             w = ((we >> 16) & 0xFFFF) | (wo & -65536)
         return ((w[:, None] >> t[None, :]) & 0x10001) << p
-
-    @gluon.jit
-    def _pair_words(ptr, stride_pair, plane_stride, mask, N_PLANES: gl.constexpr):
-        """Words of the even channels (ptr [C // 2]) and the odd ones (+ stride_pair), planes 0..3
-        (plane p at + p * plane_stride; unused planes repeat plane 0)."""
-        e0, e1, e2, e3 = _plane_words(ptr, plane_stride, mask, N_PLANES)
-        o0, o1, o2, o3 = _plane_words(ptr + stride_pair, plane_stride, mask, N_PLANES)
-        return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
     def _key_pair_codes(e0, o0, e1, o1, e2, o2, e3, o3, t, half: gl.constexpr, magic, N_PLANES: gl.constexpr,
@@ -218,6 +239,90 @@ if gluon is not None:
         return scores
 
     @gluon.jit
+    def _idx3(N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, L: gl.constexpr):
+        """Index tensors [N0, 1, 1], [1, N1, 1], [1, 1, N2] of a 3-d layout L."""
+        i0 = gl.arange(0, N0, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        i1 = gl.arange(0, N1, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        i2 = gl.arange(0, N2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        return (gl.expand_dims(gl.expand_dims(i0, 1), 2), gl.expand_dims(gl.expand_dims(i1, 0), 2),
+                gl.expand_dims(gl.expand_dims(i2, 0), 1))
+
+    @gluon.jit
+    def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
+                    kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr, B_LOW: gl.constexpr,
+                    D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
+                    PL_P: gl.constexpr, PH_P: gl.constexpr):
+        """Starts the asynchronous copies of word step `step` (32 tokens) into ring slot `stage`: the
+        plane words of every channel (low) and salient channel (high), the value words, scales and
+        zeros, and at a group's first step the group's key scale and zero rows. `valid` False (past
+        the split's end) copies nothing; the commit is still made, so the group count stays regular."""
+        g = step // G32
+        wd = step % G32
+        lo = klo + g * (B_LOW * D * G32) + wd
+        for par in gl.static_range(2):
+            for p in gl.static_range(B_LOW):
+                _async_load(buf_lo.index((stage * 2 + par) * PL_P + p),
+                                                       lo + (p * D + par) * G32 + off_lo, mask=(off_lo >= 0) & valid)
+        if NH > 0:
+            if NSC > 0:
+                hi = khi + g * (NH * NSC * G32) + wd
+                for par in gl.static_range(2):
+                    for p in gl.static_range(NH):
+                        _async_load(buf_hi.index((stage * 2 + par) * PH_P + p),
+                                                               hi + (p * NSC + par) * G32 + off_hi, mask=m_hi & valid)
+        for half in gl.static_range(2):
+            t0 = step * 32 + half * 16
+            _async_load(buf_v.index(stage * 2 + half), vp + t0 * NW + off_v,
+                                                   mask=(off_v >= 0) & valid)
+            _async_load(buf_sc.index(stage * 2 + half), vsc + t0 * NVG + off_s,
+                                                   mask=(off_s >= 0) & valid)
+            _async_load(buf_ze.index(stage * 2 + half), vze + t0 * NVG + off_s,
+                                                   mask=(off_s >= 0) & valid)
+        first = (off_k >= 0) & valid & (wd == 0)
+        _async_load(buf_ks.index(stage * 2), ksc + g * D + off_k, mask=first)
+        _async_load(buf_ks.index(stage * 2 + 1), kze + g * D + off_k, mask=first)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _smem_pair_words(buf, row0, N_PLANES: gl.constexpr, P_P: gl.constexpr, L: gl.constexpr):
+        """Plane words [pairs] of the even and odd channels from a step's rows (parity, plane) of
+        `buf` starting at row0, planes 0..3 (unused planes repeat plane 0), in the order
+        `_key_pair_codes` takes."""
+        e0 = buf.index(row0).load(L)
+        o0 = buf.index(row0 + P_P).load(L)
+        e1 = e0
+        o1 = o0
+        e2 = e0
+        o2 = o0
+        e3 = e0
+        o3 = o0
+        if N_PLANES > 1:
+            e1 = buf.index(row0 + 1).load(L)
+            o1 = buf.index(row0 + P_P + 1).load(L)
+        if N_PLANES > 2:
+            e2 = buf.index(row0 + 2).load(L)
+            o2 = buf.index(row0 + P_P + 2).load(L)
+        if N_PLANES > 3:
+            e3 = buf.index(row0 + 3).load(L)
+            o3 = buf.index(row0 + P_P + 3).load(L)
+        return e0, o0, e1, o1, e2, o2, e3, o3
+
+    @gluon.jit
+    def _value_operand(words, v_s, v_z, shift4, magic, BV: gl.constexpr, D: gl.constexpr, NVG: gl.constexpr,
+                       WPG: gl.constexpr, WL3: gl.constexpr, VW_LOAD: gl.constexpr, VS_LOAD: gl.constexpr,
+                       A_OP: gl.constexpr):
+        """V^T [D, 16] fp16 (A operand) of 16 tokens from their rows in shared memory: words
+        [16 tokens x NW], scales and zeros [16 tokens x NVG] (flat) -> codes [NVG, WPG, CPW, 16]
+        * scale + zero."""
+        words = gl.convert_layout(words.reshape([16, NVG, WPG]).permute([1, 2, 0]).load(VW_LOAD), WL3)
+        v_s = gl.convert_layout(v_s.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
+        v_z = gl.convert_layout(v_z.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
+        codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1), magic)
+        v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
+        v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
+        return gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
+
+    @gluon.jit
     def _p_operand(p, T: gl.constexpr, B_OP: gl.constexpr):
         """P [16 heads, T tokens] (score accumulator) -> P^T [T, 8] fp16, the B operand of the value
         product: the first 8 heads. Each thread already holds its operand elements (asserted)."""
@@ -229,21 +334,6 @@ if gluon is not None:
         """[16] per-head values (rows of the score accumulator) -> the first 8, as [8] in COLS."""
         first, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), [1, 0]))
         return gl.convert_layout(first, COLS)
-
-    @gluon.jit
-    def _plane_words(ptr, plane_stride, mask, N_PLANES: gl.constexpr):
-        """The 32-bit words of up to 4 bit planes (plane p at ptr + p * plane_stride); unused ones repeat plane 0."""
-        w0 = gl.load(ptr, mask=mask, other=0)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        if N_PLANES > 1:
-            w1 = gl.load(ptr + plane_stride, mask=mask, other=0)
-        if N_PLANES > 2:
-            w2 = gl.load(ptr + 2 * plane_stride, mask=mask, other=0)
-        if N_PLANES > 3:
-            w3 = gl.load(ptr + 3 * plane_stride, mask=mask, other=0)
-        return w0, w1, w2, w3
 
     @gluon.jit
     def _mma_split_kernel(
@@ -264,6 +354,8 @@ if gluon is not None:
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V4: gl.constexpr, VW_LOAD: gl.constexpr,
         VS_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
+        STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
+        CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
     ):
         """Operands as in `decode._decode_split_kernel`, except: klo, khi and vp are int32 views of
         the packed bytes (strides in words), and partials hold MAX_GQA = 8 rows."""
@@ -302,8 +394,6 @@ if gluon is not None:
             vp = vp_ptr + b.to(gl.int64) * stride_vpb + h * stride_vph
             vsc = vsc_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             vze = vze_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
-            pl = gl.arange(0, D // 2, layout=gl.SliceLayout(1, PAIRS_LO))  # channel pairs (2 pl, 2 pl + 1)
-            ph = gl.arange(0, NSC_P // 2, layout=gl.SliceLayout(1, PAIRS_HI))
             t_lo = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_LO))  # tokens of a half step
             t_hi = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_HI))
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
@@ -311,61 +401,80 @@ if gluon is not None:
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
             q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
                              other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
-            # Value words [NVG, WPG, 16] and scales [NVG, 16] of a step, as offsets from its first token.
             WL3: gl.constexpr = gl.SliceLayout(2, V4)
-            aw = gl.arange(0, NVG, layout=gl.SliceLayout(1, gl.SliceLayout(2, VW_LOAD)))
-            bw = gl.arange(0, WPG, layout=gl.SliceLayout(0, gl.SliceLayout(2, VW_LOAD)))
-            tw = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, VW_LOAD)))
-            w_off = (gl.expand_dims(gl.expand_dims(aw * WPG, 1), 2) + gl.expand_dims(gl.expand_dims(bw, 0), 2)
-                     + gl.expand_dims(gl.expand_dims(tw * NW, 0), 0))
-            as_ = gl.arange(0, NVG, layout=gl.SliceLayout(1, VS_LOAD))
-            ts = gl.arange(0, 16, layout=gl.SliceLayout(0, VS_LOAD))
-            s_off = gl.expand_dims(as_, 1) + gl.expand_dims(ts * NVG, 0)
             kv = gl.arange(0, CPW, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, V4))))
             shift4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(kv * BV, 1), 0), 0)
-            for g in range(g_start, g_end):
-                s_row = gl.load(ksc_ptr + ks_off + g * D + cols_a).to(gl.float32)
-                z_row = gl.load(kze_ptr + ks_off + g * D + cols_a).to(gl.float32)
-                q32 = q16.to(gl.float32)
-                u = gl.convert_layout((q32 * s_row[None, :]).to(gl.float16), A_OP)  # scale folded into the query
-                bias = gl.sum(q32 * z_row[None, :], axis=1)  # zero: u @ z
-                s_sal = gl.load(ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
-                u_hi = gl.convert_layout((q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16), A_OP)
-                lo_g = klo + g * (B_LOW * D * G32)
-                hi_g = khi + g * (NH * NSC * G32)
-                for wd in range(G32):  # one 32-bit word of every plane and channel: 32 tokens, two steps
-                    lw = _pair_words(lo_g + pl * (2 * G32) + wd, G32, D * G32, pl < D // 2, B_LOW)
-                    hw = _pair_words(hi_g + ph * (2 * G32) + wd, G32, NSC * G32, ph < NSC // 2, NH)
-                    # Both 16-token halves' scores first (four independent MMA chains), then one
-                    # online-softmax update for the 32 tokens.
-                    s0 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
-                                      B_OP)
-                    s1 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
-                                      B_OP)
-                    m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), axis=1))
-                    alpha = gl.exp2(m_i - m_new)
-                    p0 = gl.exp2(s0 - m_new[:, None])
-                    p1 = gl.exp2(s1 - m_new[:, None])
-                    l_i = l_i * alpha + gl.sum(p0 + p1, axis=1)
-                    # Rescale the accumulator only when a running max moved (rare after the first
-                    # tokens); alpha is 1 for every row otherwise.
-                    if gl.max(m_new - m_i, axis=0) > 0:
-                        acc = acc * _first_heads(alpha, HEADS)[None, :]
-                    m_i = m_new
-                    # Values of the same tokens, 16 at a time: codes [NVG, WPG, CPW, 16] -> V^T [D, 16].
-                    for half in gl.static_range(2):
-                        t0 = g * G + wd * 32 + half * 16
-                        words = gl.convert_layout(gl.load(vp + t0 * NW + w_off), WL3)
-                        v_s = gl.convert_layout(gl.load(vsc + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
-                        v_z = gl.convert_layout(gl.load(vze + t0 * NVG + s_off), gl.SliceLayout(1, WL3))
-                        codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1), magic)
-                        v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
-                        v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
-                        v = gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
-                        if half == 0:
-                            acc = mma_v2(v, _p_operand(p0, 16, B_OP), acc)
-                        else:
-                            acc = mma_v2(v, _p_operand(p1, 16, B_OP), acc)
+            # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
+            # copies STAGES - 1 steps ahead: the loads of a step are in flight while earlier steps
+            # compute, instead of stalling the warp that needs them (and no registers hold them).
+            # Every buffer is [slots x rows, row], indexed by one row number: a row is one copy.
+            buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PL_P, D // 2], SMEM1)  # (parity, plane)
+            buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PH_P, NSC_P // 2], SMEM1)
+            buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [token, word]
+            buf_sc = gl.allocate_shared_memory(gl.float16, [STAGES * 2, 16 * NVG], SMEM1)  # [token, value group]
+            buf_ze = gl.allocate_shared_memory(gl.float16, [STAGES * 2, 16 * NVG], SMEM1)
+            buf_ks = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], SMEM1)  # key scale row, zero row
+            # Element offsets of one row's copy, from the step's first word / token / row.
+            off_lo = gl.arange(0, D // 2, layout=CP_LO) * (2 * G32)  # even channel of each pair
+            off_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) * (2 * G32)
+            m_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) < NSC // 2
+            off_v = gl.arange(0, 16 * NW, layout=CP_V)  # a half step's value words and scales are contiguous
+            off_s = gl.arange(0, 16 * NVG, layout=CP_S)
+            off_k = gl.arange(0, D, layout=CP_K)
+            w_start = g_start * G32
+            w_end = g_end * G32
+            for i in gl.static_range(STAGES - 1):
+                _issue_step(w_start + i, w_start + i < w_end, i, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                            klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
+                            off_lo, off_hi, m_hi, off_v, off_s, off_k,
+                            G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+            u = gl.zeros([16, D], gl.float16, layout=A_OP)
+            u_hi = gl.zeros([16, NSC_P], gl.float16, layout=A_OP)
+            bias = gl.zeros([16], gl.float32, layout=ROW)
+            for w in range(w_start, w_end):  # word steps: 32 tokens each, G32 per group
+                stage = (w - w_start) % STAGES
+                async_copy.wait_group(STAGES - 2)  # this step's copies have landed ...
+                _thread_barrier()  # ... for every lane, and every lane is done with the step before
+                nxt = w + STAGES - 1
+                _issue_step(nxt, nxt < w_end, (nxt - w_start) % STAGES, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                            klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
+                            off_lo, off_hi, m_hi, off_v, off_s, off_k,
+                            G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                g = w // G32
+                if w % G32 == 0:  # a new group: its scales fold into the query, its zeros into a bias
+                    s_row = buf_ks.index(stage * 2).load(gl.SliceLayout(0, MMA)).to(gl.float32)
+                    z_row = buf_ks.index(stage * 2 + 1).load(gl.SliceLayout(0, MMA)).to(gl.float32)
+                    q32 = q16.to(gl.float32)
+                    u = gl.convert_layout((q32 * s_row[None, :]).to(gl.float16), A_OP)
+                    bias = gl.sum(q32 * z_row[None, :], axis=1)  # zero: u @ z
+                    # A gather the copies cannot do (2-byte elements); the row was just copied, so it hits cache.
+                    s_sal = gl.load(ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
+                    u_hi = gl.convert_layout((q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16), A_OP)
+                lw = _smem_pair_words(buf_lo, stage * 2 * PL_P, B_LOW, PL_P, gl.SliceLayout(1, PAIRS_LO))
+                hw = _smem_pair_words(buf_hi, stage * 2 * PH_P, NH, PH_P, gl.SliceLayout(1, PAIRS_HI))
+                # Both 16-token halves' scores first (four independent MMA chains), then one
+                # online-softmax update for the 32 tokens.
+                s0 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, B_OP)
+                s1 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, B_OP)
+                m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), axis=1))
+                alpha = gl.exp2(m_i - m_new)
+                p0 = gl.exp2(s0 - m_new[:, None])
+                p1 = gl.exp2(s1 - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p0 + p1, axis=1)
+                # Rescale the accumulator only when a running max moved (rare after the first
+                # tokens); alpha is 1 for every row otherwise.
+                if gl.max(m_new - m_i, axis=0) > 0:
+                    acc = acc * _first_heads(alpha, HEADS)[None, :]
+                m_i = m_new
+                # Values of the same tokens, 16 at a time.
+                acc = mma_v2(_value_operand(buf_v.index(stage * 2), buf_sc.index(stage * 2), buf_ze.index(stage * 2),
+                                            shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD, VS_LOAD, A_OP),
+                             _p_operand(p0, 16, B_OP), acc)
+                acc = mma_v2(_value_operand(buf_v.index(stage * 2 + 1), buf_sc.index(stage * 2 + 1),
+                                            buf_ze.index(stage * 2 + 1), shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD,
+                                            VS_LOAD, A_OP),
+                             _p_operand(p1, 16, B_OP), acc)
+            async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         else:
             u0 = gl.convert_layout(q16, A_OP)
             t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
@@ -430,12 +539,27 @@ class SplitLaunch:
 UNCAPPED_REGISTERS = 255
 
 
-def resident_programs(device: torch.device, max_registers: int | None) -> int:
-    """One-warp programs of this kernel that fit on the GPU at once (registers are the limit)."""
+SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
+
+
+def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
+    """Shared memory of one program: its ring of STAGES word steps (see the kernel's buffers)."""
+    nsc_p = next_pow2(max(n_salient, 16))
+    key_words = next_pow2(b_low) * d  # (parity, plane) rows; the high planes' only where used
+    if b_high > b_low and n_salient:
+        key_words += next_pow2(b_high - b_low) * nsc_p
+    words = key_words + d * value_bits  # + 32 tokens of value words
+    halves = 2 * 32 * (d // value_group) + 2 * d  # value scales and zeros, key scale and zero rows
+    return STAGES * (4 * words + 2 * halves)
+
+
+def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int) -> int:
+    """One-warp programs of this kernel that fit on the GPU at once: registers, shared memory and
+    the 32-block limit of an SM decide."""
     from kernels.decode import _sm_count
 
     regs = -(-(max_registers or UNCAPPED_REGISTERS) // 8) * 8  # allocated in units of 8 per thread
-    per_sm = min(32, 65536 // (32 * regs))  # 64K registers and at most 32 resident blocks per SM
+    per_sm = max(1, min(32, 65536 // (32 * regs), SHARED_PER_SM // max(shared_bytes, 1)))
     return per_sm * (_sm_count(device.index or 0) if device.type == "cuda" else 1)
 
 
@@ -479,7 +603,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     n_sc = cache.n_salient_channels
     ng_cap = cache.k_low.shape[2]
     if num_splits is None and programs_per_sm is None and ng_cap:
-        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers))
+        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size)
+        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
@@ -493,6 +618,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     constexprs = dict(
         HKV=hkv, GQ=hq // hkv, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
         NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), BV=cache.value_bits, GV=cache.value_group_size, BLOCK_R=32,
+        STAGES=STAGES, PL_P=next_pow2(cache.b_low), PH_P=next_pow2(max(cache.b_high - cache.b_low, 1)),
     )
     return SplitLaunch((bsz * hkv, n_parts), args, constexprs, pm, pl, pa)
 
@@ -519,9 +645,7 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
     launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers)
     lay = _layouts(q.shape[-1], cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
     _mma_split_kernel[launch.grid](
-        *launch.args, **launch.constexprs,
-        MMA=lay.mma, A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
-        PAIRS_LO=lay.pairs_lo, PAIRS_HI=lay.pairs_hi, num_warps=1,
+        *launch.args, **launch.constexprs, **lay.constexprs(), num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
     return combine(launch, out)
@@ -543,9 +667,8 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     nsc_p = next_pow2(max(n_salient, 16))
     lay = _layouts(d, value_bits, value_group, nsc_p)
     const = dict(HKV=8, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
-                 NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, MMA=lay.mma,
-                 A_OP=lay.a_op, B_OP=lay.b_op, V4=lay.v4, VW_LOAD=lay.words_load, VS_LOAD=lay.scales_load,
-                 PAIRS_LO=lay.pairs_lo, PAIRS_HI=lay.pairs_hi)
+                 NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, STAGES=STAGES, PL_P=next_pow2(b_low),
+                 PH_P=next_pow2(max(b_high - b_low, 1)), **lay.constexprs())
     words = {"klo_ptr", "khi_ptr", "vp_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr", "res_len_ptr"}
     halves = {"ksc_ptr", "kze_ptr", "vsc_ptr", "vze_ptr"}
 

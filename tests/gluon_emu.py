@@ -43,6 +43,45 @@ def pointer(t: torch.Tensor) -> Ptr:
     return Ptr(torch.as_strided(t, (n,), (1,)), torch.tensor(0, dtype=torch.int64))
 
 
+class Smem:
+    """A shared-memory descriptor: a torch view (index, reshape and permute give views of it)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def index(self, i: Any) -> Smem:
+        return Smem(self.t[int(i)])
+
+    def reshape(self, shape: list[int]) -> Smem:
+        return Smem(self.t.view(shape))
+
+    def permute(self, order: list[int]) -> Smem:
+        return Smem(self.t.permute(*order))
+
+    def load(self, layout: Any) -> torch.Tensor:
+        return self.t.clone()
+
+
+class FakeAsyncCopy:
+    """`async_copy` of the kernel: the copy happens at once, so waits and commits are no-ops; a
+    masked-off element is left as it was (as on the GPU, where it is not written)."""
+
+    @staticmethod
+    def async_copy_global_to_shared(smem: Smem, ptr: Ptr, mask: Any = None) -> None:
+        off = _tensor(ptr.off)
+        keep = torch.ones_like(off, dtype=torch.bool) if mask is None else torch.broadcast_to(_tensor(mask), off.shape)
+        if keep.any():
+            smem.t[keep] = ptr.flat[off[keep]].to(smem.t.dtype)
+
+    @staticmethod
+    def commit_group() -> None:
+        pass
+
+    @staticmethod
+    def wait_group(n: int = 0) -> None:
+        pass
+
+
 def _tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.tensor(x)
 
@@ -61,6 +100,14 @@ class FakeGluon:
         return None
 
     SliceLayout = DotOperandLayout = NVMMADistributedLayout = DistributedLinearLayout = _layout
+
+    @staticmethod
+    def allocate_shared_memory(dtype: torch.dtype, shape: list[int], layout: Any) -> Smem:
+        """Filled with garbage (NaN floats, random ints), so that reading a slot no copy wrote fails."""
+        if dtype.is_floating_point:
+            return Smem(torch.full(shape, float("nan"), dtype=dtype))
+        return Smem(torch.randint(-2**31, 2**31 - 1, shape, dtype=dtype))
+
 
     def program_id(self, axis: int) -> torch.Tensor:
         return torch.tensor(self.pid[axis], dtype=torch.int32)
@@ -155,13 +202,15 @@ def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
     env_replaced = {"_codes_f16": _codes_f16, "_halves_f16": _halves_f16}
-    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, **env_replaced)
+    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
+               _async_load=FakeAsyncCopy.async_copy_global_to_shared,
+               **env_replaced)
     for name, obj in module.__dict__.items():  # the kernel's jit helpers, run on this namespace
         if name.startswith("_") and name not in env_replaced and hasattr(obj, "fn") and name != "_mma_split_kernel":
             env[name] = types.FunctionType(obj.fn.__code__, env, name)
     kernel = types.FunctionType(module._mma_split_kernel.fn.__code__, env, "_mma_split_kernel")
     args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
-    layouts = {k: None for k in ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI")}
+    layouts = {k: None for k in module.LAYOUT_ARGS}
     for bh in range(launch.grid[0]):
         for split in range(launch.grid[1]):
             gl.pid = (bh, split)

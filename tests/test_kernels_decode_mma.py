@@ -95,7 +95,7 @@ COMPILED = [
 ]
 
 
-def test_kernel_compiles_for_sm90_without_shared_memory():
+def test_kernel_compiles_for_sm90_with_its_shared_ring():
     # A fresh interpreter: TRITON_INTERPRET (set for the tests above) replaces the language's own
     # functions, which a real compile must not see.
     code = (
@@ -104,14 +104,16 @@ def test_kernel_compiles_for_sm90_without_shared_memory():
         "for config in json.loads(sys.argv[1]):\n"
         "    k = compile_offline(*config)\n"
         "    ptx = k.asm['ptx']\n"
-        "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, '.shared' in ptx]))\n"
+        "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(COMPILED)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert rows == [[0, True, False]] * len(COMPILED), (rows, done.stderr[-2000:])
+    # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
+    want = [[decode_mma.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6]), True, True] for c in COMPILED]
+    assert rows == want, (rows, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("n_bh,ng_cap,resident,want", [
