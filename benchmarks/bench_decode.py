@@ -70,7 +70,8 @@ MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mm
 
 
 def parse_variant(text: str) -> tuple:
-    """'64,2,1,none' (Triton: block_t, warps, stages, register cap) or 'mma,16,none' (Gluon)."""
+    """'64,2,1,none' (Triton: block_t, warps, stages, register cap) or 'mma,16,none[,3]' (Gluon:
+    programs per SM, register cap, ring slots)."""
     fields = [None if x == "none" else x for x in text.split(",")]
     if fields[0] == "mma":
         return ("mma",) + tuple(None if x is None else int(x) for x in fields[1:])
@@ -85,7 +86,9 @@ def variant_kwargs(variant: tuple) -> dict:
 def attend(variant: tuple, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
     """One decode attention with a Triton launch variant or a Gluon ("mma", ...) variant."""
     if variant[0] == "mma":
-        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out)
+        stages = {"stages": variant[3]} if len(variant) > 3 and variant[3] else {}
+        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out,
+                                    **stages)
     return decode_attention(q, cache, scale, out=out, **variant_kwargs(variant))
 
 

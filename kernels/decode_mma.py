@@ -542,15 +542,16 @@ UNCAPPED_REGISTERS = 255
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
 
 
-def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
-    """Shared memory of one program: its ring of STAGES word steps (see the kernel's buffers)."""
+def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
+               stages: int = STAGES) -> int:
+    """Shared memory of one program: its ring of `stages` word steps (see the kernel's buffers)."""
     nsc_p = next_pow2(max(n_salient, 16))
     key_words = next_pow2(b_low) * d  # (parity, plane) rows; the high planes' only where used
     if b_high > b_low and n_salient:
         key_words += next_pow2(b_high - b_low) * nsc_p
     words = key_words + d * value_bits  # + 32 tokens of value words
     halves = 2 * 32 * (d // value_group) + 2 * d  # value scales and zeros, key scale and zero rows
-    return STAGES * (4 * words + 2 * halves)
+    return stages * (4 * words + 2 * halves)
 
 
 def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int) -> int:
@@ -588,13 +589,17 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
 
 
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
-                 programs_per_sm: int | None = None, max_registers: int | None = None) -> SplitLaunch:
+                 programs_per_sm: int | None = None, max_registers: int | None = None,
+                 stages: int = STAGES) -> SplitLaunch:
     """The split kernel's grid, arguments and compile-time constants.
 
     Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
     (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
-    `max_registers`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i) split i.
+    `max_registers` and `stages`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i)
+    split i.
     """
+    if stages < 2:
+        raise ValueError(f"stages={stages}: the shared-memory ring needs at least 2 slots")
     from kernels.decode import cache_operands, check_operands, split_plan
 
     check_operands(q, cache)
@@ -603,7 +608,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     n_sc = cache.n_salient_channels
     ng_cap = cache.k_low.shape[2]
     if num_splits is None and programs_per_sm is None and ng_cap:
-        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size)
+        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size, stages)
         num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
@@ -618,7 +623,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     constexprs = dict(
         HKV=hkv, GQ=hq // hkv, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
         NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), BV=cache.value_bits, GV=cache.value_group_size, BLOCK_R=32,
-        STAGES=STAGES, PL_P=next_pow2(cache.b_low), PH_P=next_pow2(max(cache.b_high - cache.b_low, 1)),
+        STAGES=stages, PL_P=next_pow2(cache.b_low), PH_P=next_pow2(max(cache.b_high - cache.b_low, 1)),
     )
     return SplitLaunch((bsz * hkv, n_parts), args, constexprs, pm, pl, pa)
 
@@ -632,17 +637,18 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
                          programs_per_sm: int | None = None, max_registers: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, stages: int = STAGES) -> torch.Tensor:
     """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
 
     num_splits, programs_per_sm: splits of the packed region per (b, h_kv), as `split_launch`
     (by default balanced over whole waves). max_registers caps registers per thread (ptxas
-    maxnreg; uncapped the kernel takes about 240, which allows 8 warps per SM).
+    maxnreg; uncapped the kernel takes about 240, which allows 8 warps per SM). stages: slots of
+    the shared-memory ring (copies run stages - 1 word steps ahead).
     """
     from kernels.decode import output_for
 
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers)
+    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers, stages)
     lay = _layouts(q.shape[-1], cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
     _mma_split_kernel[launch.grid](
         *launch.args, **launch.constexprs, **lay.constexprs(), num_warps=1,
