@@ -64,9 +64,10 @@ VARIANTS = [
 
 
 # Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM or None for
-# splits that fill whole waves (the default), register cap). Uncapped it takes about 240 registers
-# (8 warps per SM); 168 allows 12 with no spill in the inner loop.
-MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mma", 32, 168)]
+# splits that fill whole waves, register cap, shared-memory ring slots or None for 3); the first is the
+# launcher's default. Uncapped it takes about 232 registers (8 warps per SM); 168 allows 12 with no
+# spill in the inner loop but was 5-10% slower; 2, 4 and 6 slots timed like 3 (within 1%, 2026-11-30).
+MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mma", None, None, 2)]
 
 
 def parse_variant(text: str) -> tuple:

@@ -9,11 +9,13 @@ only when the Triton path is taken, so `pnmix` imports and runs without a Triton
 
 Which fused decode kernel the Triton path runs:
 
-    PNMIX_DECODE_KERNEL=triton  (default) `kernels/decode.py`, tested in CI under the interpreter
-    PNMIX_DECODE_KERNEL=mma     `kernels/decode_mma.py` (Gluon, dequantization in tensor-core operand
-                                registers) on CUDA where its limits admit the shape, else the default.
-                                Opt-in: CI checks its source through a CPU emulator and an offline
-                                sm_90 compile, but it has not yet run on a GPU (benchmarks/RESULTS.md).
+    PNMIX_DECODE_KERNEL=auto    (default) `kernels/decode_mma.py` (Gluon: dequantization in the
+                                tensor cores' operand registers, loads through a cp.async ring) on
+                                CUDA where its limits admit the shape, else `kernels/decode.py`.
+                                On an H200 the Gluon kernel is 2.0-2.3x faster than the Triton one
+                                and 1.1-1.2x faster than bf16 SDPA (benchmarks/RESULTS.md, Kernels).
+    PNMIX_DECODE_KERNEL=triton  always `kernels/decode.py` (Triton; what CI runs under the interpreter)
+    PNMIX_DECODE_KERNEL=mma     always the Gluon kernel; a shape or device it cannot run is an error
 
 This module also holds the torch reference of the fused decode kernel, `decode_reference`:
 dequantize the stored bytes with `pnmix.packing`, then attend in fp32. Tests and the benchmark
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from kernels.layout import DecodeCache
 
 BACKENDS = ("auto", "torch", "triton")
-DECODE_KERNELS = ("triton", "mma")
+DECODE_KERNELS = ("auto", "triton", "mma")
 _override: str | None = None
 
 
@@ -200,7 +202,7 @@ def layer_decode_cache(layer: Any) -> DecodeCache:
 
 
 def decode_kernel_name() -> str:
-    name = os.environ.get("PNMIX_DECODE_KERNEL", "triton")
+    name = os.environ.get("PNMIX_DECODE_KERNEL", "auto")
     if name not in DECODE_KERNELS:
         raise ValueError(f"invalid PNMIX_DECODE_KERNEL={name!r}: allowed one of {', '.join(DECODE_KERNELS)}")
     return name
@@ -208,11 +210,16 @@ def decode_kernel_name() -> str:
 
 def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float) -> torch.Tensor:
     """The fused decode kernel that PNMIX_DECODE_KERNEL picks: query [B, H_q, d] -> [B, H_q, d]."""
-    if decode_kernel_name() == "mma":
+    name = decode_kernel_name()
+    if name != "triton":
         from kernels import decode_mma
 
         if decode_mma.supports(cache, query):
             return decode_mma.decode_attention_mma(query, cache, scaling)
+        if name == "mma":
+            raise ValueError("PNMIX_DECODE_KERNEL=mma: the Gluon decode kernel cannot run here (it needs CUDA with "
+                             "compute capability >= 8.0, Triton with Gluon, G a multiple of 32, at most 8 query "
+                             "heads per KV head); allowed: auto, which falls back to the Triton kernel")
     from kernels.decode import decode_attention
 
     return decode_attention(query, cache, scaling)

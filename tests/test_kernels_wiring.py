@@ -111,17 +111,19 @@ def test_kernel_path_without_a_view_still_attends_several_tokens(forced):
 
 
 def test_decode_kernel_switch(monkeypatch):
-    """PNMIX_DECODE_KERNEL picks the fused kernel; 'mma' falls back to the Triton kernel where the
-    Gluon one cannot run (here: no CUDA), with the same output."""
+    """PNMIX_DECODE_KERNEL picks the fused kernel: 'auto' (the default) falls back to the Triton
+    kernel where the Gluon one cannot run (here: no CUDA), with the same output; 'mma' insists."""
     from test_kernels_decode import Case, build, fresh_generator
 
     q, cache = build(Case(), fresh_generator())
+    monkeypatch.setenv("PNMIX_DECODE_KERNEL", "triton")
+    forced = backend.fused_decode(q, cache, 0.125)
     monkeypatch.delenv("PNMIX_DECODE_KERNEL", raising=False)
-    assert backend.decode_kernel_name() == "triton"
-    default = backend.fused_decode(q, cache, 0.125)
+    assert backend.decode_kernel_name() == "auto"
+    assert torch.equal(backend.fused_decode(q, cache, 0.125), forced)
     monkeypatch.setenv("PNMIX_DECODE_KERNEL", "mma")
-    assert backend.decode_kernel_name() == "mma"
-    assert torch.equal(backend.fused_decode(q, cache, 0.125), default)
+    with pytest.raises(ValueError, match="PNMIX_DECODE_KERNEL=mma: the Gluon decode kernel cannot run here"):
+        backend.fused_decode(q, cache, 0.125)
     monkeypatch.setenv("PNMIX_DECODE_KERNEL", "gluon")
-    with pytest.raises(ValueError, match="invalid PNMIX_DECODE_KERNEL='gluon': allowed one of triton, mma"):
+    with pytest.raises(ValueError, match="invalid PNMIX_DECODE_KERNEL='gluon': allowed one of auto, triton, mma"):
         backend.fused_decode(q, cache, 0.125)
