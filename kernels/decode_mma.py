@@ -16,16 +16,21 @@ thread whose `mma.sync` fragment holds it:
   the salient channels' high planes a second one with U[:, salient] * 2^b_low, since
   code = low + 2^b_low * high. No channel reordering, no gather of packed bytes.
 - values, A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h]: a thread holds token pairs of one
-  channel. It loads the 32-bit words of its tokens' rows (32 // b_V channels each, one wide load
-  per token) and shifts out its channels; scale and zero are applied in fp16 in the same registers.
+  channel. It reads the 32-bit words of its tokens' rows (32 // b_V channels each) and shifts out
+  its channels; scale and zero are applied in fp16 in the same registers.
   Transposed so that the accumulator is [d, 8] (half the registers of [16, d]) and P^T needs no
   data movement: the score accumulator's thread mapping is already P^T's B operand (asserted).
 - The accumulator is rescaled only when a running max moved.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
-and keeps its own online softmax, so no shared memory and no barrier is used at all. Split 0
-handles the sinks and the residual (fp16 MMA on the raw tokens); the splits of the packed region
-are sized so that their programs fill whole waves of the GPU (`wave_splits`). Partials go to
+and keeps its own online softmax. It walks its slice in steps of 32 tokens (one word of every bit
+plane). The bytes of a step (plane words, value words, value scales and zeros, and at a group's
+first step the key scale and zero rows) reach a ring of STAGES slots in shared memory by
+asynchronous copies (cp.async) issued STAGES - 1 steps ahead, so the warp never waits on global
+memory; the codes are read from there straight into operand registers. Without the ring the
+kernel was 1.3x slower (each step stalled on its own loads; RESULTS.md). Split 0 handles the sinks
+and the residual (fp16 MMA on the raw tokens); the splits of the packed region are sized so that
+their programs fill whole waves of the GPU (`wave_splits`). Partials go to
 `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
