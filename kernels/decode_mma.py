@@ -583,14 +583,14 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
     most of it: at 32 x 8K tokens, 17 splits (4.1 waves of 4 groups) take 5 waves where 4 splits
     (one wave of 16 groups) take one. Ties go to fewer splits: fewer partials to write and merge.
     """
-    best = (None, 1)
+    best_cost, best = float("inf"), 1
     for splits in range(1, ng_cap + 1):
         per = -(-ng_cap // splits)
         splits = -(-ng_cap // per)  # the same plan with no empty split
         cost = -(-(n_bh * splits) // resident) * (per + PROGRAM_OVERHEAD)
-        if best[0] is None or cost < best[0]:
-            best = (cost, splits)
-    return best[1]
+        if cost < best_cost:
+            best_cost, best = cost, splits
+    return best
 
 
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
