@@ -103,6 +103,11 @@ class _Layouts:
     v4: Any  # the values' A operand [d, 16] viewed as [value groups, words per group, codes per word, 16]
     words_load: Any  # [value groups, words per group, 16], word bits in the fastest registers (wide loads)
     scales_load: Any  # [value groups, 16], group bits fastest
+    # b_V <= 2 (a word's two 16-bit halves are in one thread): token pairs. v5p views the A operand
+    # as int32 pairs [value groups, words, word half, codes per half, 8 token pairs]; words_pairs
+    # is the load layout [groups, words, 8, 2] of the words of each token pair (even token first).
+    v5p: Any
+    words_pairs: Any
     pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
     # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
@@ -116,13 +121,15 @@ class _Layouts:
 
     def constexprs(self) -> dict:
         """The kernel's layout arguments."""
-        return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V4=self.v4, VW_LOAD=self.words_load,
+        return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V4=self.v4, V5P=self.v5p,
+                    VWP_LOAD=self.words_pairs, VW_LOAD=self.words_load,
                     VS_LOAD=self.scales_load, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
                     CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
                     CP_S=self.cp_s, CP_K=self.cp_k)
 
 
-LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V4", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI", "SMEM1", "CP_LO", "CP_HI",
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V4", "V5P", "VWP_LOAD", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI", "SMEM1",
+               "CP_LO", "CP_HI",
                "CP_V", "CP_S", "CP_K")
 
 
@@ -177,8 +184,23 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     def flat(vec: int) -> Any:
         return gl.BlockedLayout([vec], [32], [1], [0])
 
+    # Token pairs: drop the t+1 register basis (it becomes the two fp16 halves of an int32) and halve
+    # the token coordinate; split the code index k into (word half, k within the half).
+    half = shape4[2] // 2
+
+    def pair5(b: list[int]) -> list[int]:
+        return [b[0], b[1], b[2] // half, b[2] % half, b[3] // 2]
+
+    p_regs = [pair5(b) for b in regs4 if b != [0, 0, 0, 1]]
+    p_lanes = [pair5(b) for b in lanes4]
+    shape5 = [shape4[0], shape4[1], 2, half, 8]
+    # The words of a token pair: drop the code dims (registers vanish, lanes broadcast), add the pair
+    # member as the first register basis.
+    wp_regs = [[0, 0, 0, 1]] + [[b[0], b[1], b[4], 0] for b in p_regs if b[2] == b[3] == 0]
+    wp_lanes = [[b[0], b[1], b[4], 0] if b[2] == b[3] == 0 else [0, 0, 0, 0] for b in p_lanes]
     return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4),
                     layout(w_regs, w_lanes, [shape4[0], shape4[1], 16]), layout(s_regs, s_lanes, [shape4[0], 16]),
+                    layout(p_regs, p_lanes, shape5), layout(wp_regs, wp_lanes, [shape4[0], shape4[1], 8, 2]),
                     pairs(d), pairs(n_sc_p), gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
                     flat(1), flat(1), flat(4), flat(8), flat(8))
 
@@ -315,14 +337,35 @@ if gluon is not None:
     @gluon.jit
     def _value_operand(words, v_s, v_z, shift4, magic, BV: gl.constexpr, D: gl.constexpr, NVG: gl.constexpr,
                        WPG: gl.constexpr, WL3: gl.constexpr, VW_LOAD: gl.constexpr, VS_LOAD: gl.constexpr,
-                       A_OP: gl.constexpr):
+                       A_OP: gl.constexpr, V4: gl.constexpr, V5P: gl.constexpr, VWP_LOAD: gl.constexpr):
         """V^T [D, 16] fp16 (A operand) of 16 tokens from their rows in shared memory: words
         [16 tokens x NW], scales and zeros [16 tokens x NVG] (flat) -> codes [NVG, WPG, CPW, 16]
         * scale + zero."""
-        words = gl.convert_layout(words.reshape([16, NVG, WPG]).permute([1, 2, 0]).load(VW_LOAD), WL3)
         v_s = gl.convert_layout(v_s.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
         v_z = gl.convert_layout(v_z.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
-        codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1), magic)
+        if BV <= 2:
+            # A register of the operand holds one channel of tokens t and t + 1, and with b_V <= 2 a
+            # word's two 16-bit halves sit in one thread: put the same half of both tokens' words
+            # side by side once per word pair, then one shift and one mask make both codes at once
+            # (as for the keys), instead of a shift, a mask and a pack per code.
+            CPH: gl.constexpr = 16 // BV  # codes per 16-bit half of a word
+            pw = words.reshape([8, 2, NVG, WPG]).permute([2, 3, 0, 1]).load(VWP_LOAD)
+            we, wo = gl.split(pw)  # [NVG, WPG, 8 token pairs]: even and odd tokens' words
+            M3: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V5P))
+            we = gl.convert_layout(we, M3)
+            wo = gl.convert_layout(wo, M3)
+            lo = (we & 0xFFFF) | (wo << 16)
+            hi = ((we >> 16) & 0xFFFF) | (wo & -65536)
+            merged = gl.convert_layout(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), gl.SliceLayout(3, V5P))
+            J1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, V5P))))
+            j = gl.arange(0, CPH, layout=J1)
+            shift5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j * BV, 0), 0), 0), 4)
+            pairs = ((gl.expand_dims(merged, 3) >> shift5) & (((1 << BV) - 1) * 0x10001)) | magic
+            codes = gl.reshape(_halves_f16(gl.reshape(pairs, [NVG, WPG, 2 * CPH, 8])), [NVG, WPG, 2 * CPH, 16])
+            codes = gl.convert_layout(codes, V4) - 1024.0
+        else:
+            words = gl.convert_layout(words.reshape([16, NVG, WPG]).permute([1, 2, 0]).load(VW_LOAD), WL3)
+            codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1), magic)
         v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
         v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
         return gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
@@ -357,7 +400,8 @@ if gluon is not None:
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
-        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V4: gl.constexpr, VW_LOAD: gl.constexpr,
+        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V4: gl.constexpr, V5P: gl.constexpr,
+        VWP_LOAD: gl.constexpr, VW_LOAD: gl.constexpr,
         VS_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
         STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
         CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
@@ -473,11 +517,12 @@ if gluon is not None:
                 m_i = m_new
                 # Values of the same tokens, 16 at a time.
                 acc = mma_v2(_value_operand(buf_v.index(stage * 2), buf_sc.index(stage * 2), buf_ze.index(stage * 2),
-                                            shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD, VS_LOAD, A_OP),
+                                            shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD, VS_LOAD, A_OP, V4, V5P,
+                                            VWP_LOAD),
                              _p_operand(p0, 16, B_OP), acc)
                 acc = mma_v2(_value_operand(buf_v.index(stage * 2 + 1), buf_sc.index(stage * 2 + 1),
                                             buf_ze.index(stage * 2 + 1), shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD,
-                                            VS_LOAD, A_OP),
+                                            VS_LOAD, A_OP, V4, V5P, VWP_LOAD),
                              _p_operand(p1, 16, B_OP), acc)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         else:

@@ -180,6 +180,10 @@ class FakeGluon:
     def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x[..., 0], x[..., 1]
 
+    @staticmethod
+    def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.stack([a, b], dim=-1)
+
     exp2 = staticmethod(torch.exp2)
     where = staticmethod(torch.where)
     static_range = staticmethod(range)
