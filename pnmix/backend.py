@@ -218,8 +218,9 @@ def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float) -> tor
             return decode_mma.decode_attention_mma(query, cache, scaling)
         if name == "mma":
             raise ValueError("PNMIX_DECODE_KERNEL=mma: the Gluon decode kernel cannot run here (it needs CUDA with "
-                             "compute capability >= 8.0, Triton with Gluon, G a multiple of 32, at most 8 query "
-                             "heads per KV head); allowed: auto, which falls back to the Triton kernel")
+                             "compute capability >= 8.0, Triton with Gluon, G a multiple of 32, head dim a multiple "
+                             "of 16, at most 8 query heads per KV head, value groups of >= 32 bits); allowed: auto, "
+                             "which falls back to the Triton kernel")
     from kernels.decode import decode_attention
 
     return decode_attention(query, cache, scaling)
