@@ -266,15 +266,6 @@ if gluon is not None:
         return scores
 
     @gluon.jit
-    def _idx3(N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, L: gl.constexpr):
-        """Index tensors [N0, 1, 1], [1, N1, 1], [1, 1, N2] of a 3-d layout L."""
-        i0 = gl.arange(0, N0, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
-        i1 = gl.arange(0, N1, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
-        i2 = gl.arange(0, N2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
-        return (gl.expand_dims(gl.expand_dims(i0, 1), 2), gl.expand_dims(gl.expand_dims(i1, 0), 2),
-                gl.expand_dims(gl.expand_dims(i2, 0), 1))
-
-    @gluon.jit
     def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
                     kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr, B_LOW: gl.constexpr,
                     D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
@@ -335,12 +326,16 @@ if gluon is not None:
         return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
-    def _value_operand(words, v_s, v_z, shift4, magic, BV: gl.constexpr, D: gl.constexpr, NVG: gl.constexpr,
-                       WPG: gl.constexpr, WL3: gl.constexpr, VW_LOAD: gl.constexpr, VS_LOAD: gl.constexpr,
-                       A_OP: gl.constexpr, V4: gl.constexpr, V5P: gl.constexpr, VWP_LOAD: gl.constexpr):
-        """V^T [D, 16] fp16 (A operand) of 16 tokens from their rows in shared memory: words
+    def _value_operand(buf_v, buf_sc, buf_ze, row, shift4, magic, BV: gl.constexpr, D: gl.constexpr,
+                       NVG: gl.constexpr, WPG: gl.constexpr, WL3: gl.constexpr, VW_LOAD: gl.constexpr,
+                       VS_LOAD: gl.constexpr, A_OP: gl.constexpr, V4: gl.constexpr, V5P: gl.constexpr,
+                       VWP_LOAD: gl.constexpr):
+        """V^T [D, 16] fp16 (A operand) of 16 tokens from row `row` of the ring's buffers: words
         [16 tokens x NW], scales and zeros [16 tokens x NVG] (flat) -> codes [NVG, WPG, CPW, 16]
         * scale + zero."""
+        words = buf_v.index(row)
+        v_s = buf_sc.index(row)
+        v_z = buf_ze.index(row)
         v_s = gl.convert_layout(v_s.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
         v_z = gl.convert_layout(v_z.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
         if BV <= 2:
@@ -516,13 +511,11 @@ if gluon is not None:
                     acc = acc * _first_heads(alpha, HEADS)[None, :]
                 m_i = m_new
                 # Values of the same tokens, 16 at a time.
-                acc = mma_v2(_value_operand(buf_v.index(stage * 2), buf_sc.index(stage * 2), buf_ze.index(stage * 2),
-                                            shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD, VS_LOAD, A_OP, V4, V5P,
-                                            VWP_LOAD),
+                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2, shift4, magic, BV, D, NVG, WPG, WL3,
+                                            VW_LOAD, VS_LOAD, A_OP, V4, V5P, VWP_LOAD),
                              _p_operand(p0, 16, B_OP), acc)
-                acc = mma_v2(_value_operand(buf_v.index(stage * 2 + 1), buf_sc.index(stage * 2 + 1),
-                                            buf_ze.index(stage * 2 + 1), shift4, magic, BV, D, NVG, WPG, WL3, VW_LOAD,
-                                            VS_LOAD, A_OP, V4, V5P, VWP_LOAD),
+                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2 + 1, shift4, magic, BV, D, NVG, WPG,
+                                            WL3, VW_LOAD, VS_LOAD, A_OP, V4, V5P, VWP_LOAD),
                              _p_operand(p1, 16, B_OP), acc)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         else:
