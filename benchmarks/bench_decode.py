@@ -189,17 +189,23 @@ def check_pack(k: torch.Tensor, v: torch.Tensor, sal: torch.Tensor) -> bool:
     return ok and all(torch.equal(getattr(ref_v, f), getattr(out_v, f)) for f in ("packed", "scale", "zero"))
 
 
+def poisoned_rel_err(run, q: torch.Tensor, ref: torch.Tensor) -> float:
+    """`run(out=...)` into an output poisoned with NaN; its relative error against `ref`, or inf if
+    an element is left unwritten or is not finite."""
+    out = torch.full_like(q, float("nan"))
+    run(out=out)
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out.float() - ref).norm() / ref.norm())
+
+
 def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, variant: tuple) -> float:
     """Relative error of the kernel against the fp32 reference on up to 4 sequences."""
     n = min(4, q.shape[0])
     sub = DecodeCache(*(getattr(cache, f)[:n] if isinstance(getattr(cache, f), torch.Tensor) else getattr(cache, f)
                         for f in cache.__dataclass_fields__))
-    out = torch.full_like(q[:n], float("nan"))  # poisoned: an unwritten element fails the check
-    attend(variant, q[:n], sub, scale, out=out)
-    ref = decode_reference(q[:n], sub, scale)
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out.float() - ref).norm() / ref.norm())
+    return poisoned_rel_err(functools.partial(attend, variant, q[:n], sub, scale), q[:n],
+                            decode_reference(q[:n], sub, scale))
 
 
 # Small configs that between them use every code-expansion path of the kernel on the GPU:
@@ -237,18 +243,14 @@ def sweep_correctness(gen: torch.Generator, fh) -> list[dict]:
         ref = decode_reference(q, cache, d**-0.5)
         row = {"config": [b_low, b_high, g, ratio, vbits, vgroup, d, gqa]}
         for fast in (True, False):
-            out = torch.full_like(q, float("nan"))
-            decode_attention(q, cache, d**-0.5, num_splits=2, fast_unpack=fast, out=out)
-            ok = bool(torch.isfinite(out).all())
-            row["fast" if fast else "portable"] = float((out.float() - ref).norm() / ref.norm()) if ok else math.inf
+            run = functools.partial(decode_attention, q, cache, d**-0.5, num_splits=2, fast_unpack=fast)
+            row["fast" if fast else "portable"] = poisoned_rel_err(run, q, ref)
         if not mma_supports(cache, q):
             row["mma"] = None  # outside the Gluon kernel's limits: the Triton kernel serves it
         else:
             try:
-                out = torch.full_like(q, float("nan"))
-                decode_attention_mma(q, cache, d**-0.5, num_splits=2, out=out)
-                ok = bool(torch.isfinite(out).all())
-                row["mma"] = float((out.float() - ref).norm() / ref.norm()) if ok else math.inf
+                run = functools.partial(decode_attention_mma, q, cache, d**-0.5, num_splits=2)
+                row["mma"] = poisoned_rel_err(run, q, ref)
             except Exception as exc:  # reported, not fatal: the Triton kernel's figures still come back
                 row["mma"] = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
         log(f"sweep {json.dumps(row)}", fh)
