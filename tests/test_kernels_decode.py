@@ -128,20 +128,26 @@ def test_decode_matches_dequantize_then_attend(case):
     assert (per_seq <= 2e-2).all(), f"per-sequence relative errors {per_seq.tolist()}"
 
 
+def garble_past_held_tokens(cache: DecodeCache) -> None:
+    """Overwrites everything beyond what sequences 1 and 2 of `build`'s partial-residual cache hold
+    (1 and 0 groups, residuals of 1 and 5 tokens, 7 sinks for sequence 2), packed bytes included."""
+    cache.k_low[1:, :, 1:] = 0xFF
+    cache.k_high[1:, :, 1:] = 0xFF
+    cache.k_scale[1:, :, 1:] = 1e4
+    cache.v_packed[1:, :, 32:] = 0xFF
+    cache.v_scale[1:, :, 32:] = 1e4
+    cache.k_res[1, :, 1:] = 1e4
+    cache.k_res[2, :, 5:] = 1e4
+    cache.k_sink[2, :, 7:] = 1e4
+
+
 def test_decode_reads_only_held_tokens():
     """Bytes past each sequence's lengths are garbage; the output must not change."""
     gen = fresh_generator()
     q, cache = build(Case(residual="partial"), gen)
     scale = 0.125
     before = decode_attention(q, cache, scale, num_splits=2)
-    # Overwrite everything beyond what sequence 1 and 2 hold.
-    cache.k_low[1:, :, 1:] = 0xFF
-    cache.k_high[1:, :, 1:] = 0xFF
-    cache.k_scale[1:, :, 1:] = 1e4
-    cache.v_scale[1:, :, 32:] = 1e4
-    cache.k_res[1, :, 1:] = 1e4
-    cache.k_res[2, :, 5:] = 1e4
-    cache.k_sink[2, :, 7:] = 1e4
+    garble_past_held_tokens(cache)
     after = decode_attention(q, cache, scale, num_splits=2)
     assert torch.equal(before, after)
 

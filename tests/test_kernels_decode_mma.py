@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # the combine step is the Triton kernel, r
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gluon_emu import run_split_kernel  # noqa: E402
-from test_kernels_decode import CASES, Case, build, fresh_generator  # noqa: E402
+from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens  # noqa: E402
 
 from kernels import decode_mma  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
@@ -75,14 +75,7 @@ def test_emulated_kernel_matches_dequantize_then_attend(case):
 def test_emulated_kernel_reads_only_held_tokens():
     q, cache = build(Case(value_group=64), fresh_generator())
     before = emulated(q, cache, 0.125, 2)
-    cache.k_low[1:, :, 1:] = 0xFF
-    cache.k_high[1:, :, 1:] = 0xFF
-    cache.k_scale[1:, :, 1:] = 1e4
-    cache.v_packed[1:, :, 32:] = 0xFF
-    cache.v_scale[1:, :, 32:] = 1e4
-    cache.k_res[1, :, 1:] = 1e4
-    cache.k_res[2, :, 5:] = 1e4
-    cache.k_sink[2, :, 7:] = 1e4
+    garble_past_held_tokens(cache)
     after = emulated(q, cache, 0.125, 2)
     assert torch.equal(before, after)
 
