@@ -221,49 +221,51 @@ if gluon is not None:
         return gl.join(lo, hi)
 
     @gluon.jit
-    def _pair_bits(we, wo, t, half, p: gl.constexpr):
-        """Bit p of the codes of channels 2i (low half) and 2i + 1 (high half) for tokens t of a half step.
+    def _plane_pairs(we, wo, t, bit, half, magic_p):
+        """One bit plane's B-operand registers [C // 2, 16] for the tokens t of a half step: int32
+        elements holding the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + t % 8) * bit.
 
-        we, wo: plane words [C // 2] of the even and odd channels (32 tokens each); t: [16] tokens.
-        The 16 tokens of the half are first moved side by side into one word per pair (low half:
-        even channel), so one shift and one mask per element extract both channels' bits.
+        we, wo: plane words [C // 2] of the even and odd channels (32 tokens each). The half's 16
+        tokens of both channels are first put side by side in one word (even channel in the low
+        half); a token's bit is then masked where it lies, at t % 8 (`bit` = 0x10001 << (t % 8)),
+        after a shift by 8 for the half's second byte. ORed into magic_p = 1024 * 2^p, a bit at
+        mantissa position k adds 2^(p + k): no shift down to bit 0 and no "- 1024" per element;
+        `_half_scores` takes the per-token factor 2^-k and the constant out of the accumulator.
         """
         if half == 0:
             w = (we & 0xFFFF) | (wo << 16)
         else:
             w = ((we >> 16) & 0xFFFF) | (wo & -65536)
-        return ((w[:, None] >> t[None, :]) & 0x10001) << p
+        return ((w[:, None] >> (t & 8)[None, :]) & bit[None, :]) | magic_p
 
     @gluon.jit
-    def _key_pair_codes(e0, o0, e1, o1, e2, o2, e3, o3, t, half: gl.constexpr, magic, N_PLANES: gl.constexpr,
-                        C: gl.constexpr, B_OP: gl.constexpr):
-        """fp16 codes [C, 16] (B operand) of half step `half` of a 32-token word, from the plane words."""
-        x = _pair_bits(e0, o0, t, half, 0)
-        if N_PLANES > 1:
-            x |= _pair_bits(e1, o1, t, half, 1)
-        if N_PLANES > 2:
-            x |= _pair_bits(e2, o2, t, half, 2)
-        if N_PLANES > 3:
-            x |= _pair_bits(e3, o3, t, half, 3)
-        codes = gl.reshape(gl.permute(_halves_f16(x | magic), [0, 2, 1]), [C, 16])
-        return gl.convert_layout(codes, B_OP, assert_trivial=True) - 1024.0
+    def _plane_operand(x, C: gl.constexpr, B_OP: gl.constexpr):
+        """int32 pairs [C // 2, 16] -> the fp16 B operand [C, 16] (the same registers)."""
+        codes = gl.reshape(gl.permute(_halves_f16(x), [0, 2, 1]), [C, 16])
+        return gl.convert_layout(codes, B_OP, assert_trivial=True)
 
     @gluon.jit
-    def _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, half: gl.constexpr, magic, B_LOW: gl.constexpr,
-                     NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr, NSC_P: gl.constexpr, MMA: gl.constexpr,
-                     B_OP: gl.constexpr):
-        """Scores [16 heads, 16 tokens] of half step `half` of a 32-token word: low planes of every
-        channel plus, in a separate accumulator (a shorter dependent MMA chain), the salient
-        channels' high planes."""
-        k_lo = _key_pair_codes(lw[0], lw[1], lw[2], lw[3], lw[4], lw[5], lw[6], lw[7], t_lo, half, magic, B_LOW, D,
-                               B_OP)
-        scores = mma_v2(u, k_lo, gl.zeros([16, 16], gl.float32, layout=MMA) + bias[:, None])
+    def _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, half: gl.constexpr, magic,
+                     B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr,
+                     NSC_P: gl.constexpr, MMA: gl.constexpr, B_OP: gl.constexpr):
+        """Scores [16 heads, 16 tokens] of half step `half` of a 32-token word.
+
+        One MMA per bit plane into one accumulator: plane p's operand is 2^p * (1024 + 2^k * bit)
+        (`_plane_pairs`, k = t % 8), the low planes of every channel against u, the salient
+        channels' high planes against u_hi = u[:, salient] * 2^b_low. The accumulator starts at
+        c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)), the planes' constant part,
+        which leaves 2^k * (u @ codes); inv_pos = 2^-k per column and the zero-point bias finish it.
+        """
+        acc = gl.zeros([16, 16], gl.float32, layout=MMA) + c0[:, None]
+        for p in gl.static_range(B_LOW):
+            x = _plane_pairs(lw[2 * p], lw[2 * p + 1], t_lo, bit_lo, half, magic + p * 0x04000400)
+            acc = mma_v2(u, _plane_operand(x, D, B_OP), acc)
         if NH > 0:
             if NSC > 0:
-                k_hi = _key_pair_codes(hw[0], hw[1], hw[2], hw[3], hw[4], hw[5], hw[6], hw[7], t_hi, half, magic, NH,
-                                       NSC_P, B_OP)
-                scores = scores + mma_v2(u_hi, k_hi, gl.zeros([16, 16], gl.float32, layout=MMA))
-        return scores
+                for p in gl.static_range(NH):
+                    x = _plane_pairs(hw[2 * p], hw[2 * p + 1], t_hi, bit_hi, half, magic + p * 0x04000400)
+                    acc = mma_v2(u_hi, _plane_operand(x, NSC_P, B_OP), acc)
+        return acc * inv_pos[None, :] + bias[:, None]
 
     @gluon.jit
     def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
@@ -305,7 +307,7 @@ if gluon is not None:
     def _smem_pair_words(buf, row0, N_PLANES: gl.constexpr, P_P: gl.constexpr, L: gl.constexpr):
         """Plane words [pairs] of the even and odd channels from a step's rows (parity, plane) of
         `buf` starting at row0, planes 0..3 (unused planes repeat plane 0), in the order
-        `_key_pair_codes` takes."""
+        `_half_scores` takes."""
         e0 = buf.index(row0).load(L)
         o0 = buf.index(row0 + P_P).load(L)
         e1 = e0
@@ -440,6 +442,10 @@ if gluon is not None:
             vze = vze_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             t_lo = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_LO))  # tokens of a half step
             t_hi = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_HI))
+            bit_lo = 0x10001 << (t_lo & 7)  # where a token's bit lies in its merged byte (`_plane_pairs`)
+            bit_hi = 0x10001 << (t_hi & 7)
+            t_s = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+            inv_pos = gl.exp2(-(t_s & 7).to(gl.float32))  # 2^-k: the scores' per-token factor
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
@@ -475,6 +481,7 @@ if gluon is not None:
             u = gl.zeros([16, D], gl.float16, layout=A_OP)
             u_hi = gl.zeros([16, NSC_P], gl.float16, layout=A_OP)
             bias = gl.zeros([16], gl.float32, layout=ROW)
+            c0 = gl.zeros([16], gl.float32, layout=ROW)
             for w in range(w_start, w_end):  # word steps: 32 tokens each, G32 per group
                 stage = (w - w_start) % STAGES
                 async_copy.wait_group(STAGES - 2)  # this step's copies have landed ...
@@ -489,17 +496,24 @@ if gluon is not None:
                     s_row = buf_ks.index(stage * 2).load(gl.SliceLayout(0, MMA)).to(gl.float32)
                     z_row = buf_ks.index(stage * 2 + 1).load(gl.SliceLayout(0, MMA)).to(gl.float32)
                     q32 = q16.to(gl.float32)
-                    u = gl.convert_layout((q32 * s_row[None, :]).to(gl.float16), A_OP)
+                    u16 = (q32 * s_row[None, :]).to(gl.float16)
+                    u = gl.convert_layout(u16, A_OP)
                     bias = gl.sum(q32 * z_row[None, :], axis=1)  # zero: u @ z
                     # A gather the copies cannot do (2-byte elements); the row was just copied, so it hits cache.
                     s_sal = gl.load(ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
-                    u_hi = gl.convert_layout((q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16), A_OP)
+                    u_hi16 = (q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16)
+                    u_hi = gl.convert_layout(u_hi16, A_OP)
+                    # The planes' constant part (`_half_scores`), from the fp16 operands the MMAs see.
+                    c0 = -1024.0 * (gl.sum(u16.to(gl.float32), axis=1) * ((1 << B_LOW) - 1)
+                                    + gl.sum(u_hi16.to(gl.float32), axis=1) * ((1 << NH) - 1))
                 lw = _smem_pair_words(buf_lo, stage * 2 * PL_P, B_LOW, PL_P, gl.SliceLayout(1, PAIRS_LO))
                 hw = _smem_pair_words(buf_hi, stage * 2 * PH_P, NH, PH_P, gl.SliceLayout(1, PAIRS_HI))
                 # Both 16-token halves' scores first (four independent MMA chains), then one
                 # online-softmax update for the 32 tokens.
-                s0 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, B_OP)
-                s1 = _half_scores(u, u_hi, bias, lw, hw, t_lo, t_hi, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, B_OP)
+                s0 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 0, magic, B_LOW, NH,
+                                  NSC, D, NSC_P, MMA, B_OP)
+                s1 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 1, magic, B_LOW, NH,
+                                  NSC, D, NSC_P, MMA, B_OP)
                 m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), axis=1))
                 alpha = gl.exp2(m_i - m_new)
                 p0 = gl.exp2(s0 - m_new[:, None])
