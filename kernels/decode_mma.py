@@ -100,14 +100,13 @@ class _Layouts:
     mma: Any  # the mma.sync accumulator, one warp
     a_op: Any  # its A operand (query side) and B operand (keys [d, 16], values [16, d])
     b_op: Any
-    v4: Any  # the values' A operand [d, 16] viewed as [value groups, words per group, codes per word, 16]
-    words_load: Any  # [value groups, words per group, 16], word bits in the fastest registers (wide loads)
-    scales_load: Any  # [value groups, 16], group bits fastest
-    # b_V <= 2 (a word's two 16-bit halves are in one thread): token pairs. v5p views the A operand
-    # as int32 pairs [value groups, words, word half, codes per half, 8 token pairs]; words_pairs
-    # is the load layout [groups, words, 8, 2] of the words of each token pair (even token first).
-    v5p: Any
+    # Values: the A operand's int32 pairs (channel c of tokens 2i, 2i + 1) viewed as [value groups,
+    # words per group, bytes per word, codes per byte, 8 token pairs]; the words of each token pair
+    # [groups, words, 8, 2] and the scales or zeros [groups, 8, 2] (even token first) load in the
+    # layouts that split into that view's slices.
+    v5: Any
     words_pairs: Any
+    scales_pairs: Any
     pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
     # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
@@ -121,14 +120,13 @@ class _Layouts:
 
     def constexprs(self) -> dict:
         """The kernel's layout arguments."""
-        return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V4=self.v4, V5P=self.v5p,
-                    VWP_LOAD=self.words_pairs, VW_LOAD=self.words_load,
-                    VS_LOAD=self.scales_load, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
+        return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V5=self.v5, VWP_LOAD=self.words_pairs,
+                    VSP_LOAD=self.scales_pairs, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
                     CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
                     CP_S=self.cp_s, CP_K=self.cp_k)
 
 
-LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V4", "V5P", "VWP_LOAD", "VW_LOAD", "VS_LOAD", "PAIRS_LO", "PAIRS_HI", "SMEM1",
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VSP_LOAD", "PAIRS_LO", "PAIRS_HI", "SMEM1",
                "CP_LO", "CP_HI",
                "CP_V", "CP_S", "CP_K")
 
@@ -157,24 +155,40 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     cpw = 32 // value_bits
-    regs = [[0, 1], [8, 0], [0, 8]] + [[16 << i, 0] for i in range((d // 16).bit_length() - 1)]
-    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
-    shape4 = [d // value_group, value_group // cpw, cpw, 16]
-
-    def split(basis: list[int]) -> list[int]:
-        c, t = basis
-        return [c // value_group, (c % value_group) // cpw, c % cpw, t]
+    cpb = 8 // value_bits  # codes per byte
 
     def layout(reg: list[list[int]], lane: list[list[int]], shape: list[int]) -> Any:
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[], shape=shape)
 
-    regs4, lanes4 = [split(b) for b in regs], [split(b) for b in lanes]
-    # Words: drop the code dim (registers along it vanish, lanes along it broadcast).
-    w_regs = [[b[0], b[1], b[3]] for b in regs4 if b[2] == 0]
-    w_lanes = [[b[0], b[1], b[3]] if b[2] == 0 else [0, 0, 0] for b in lanes4]
-    w_regs = sorted(w_regs, key=lambda b: (b[1] == 0, b[0] == 0))  # word bits, then group bits, then tokens
-    s_regs = sorted([[b[0], b[2]] for b in w_regs if b[1] == 0], key=lambda b: b[0] == 0)
-    s_lanes = [[b[0], b[2]] if b[1] == 0 else [0, 0] for b in w_lanes]
+    # The values' A operand without its first register basis (t+1: the two fp16 halves of an int32),
+    # tokens halved, channels split into (group, word, byte, code in the byte).
+    def split5(c: int, p: int) -> list[int]:
+        return [c // value_group, (c % value_group) // cpw, (c % cpw) // cpb, c % cpb, p]
+
+    v_regs = [split5(8, 0), split5(0, 4)] + [split5(16 << i, 0) for i in range((d // 16).bit_length() - 1)]
+    v_lanes = [split5(0, 1), split5(0, 2), split5(1, 0), split5(2, 0), split5(4, 0)]
+    shape5 = [d // value_group, value_group // cpw, 4, cpb, 8]
+
+    def keep(bases: list[list[int]], dims: list[int], is_reg: bool) -> list[list[int]]:
+        """The bases of the slice keeping `dims`: registers along a dropped dim vanish, lanes broadcast."""
+        out = []
+        for base in bases:
+            kept = [base[i] for i in dims]
+            if all(base[i] == 0 for i in range(5) if i not in dims):
+                out.append(kept)
+            elif not is_reg:
+                out.append([0] * len(dims))
+        return out
+
+    def member_first(bases: list[list[int]]) -> list[list[int]]:
+        """Adds the pair member (even/odd token) as a trailing dim held in the first register."""
+        return [[0] * len(bases[0]) + [1]] + [b + [0] for b in bases]
+
+    wd, sd = [0, 1, 4], [0, 4]
+    words_pairs = layout(member_first(keep(v_regs, wd, True)), [b + [0] for b in keep(v_lanes, wd, False)],
+                         [shape5[0], shape5[1], 8, 2])
+    scales_pairs = layout(member_first(keep(v_regs, sd, True)), [b + [0] for b in keep(v_lanes, sd, False)],
+                          [shape5[0], 8, 2])
 
     def pairs(channels: int) -> Any:
         k_regs = [[8, 0]] + [[16 << i, 0] for i in range((channels // 16).bit_length() - 1)] + [[0, 8]]
@@ -184,34 +198,12 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     def flat(vec: int) -> Any:
         return gl.BlockedLayout([vec], [32], [1], [0])
 
-    # Token pairs: drop the t+1 register basis (it becomes the two fp16 halves of an int32) and halve
-    # the token coordinate; split the code index k into (word half, k within the half).
-    half = shape4[2] // 2
-
-    def pair5(b: list[int]) -> list[int]:
-        return [b[0], b[1], b[2] // half, b[2] % half, b[3] // 2]
-
-    p_regs = [pair5(b) for b in regs4 if b != [0, 0, 0, 1]]
-    p_lanes = [pair5(b) for b in lanes4]
-    shape5 = [shape4[0], shape4[1], 2, half, 8]
-    # The words of a token pair: drop the code dims (registers vanish, lanes broadcast), add the pair
-    # member as the first register basis.
-    wp_regs = [[0, 0, 0, 1]] + [[b[0], b[1], b[4], 0] for b in p_regs if b[2] == b[3] == 0]
-    wp_lanes = [[b[0], b[1], b[4], 0] if b[2] == b[3] == 0 else [0, 0, 0, 0] for b in p_lanes]
-    return _Layouts(mma, a_op, b_op, layout(regs4, lanes4, shape4),
-                    layout(w_regs, w_lanes, [shape4[0], shape4[1], 16]), layout(s_regs, s_lanes, [shape4[0], 16]),
-                    layout(p_regs, p_lanes, shape5), layout(wp_regs, wp_lanes, [shape4[0], shape4[1], 8, 2]),
+    return _Layouts(mma, a_op, b_op, layout(v_regs, v_lanes, shape5), words_pairs, scales_pairs,
                     pairs(d), pairs(n_sc_p), gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
                     flat(1), flat(1), flat(4), flat(8), flat(8))
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _codes_f16(code, magic):
-        """Integer codes 0..15 (int32) -> fp16, exactly: 0x6400 | q is 1024 + q in fp16 (magic holds
-        0x6400 in its low half; see FP16_PAIR_1024)."""
-        return (code | magic).to(gl.int16).to(gl.float16, bitcast=True) - 1024.0
 
     @gluon.jit
     def _halves_f16(x):
@@ -328,44 +320,62 @@ if gluon is not None:
         return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
-    def _value_operand(buf_v, buf_sc, buf_ze, row, shift4, magic, BV: gl.constexpr, D: gl.constexpr,
-                       NVG: gl.constexpr, WPG: gl.constexpr, WL3: gl.constexpr, VW_LOAD: gl.constexpr,
-                       VS_LOAD: gl.constexpr, A_OP: gl.constexpr, V4: gl.constexpr, V5P: gl.constexpr,
-                       VWP_LOAD: gl.constexpr):
+    def _value_pairs(we, wo, sel, mask, magic, scale, zero):
+        """The values' A-operand registers: int32 pairs (token 2i low, 2i + 1 high) of fp16 values.
+
+        we, wo: the two tokens' words holding the channel; sel: a byte permutation putting the
+        channel's byte of we in byte 0 and of wo in byte 2; mask: the code's bits there (both halves);
+        magic: 1024.0 in both halves, so the masked code q at bit k reads as 1024 + 2^k q;
+        scale, zero: fp16 pairs, the scale already times 2^-k. Four instructions per register; in
+        Gluon's own ops the byte permutation is three and the fp16 pair arithmetic needs its scale
+        and zero packed anew for every register.
+        """
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, $2, $3; lop3.b32 t, t, $4, $5, 0xEA; "
+            "sub.rn.f16x2 t, t, $5; fma.rn.f16x2 $0, t, $6, $7; }",
+            "=r,r,r,r,r,r,r,r", [we, wo, sel, mask, magic, scale, zero], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _mul_pairs(x, y):
+        """The product of two int32 tensors holding fp16 pairs, as fp16 pairs (one HMUL2)."""
+        return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _f16_pairs(even, odd):
+        """fp16 [..] x 2 -> int32 [..]: even in the low half, odd in the high half."""
+        lo = even.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return lo | (odd.to(gl.int16, bitcast=True).to(gl.int32) << 16)
+
+    @gluon.jit
+    def _value_operand(buf_v, buf_sc, buf_ze, row, sel, mask, inv_pos, magic, D: gl.constexpr, NVG: gl.constexpr,
+                       WPG: gl.constexpr, CPB: gl.constexpr, A_OP: gl.constexpr, V5: gl.constexpr,
+                       VWP_LOAD: gl.constexpr, VSP_LOAD: gl.constexpr):
         """V^T [D, 16] fp16 (A operand) of 16 tokens from row `row` of the ring's buffers: words
-        [16 tokens x NW], scales and zeros [16 tokens x NVG] (flat) -> codes [NVG, WPG, CPW, 16]
-        * scale + zero."""
-        words = buf_v.index(row)
-        v_s = buf_sc.index(row)
-        v_z = buf_ze.index(row)
-        v_s = gl.convert_layout(v_s.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
-        v_z = gl.convert_layout(v_z.reshape([16, NVG]).permute([1, 0]).load(VS_LOAD), gl.SliceLayout(1, WL3))
-        if BV <= 2:
-            # A register of the operand holds one channel of tokens t and t + 1, and with b_V <= 2 a
-            # word's two 16-bit halves sit in one thread: put the same half of both tokens' words
-            # side by side once per word pair, then one shift and one mask make both codes at once
-            # (as for the keys), instead of a shift, a mask and a pack per code.
-            CPH: gl.constexpr = 16 // BV  # codes per 16-bit half of a word
-            pw = words.reshape([8, 2, NVG, WPG]).permute([2, 3, 0, 1]).load(VWP_LOAD)
-            we, wo = gl.split(pw)  # [NVG, WPG, 8 token pairs]: even and odd tokens' words
-            M3: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V5P))
-            we = gl.convert_layout(we, M3)
-            wo = gl.convert_layout(wo, M3)
-            lo = (we & 0xFFFF) | (wo << 16)
-            hi = ((we >> 16) & 0xFFFF) | (wo & -65536)
-            merged = gl.convert_layout(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), gl.SliceLayout(3, V5P))
-            J1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, V5P))))
-            j = gl.arange(0, CPH, layout=J1)
-            shift5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j * BV, 0), 0), 0), 4)
-            pairs = ((gl.expand_dims(merged, 3) >> shift5) & (((1 << BV) - 1) * 0x10001)) | magic
-            codes = gl.reshape(_halves_f16(gl.reshape(pairs, [NVG, WPG, 2 * CPH, 8])), [NVG, WPG, 2 * CPH, 16])
-            codes = gl.convert_layout(codes, V4) - 1024.0
-        else:
-            words = gl.convert_layout(words.reshape([16, NVG, WPG]).permute([1, 2, 0]).load(VW_LOAD), WL3)
-            codes = _codes_f16((gl.expand_dims(words, 2) >> shift4) & ((1 << BV) - 1), magic)
-        v_s4 = gl.expand_dims(gl.expand_dims(v_s, 1), 2)
-        v_z4 = gl.expand_dims(gl.expand_dims(v_z, 1), 2)
-        return gl.convert_layout(gl.reshape(codes * v_s4 + v_z4, [D, 16]), A_OP, assert_trivial=True)
+        [16 tokens x NW], scales and zeros [16 tokens x NVG] (flat).
+
+        A register holds one channel of tokens t and t + 1 (`_value_pairs`). The code of channel c
+        sits at bit k = (c % CPB) * b_V of its byte, masked in place (k + b_V <= 8 stays in the
+        fp16 mantissa); the 2^k it carries is taken out of the scale, per token pair and group,
+        not per register: k depends only on the lane.
+        """
+        G4: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V5))  # [groups, words, 8 pairs]
+        S3: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, V5))  # [groups, codes in a byte, 8 pairs]
+        pw = buf_v.index(row).reshape([8, 2, NVG, WPG]).permute([2, 3, 0, 1]).load(VWP_LOAD)
+        we, wo = gl.split(pw)  # [NVG, WPG, 8 token pairs]: even and odd tokens' words
+        we = gl.expand_dims(gl.expand_dims(gl.convert_layout(we, G4), 2), 3)
+        wo = gl.expand_dims(gl.expand_dims(gl.convert_layout(wo, G4), 2), 3)
+        S2: gl.constexpr = gl.SliceLayout(1, S3)
+        s_e, s_o = gl.split(buf_sc.index(row).reshape([8, 2, NVG]).permute([2, 0, 1]).load(VSP_LOAD))
+        z_e, z_o = gl.split(buf_ze.index(row).reshape([8, 2, NVG]).permute([2, 0, 1]).load(VSP_LOAD))
+        f = gl.expand_dims(gl.expand_dims(inv_pos, 0), 2)  # [1, CPB, 1]: 2^-k in both halves
+        scale = _mul_pairs(gl.expand_dims(_f16_pairs(gl.convert_layout(s_e, S2), gl.convert_layout(s_o, S2)), 1), f)
+        scale = gl.expand_dims(gl.expand_dims(scale, 1), 1)
+        zero = gl.expand_dims(gl.expand_dims(gl.expand_dims(_f16_pairs(gl.convert_layout(z_e, S2),
+                                                                       gl.convert_layout(z_o, S2)), 1), 1), 1)
+        x = _value_pairs(we, wo, sel, mask, magic, scale, zero)  # [NVG, WPG, 4, CPB, 8]
+        codes = gl.reshape(_halves_f16(gl.reshape(x, [D, 8])), [D, 16])
+        return gl.convert_layout(codes, A_OP, assert_trivial=True)
 
     @gluon.jit
     def _p_operand(p, T: gl.constexpr, B_OP: gl.constexpr):
@@ -397,9 +407,8 @@ if gluon is not None:
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
-        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V4: gl.constexpr, V5P: gl.constexpr,
-        VWP_LOAD: gl.constexpr, VW_LOAD: gl.constexpr,
-        VS_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
+        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
+        VWP_LOAD: gl.constexpr, VSP_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
         STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
         CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
     ):
@@ -451,9 +460,19 @@ if gluon is not None:
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
             q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
                              other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
-            WL3: gl.constexpr = gl.SliceLayout(2, V4)
-            kv = gl.arange(0, CPW, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, V4))))
-            shift4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(kv * BV, 1), 0), 0)
+            # Values (`_value_operand`): per byte of a word (b) and code in the byte (j), the byte
+            # permutation, the code's mask and its 2^-k.
+            CPB: gl.constexpr = 8 // BV
+            bv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4,
+                                                                                                          V5)))))
+            v_sel = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bv | ((bv + 4) << 8), 0), 0), 3), 4)
+            jv = gl.arange(0, CPB, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4,
+                                                                                                          V5)))))
+            v_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+                (((1 << BV) - 1) * 0x10001) << (jv * BV), 0), 0), 0), 4)
+            # 2^-k as fp16 bits (exponent 15 - k) in both halves
+            v_inv = ((15 - gl.arange(0, CPB, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
+                1, gl.SliceLayout(1, V5))))) * BV) << 10) * 0x10001
             # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
             # copies STAGES - 1 steps ahead: the loads of a step are in flight while earlier steps
             # compute, instead of stalling the warp that needs them (and no registers hold them).
@@ -525,11 +544,11 @@ if gluon is not None:
                     acc = acc * _first_heads(alpha, HEADS)[None, :]
                 m_i = m_new
                 # Values of the same tokens, 16 at a time.
-                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2, shift4, magic, BV, D, NVG, WPG, WL3,
-                                            VW_LOAD, VS_LOAD, A_OP, V4, V5P, VWP_LOAD),
+                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2, v_sel, v_mask, v_inv, magic, D, NVG,
+                                            WPG, CPB, A_OP, V5, VWP_LOAD, VSP_LOAD),
                              _p_operand(p0, 16, B_OP), acc)
-                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2 + 1, shift4, magic, BV, D, NVG, WPG,
-                                            WL3, VW_LOAD, VS_LOAD, A_OP, V4, V5P, VWP_LOAD),
+                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2 + 1, v_sel, v_mask, v_inv, magic, D,
+                                            NVG, WPG, CPB, A_OP, V5, VWP_LOAD, VSP_LOAD),
                              _p_operand(p1, 16, B_OP), acc)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         else:

@@ -10,8 +10,9 @@ what it cannot check is the placement (the layouts) and Triton's lowering, which
 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
-the two whose int16 -> fp16 bitcast has no torch `.to` spelling (`_codes_f16`, `_halves_f16`); the
-replacements do the same operations with torch's `.view`.
+the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`, `_f16_pairs`),
+whose replacements do the same operations with torch's `.view`, and `_value_pairs` and `_mul_pairs`, whose inline PTX
+it computes with torch (one fp16 rounding per result, as `fma.rn.f16x2`).
 """
 
 from __future__ import annotations
@@ -194,18 +195,36 @@ def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor
     return acc + a.float() @ b.float()
 
 
-def _codes_f16(code: torch.Tensor, magic: int) -> torch.Tensor:
-    return (code | magic).to(torch.int16).view(torch.float16) - 1024.0
-
-
 def _halves_f16(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.to(torch.int16).view(torch.float16), (x >> 16).to(torch.int16).view(torch.float16)], -1)
+
+
+def _f16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    lo = even.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return lo | (odd.to(torch.float16).view(torch.int16).to(torch.int32) << 16)
+
+
+def _value_pairs(we: torch.Tensor, wo: torch.Tensor, sel: torch.Tensor, mask: torch.Tensor, magic: int,
+                 scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The inline PTX (prmt, lop3, sub.f16x2, fma.f16x2), one rounding per fp16 result."""
+    a_byte = (we >> (8 * (sel & 0xF))) & 0xFF
+    b_byte = (wo >> (8 * (((sel >> 8) & 0xF) - 4))) & 0xFF
+    x = ((a_byte | (b_byte << 16)) & mask) | magic
+    halves = _halves_f16(x).float() - 1024.0
+    out = (halves * _halves_f16(scale).float() + _halves_f16(zero).float()).to(torch.float16)
+    return _f16_pairs(out[..., 0], out[..., 1])
+
+
+def _mul_pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = (_halves_f16(x).float() * _halves_f16(y).float()).to(torch.float16)
+    return _f16_pairs(out[..., 0], out[..., 1])
 
 
 def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
-    env_replaced = {"_codes_f16": _codes_f16, "_halves_f16": _halves_f16}
+    env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
+                    "_value_pairs": _value_pairs}
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
                _async_load=FakeAsyncCopy.async_copy_global_to_shared,
                **env_replaced)
