@@ -213,6 +213,13 @@ if gluon is not None:
         return gl.join(lo, hi)
 
     @gluon.jit
+    def _byte_perm(a, b, sel: gl.constexpr):
+        """PTX prmt: bytes of {b, a} (a's are 0-3) picked by the nibbles of sel, one instruction
+        (shifts and masks of the same take two)."""
+        return gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [a, b], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
     def _plane_pairs(we, wo, t, bit, half, magic_p):
         """One bit plane's B-operand registers [C // 2, 16] for the tokens t of a half step: int32
         elements holding the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + t % 8) * bit.
@@ -224,10 +231,7 @@ if gluon is not None:
         mantissa position k adds 2^(p + k): no shift down to bit 0 and no "- 1024" per element;
         `_half_scores` takes the per-token factor 2^-k and the constant out of the accumulator.
         """
-        if half == 0:
-            w = (we & 0xFFFF) | (wo << 16)
-        else:
-            w = ((we >> 16) & 0xFFFF) | (wo & -65536)
+        w = _byte_perm(we, wo, 0x5410 if half == 0 else 0x7632)
         return ((w[:, None] >> (t & 8)[None, :]) & bit[None, :]) | magic_p
 
     @gluon.jit
@@ -254,9 +258,12 @@ if gluon is not None:
             acc = mma_v2(u, _plane_operand(x, D, B_OP), acc)
         if NH > 0:
             if NSC > 0:
+                # A second accumulator: two shorter dependent MMA chains instead of one long one.
+                acc_hi = gl.zeros([16, 16], gl.float32, layout=MMA)
                 for p in gl.static_range(NH):
                     x = _plane_pairs(hw[2 * p], hw[2 * p + 1], t_hi, bit_hi, half, magic + p * 0x04000400)
-                    acc = mma_v2(u_hi, _plane_operand(x, NSC_P, B_OP), acc)
+                    acc_hi = mma_v2(u_hi, _plane_operand(x, NSC_P, B_OP), acc_hi)
+                acc = acc + acc_hi
         return acc * inv_pos[None, :] + bias[:, None]
 
     @gluon.jit

@@ -11,8 +11,9 @@ compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
 the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`, `_f16_pairs`),
-whose replacements do the same operations with torch's `.view`, and `_value_pairs` and `_mul_pairs`, whose inline PTX
-it computes with torch (one fp16 rounding per result, as `fma.rn.f16x2`).
+whose replacements do the same operations with torch's `.view`, and the three whose inline PTX it
+computes with torch (`_byte_perm`, `_value_pairs`, `_mul_pairs`; one fp16 rounding per result, as
+`fma.rn.f16x2` and `mul.rn.f16x2`).
 """
 
 from __future__ import annotations
@@ -204,6 +205,13 @@ def _f16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     return lo | (odd.to(torch.float16).view(torch.int16).to(torch.int32) << 16)
 
 
+def _byte_perm(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    """PTX prmt without sign replication: byte i of the result is byte (sel >> 4i) & 7 of {b, a}."""
+    both = (a.to(torch.int64) & 0xFFFFFFFF) | ((b.to(torch.int64) & 0xFFFFFFFF) << 32)
+    out = sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+    return (out - ((out >> 31) << 32)).to(torch.int32)  # as a signed 32-bit word
+
+
 def _value_pairs(we: torch.Tensor, wo: torch.Tensor, sel: torch.Tensor, mask: torch.Tensor, magic: int,
                  scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The inline PTX (prmt, lop3, sub.f16x2, fma.f16x2), one rounding per fp16 result."""
@@ -223,7 +231,7 @@ def _mul_pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
-    env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
+    env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs, "_byte_perm": _byte_perm,
                     "_value_pairs": _value_pairs}
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
                _async_load=FakeAsyncCopy.async_copy_global_to_shared,
