@@ -7,17 +7,25 @@ memory; that round trip and the layout shuffles cost more than the bytes saved (
 0.45-0.58x of bf16 SDPA; benchmarks/RESULTS.md, Kernels). Here every code is expanded by the
 thread whose `mma.sync` fragment holds it:
 
+- Codes are never shifted down to bit 0. ORed into the fp16 1024.0 (0x6400), a code q masked
+  where it lies, at bit k of a byte's mantissa bits, reads as 1024 + 2^k q, exactly; the 1024 and
+  the 2^k are taken out once per group or per row instead of per element (one instruction or two
+  per operand register; the shift, the "- 1024" and the word merges cost 2-4 more before).
 - keys, B operand of S[h, t] = U[h, c] @ codes[c, t] (U = query x key scale, one [16, D] per
   group; the zero point is a per-head bias): a thread holds channel pairs (c, c+1) of one token.
   Per bit plane it loads the 32-bit words (32 tokens, 8 a byte, LSB first) of both channels, puts
-  the 16 tokens of a step side by side in one word (even channel in the low half) and extracts
-  both channels' bits of its token with one shift and one mask: the int32 is then the fp16 pair
-  the tensor core reads (0x6400 | q is 1024 + q). The low planes of all channels are one product;
-  the salient channels' high planes a second one with U[:, salient] * 2^b_low, since
-  code = low + 2^b_low * high. No channel reordering, no gather of packed bytes.
+  the 16 tokens of a half step side by side in one word (one prmt; even channel in the low half)
+  and masks its token's bit of both channels at t % 8 (after a shift by 8 for the half's second
+  byte). Plane p is ORed into 1024 * 2^p, so every plane of a product adds into one accumulator
+  (one MMA per plane): the low planes of all channels against U, the salient channels' high
+  planes against U[:, salient] * 2^b_low, since code = low + 2^b_low * high. The accumulator
+  starts at minus the planes' constant part (-1024 (2^planes - 1) sum U per head) and each token
+  column is scaled by 2^-(t % 8). No channel reordering, no gather of packed bytes.
 - values, A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h]: a thread holds token pairs of one
-  channel. It reads the 32-bit words of its tokens' rows (32 // b_V channels each) and shifts out
-  its channels; scale and zero are applied in fp16 in the same registers.
+  channel. One prmt puts its channel's byte of both tokens' words in the two halves, one lop3
+  masks the code in place (bit k = (c % codes per byte) * b_V, a function of the lane only) and
+  ORs 1024 in, then sub.f16x2 and fma.f16x2 (inline PTX) apply "- 1024", the scale times 2^-k
+  (one HMUL2 per token pair and group) and the zero.
   Transposed so that the accumulator is [d, 8] (half the registers of [16, d]) and P^T needs no
   data movement: the score accumulator's thread mapping is already P^T's B operand (asserted).
 - The accumulator is rescaled only when a running max moved.
@@ -140,12 +148,14 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     bases k+1, m+8, k+8, then the M tiles; lane bases k+2, k+4, m+1, m+2, m+4. B [K, N]: register
     bases k+1, k+8, then the K tiles, then the N tiles; lane bases k+2, k+4, n+1, n+2, n+4.
     Values are the A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h] (M = d channels, K = 16 tokens);
-    splitting each channel basis c into (c // G_V, (c % G_V) // cpw, c % cpw) views the same
-    registers as [groups, words, codes, 16], so the codes can be computed there from one word and one
-    scale/zero per (group, token), and reshaping back gives the A operand itself (the kernel
-    asserts that the conversion is trivial).
-    The load layouts hold the same elements per thread in another register order, so that a
-    token's words (and its groups' scales) are contiguous registers: one wide load each.
+    its first register basis (t+1) becomes the two halves of an int32, and splitting each channel
+    basis c into (c // G_V, (c % G_V) // cpw, (c % cpw) // cpb, c % cpb) views those int32
+    registers as [groups, words, bytes, codes in a byte, 8 token pairs], so the codes can be built
+    there from one word per token and one scale/zero pair per (group, token pair), and reshaping
+    back gives the A operand itself (the kernel asserts that the conversion is trivial). The code
+    in a byte (c % cpb) is a lane basis for every b_V, so its bit position is fixed per thread.
+    The load layouts hold the same elements per thread with the pair member (even/odd token) as
+    the first register, so that `split` gives each token's words and scales.
     For keys (K = channels, N = 16 tokens) the first register basis is c+1: a thread's register
     holds channels c and c+1 of one token. The pair layouts drop that basis and halve the channel
     bases, so one int32 element there is that register: both codes are built in its two halves at
@@ -246,11 +256,14 @@ if gluon is not None:
                      NSC_P: gl.constexpr, MMA: gl.constexpr, B_OP: gl.constexpr):
         """Scores [16 heads, 16 tokens] of half step `half` of a 32-token word.
 
-        One MMA per bit plane into one accumulator: plane p's operand is 2^p * (1024 + 2^k * bit)
-        (`_plane_pairs`, k = t % 8), the low planes of every channel against u, the salient
-        channels' high planes against u_hi = u[:, salient] * 2^b_low. The accumulator starts at
-        c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)), the planes' constant part,
-        which leaves 2^k * (u @ codes); inv_pos = 2^-k per column and the zero-point bias finish it.
+        One MMA per bit plane: plane p's operand is 2^p * (1024 + 2^k * bit) (`_plane_pairs`,
+        k = t % 8); the low planes of every channel against u into one accumulator, the salient
+        channels' high planes against u_hi = u[:, salient] * 2^b_low into a second one. They start
+        at c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)) in total, the planes'
+        constant part, which leaves 2^k * (u @ codes); inv_pos = 2^-k per column and the
+        zero-point bias finish it. The constant cancels in fp32 (up to ~2^13 times the smallest
+        term, ~11 of 24 bits); measured rel err 2.0-2.2e-3 against 1.8-1.9e-3 with per-element
+        subtraction (benchmarks/RESULTS.md).
         """
         acc = gl.zeros([16, 16], gl.float32, layout=MMA) + c0[:, None]
         for p in gl.static_range(B_LOW):
