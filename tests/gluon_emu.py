@@ -231,8 +231,8 @@ def _mul_pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
-    env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs, "_byte_perm": _byte_perm,
-                    "_value_pairs": _value_pairs}
+    env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
+                    "_byte_perm": _byte_perm, "_value_pairs": _value_pairs}
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
                _async_load=FakeAsyncCopy.async_copy_global_to_shared,
                **env_replaced)
