@@ -606,10 +606,10 @@ if gluon is not None:
                     acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
         c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         h_c = gl.arange(0, 8, layout=HEADS)
-        gl.store(pa_ptr + (part * 8 + h_c[None, :]) * D + c_r[:, None], acc)
-        # Heads 8..15 of the score product are padding (GQ <= 8): only the first 8 rows are partials.
-        gl.store(pm_ptr + part * 8 + rows_c, m_i, mask=rows_c < 8)
-        gl.store(pl_ptr + part * 8 + rows_c, l_i, mask=rows_c < 8)
+        # Rows past the GQ query heads are padding: not written (the combine step does not read them).
+        gl.store(pa_ptr + (part * 8 + h_c[None, :]) * D + c_r[:, None], acc, mask=(h_c < GQ)[None, :])
+        gl.store(pm_ptr + part * 8 + rows_c, m_i, mask=rows_c < GQ)
+        gl.store(pl_ptr + part * 8 + rows_c, l_i, mask=rows_c < GQ)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
