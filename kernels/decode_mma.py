@@ -245,16 +245,18 @@ if gluon is not None:
         return ((w[:, None] >> (t & 8)[None, :]) & bit[None, :]) | magic_p
 
     @gluon.jit
-    def _plane_operand(x, C: gl.constexpr, B_OP: gl.constexpr):
-        """int32 pairs [C // 2, 16] -> the fp16 B operand [C, 16] (the same registers)."""
+    def _plane_operand(x, C: gl.constexpr, A_OP: gl.constexpr):
+        """int32 pairs [C // 2, 16] -> the fp16 A operand [16 tokens, C] (the same registers)."""
         codes = gl.reshape(gl.permute(_halves_f16(x), [0, 2, 1]), [C, 16])
-        return gl.convert_layout(codes, B_OP, assert_trivial=True)
+        return gl.convert_layout(gl.permute(codes, [1, 0]), A_OP, assert_trivial=True)
 
     @gluon.jit
     def _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, half: gl.constexpr, magic,
                      B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr,
-                     NSC_P: gl.constexpr, MMA: gl.constexpr, B_OP: gl.constexpr):
-        """Scores [16 heads, 16 tokens] of half step `half` of a 32-token word.
+                     NSC_P: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr):
+        """Scores S^T [16 tokens, 8 heads] of half step `half` of a 32-token word: the keys are the A
+        operand and u^T [D, 8] the B operand (N = 8 heads: half the MMAs and accumulator registers
+        of [16 heads, 16 tokens], since GQ <= 8).
 
         One MMA per bit plane: plane p's operand is 2^p * (1024 + 2^k * bit) (`_plane_pairs`,
         k = t % 8); the low planes of every channel against u into one accumulator, the salient
@@ -265,19 +267,19 @@ if gluon is not None:
         term, ~11 of 24 bits); measured rel err 2.0-2.2e-3 against 1.8-1.9e-3 with per-element
         subtraction (benchmarks/RESULTS.md).
         """
-        acc = gl.zeros([16, 16], gl.float32, layout=MMA) + c0[:, None]
+        acc = gl.zeros([16, 8], gl.float32, layout=MMA) + c0[None, :]
         for p in gl.static_range(B_LOW):
             x = _plane_pairs(lw[2 * p], lw[2 * p + 1], t_lo, bit_lo, half, magic + p * 0x04000400)
-            acc = mma_v2(u, _plane_operand(x, D, B_OP), acc)
+            acc = mma_v2(_plane_operand(x, D, A_OP), u, acc)
         if NH > 0:
             if NSC > 0:
                 # A second accumulator: two shorter dependent MMA chains instead of one long one.
-                acc_hi = gl.zeros([16, 16], gl.float32, layout=MMA)
+                acc_hi = gl.zeros([16, 8], gl.float32, layout=MMA)
                 for p in gl.static_range(NH):
                     x = _plane_pairs(hw[2 * p], hw[2 * p + 1], t_hi, bit_hi, half, magic + p * 0x04000400)
-                    acc_hi = mma_v2(u_hi, _plane_operand(x, NSC_P, B_OP), acc_hi)
+                    acc_hi = mma_v2(_plane_operand(x, NSC_P, A_OP), u_hi, acc_hi)
                 acc = acc + acc_hi
-        return acc * inv_pos[None, :] + bias[:, None]
+        return acc * inv_pos[:, None] + bias[None, :]
 
     @gluon.jit
     def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
@@ -405,6 +407,35 @@ if gluon is not None:
         return gl.convert_layout(gl.permute(first, [1, 0]), B_OP, assert_trivial=True)
 
     @gluon.jit
+    def _transposed_blocks(x):
+        """PTX movmatrix.trans on every register of x (int32 fp16 pairs, the m16n8 accumulator's
+        register order): each 8 x 8 block of the warp's fragment is transposed across lanes."""
+        return gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [x],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pt_operand(p, B_OP: gl.constexpr):
+        """S^T-shaped P [16 tokens, 8 heads] (score accumulator) -> the B operand P^T [16, 8] fp16
+        of the value product.
+
+        The accumulator gives a thread two heads of one token, the operand two tokens of one head:
+        the transpose of each 8-token block. movmatrix does it in one instruction per block; its
+        result, read in the accumulator's own register order, is X[8j + a, b] = (P[8j + 2b, a],
+        P[8j + 2b + 1, a]), a logical permutation that leaves every element where the B operand
+        wants it (asserted), so the conversion after it moves nothing.
+        """
+        even, odd = gl.split(gl.reshape(p, [16, 4, 2]))
+        x = _transposed_blocks(_f16_pairs_rounded(even, odd))  # [16, 4]
+        y = gl.reshape(_halves_f16(x), [2, 8, 4, 2])  # (j, a, b, e) = P[8j + 2b + e, a]
+        return gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 3, 1]), [16, 8]), B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _f16_pairs_rounded(even, odd):
+        """fp32 x 2 -> int32 holding both rounded to fp16 (even low): one cvt.rn.f16x2.f32."""
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
     def _first_heads(x, COLS: gl.constexpr):
         """[16] per-head values (rows of the score accumulator) -> the first 8, as [8] in COLS."""
         first, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), [1, 0]))
@@ -453,11 +484,8 @@ if gluon is not None:
         # Kept in fp16 (half the registers of fp32): q * softmax scale * log2 e is well inside its range.
         q16 = (gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
                        other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        rows_c = gl.arange(0, 16, layout=ROW)
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * (n_split + 1) + split
-        m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.zeros([16], gl.float32, layout=ROW)
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
         if split > 0:  # split 0 is the fp16 tail: launched first, the short programs fill the last wave
             n_groups = gl.load(n_groups_ptr + b)
@@ -473,8 +501,8 @@ if gluon is not None:
             t_hi = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_HI))
             bit_lo = 0x10001 << (t_lo & 7)  # where a token's bit lies in its merged byte (`_plane_pairs`)
             bit_hi = 0x10001 << (t_hi & 7)
-            t_s = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
-            inv_pos = gl.exp2(-(t_s & 7).to(gl.float32))  # 2^-k: the scores' per-token factor
+            t_s = gl.arange(0, 16, layout=ROW)
+            inv_pos = gl.exp2(-(t_s & 7).to(gl.float32))  # 2^-k: the scores' per-token (row) factor
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
@@ -517,10 +545,12 @@ if gluon is not None:
                             klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
                             off_lo, off_hi, m_hi, off_v, off_s, off_k,
                             G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
-            u = gl.zeros([16, D], gl.float16, layout=A_OP)
-            u_hi = gl.zeros([16, NSC_P], gl.float16, layout=A_OP)
-            bias = gl.zeros([16], gl.float32, layout=ROW)
-            c0 = gl.zeros([16], gl.float32, layout=ROW)
+            u = gl.zeros([D, 8], gl.float16, layout=B_OP)  # u^T, u_hi^T: the first 8 heads
+            u_hi = gl.zeros([NSC_P, 8], gl.float16, layout=B_OP)
+            bias = gl.zeros([8], gl.float32, layout=HEADS)
+            c0 = gl.zeros([8], gl.float32, layout=HEADS)
+            m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
+            l_h = gl.zeros([8], gl.float32, layout=HEADS)
             for w in range(w_start, w_end):  # word steps: 32 tokens each, G32 per group
                 stage = (w - w_start) % STAGES
                 async_copy.wait_group(STAGES - 2)  # this step's copies have landed ...
@@ -536,42 +566,46 @@ if gluon is not None:
                     z_row = buf_ks.index(stage * 2 + 1).load(gl.SliceLayout(0, MMA)).to(gl.float32)
                     q32 = q16.to(gl.float32)
                     u16 = (q32 * s_row[None, :]).to(gl.float16)
-                    u = gl.convert_layout(u16, A_OP)
-                    bias = gl.sum(q32 * z_row[None, :], axis=1)  # zero: u @ z
+                    u = _p_operand(u16, D, B_OP)
+                    bias = _first_heads(gl.sum(q32 * z_row[None, :], axis=1), HEADS)  # zero: u @ z
                     # A gather the copies cannot do (2-byte elements); the row was just copied, so it hits cache.
                     s_sal = gl.load(ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
                     u_hi16 = (q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16)
-                    u_hi = gl.convert_layout(u_hi16, A_OP)
+                    u_hi = _p_operand(u_hi16, NSC_P, B_OP)
                     # The planes' constant part (`_half_scores`), from the fp16 operands the MMAs see.
-                    c0 = -1024.0 * (gl.sum(u16.to(gl.float32), axis=1) * ((1 << B_LOW) - 1)
-                                    + gl.sum(u_hi16.to(gl.float32), axis=1) * ((1 << NH) - 1))
+                    c0 = _first_heads(-1024.0 * (gl.sum(u16.to(gl.float32), axis=1) * ((1 << B_LOW) - 1)
+                                                 + gl.sum(u_hi16.to(gl.float32), axis=1) * ((1 << NH) - 1)), HEADS)
                 lw = _smem_pair_words(buf_lo, stage * 2 * PL_P, B_LOW, PL_P, gl.SliceLayout(1, PAIRS_LO))
                 hw = _smem_pair_words(buf_hi, stage * 2 * PH_P, NH, PH_P, gl.SliceLayout(1, PAIRS_HI))
                 # Both 16-token halves' scores first (four independent MMA chains), then one
                 # online-softmax update for the 32 tokens.
                 s0 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 0, magic, B_LOW, NH,
-                                  NSC, D, NSC_P, MMA, B_OP)
+                                  NSC, D, NSC_P, MMA, A_OP)
                 s1 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 1, magic, B_LOW, NH,
-                                  NSC, D, NSC_P, MMA, B_OP)
-                m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), axis=1))
-                alpha = gl.exp2(m_i - m_new)
-                p0 = gl.exp2(s0 - m_new[:, None])
-                p1 = gl.exp2(s1 - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p0 + p1, axis=1)
+                                  NSC, D, NSC_P, MMA, A_OP)
+                m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
+                alpha = gl.exp2(m_h - m_new)
+                p0 = gl.exp2(s0 - m_new[None, :])
+                p1 = gl.exp2(s1 - m_new[None, :])
+                l_h = l_h * alpha + gl.sum(p0 + p1, axis=0)
                 # Rescale the accumulator only when a running max moved (rare after the first
-                # tokens); alpha is 1 for every row otherwise.
-                if gl.max(m_new - m_i, axis=0) > 0:
-                    acc = acc * _first_heads(alpha, HEADS)[None, :]
-                m_i = m_new
+                # tokens); alpha is 1 for every head otherwise.
+                if gl.max(m_new - m_h, axis=0) > 0:
+                    acc = acc * alpha[None, :]
+                m_h = m_new
                 # Values of the same tokens, 16 at a time.
                 acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2, v_sel, v_mask, v_inv, magic, D, NVG,
                                             WPG, CPB, A_OP, V5, VWP_LOAD, VSP_LOAD),
-                             _p_operand(p0, 16, B_OP), acc)
+                             _pt_operand(p0, B_OP), acc)
                 acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2 + 1, v_sel, v_mask, v_inv, magic, D,
                                             NVG, WPG, CPB, A_OP, V5, VWP_LOAD, VSP_LOAD),
-                             _p_operand(p1, 16, B_OP), acc)
+                             _pt_operand(p1, B_OP), acc)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
+            m_fin = m_h
+            l_fin = l_h
         else:
+            m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
+            l_i = gl.zeros([16], gl.float32, layout=ROW)
             u0 = gl.convert_layout(q16, A_OP)
             t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
             c_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
@@ -604,12 +638,14 @@ if gluon is not None:
                     vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
                                  mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
                     acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
+            m_fin = _first_heads(m_i, HEADS)
+            l_fin = _first_heads(l_i, HEADS)
         c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         h_c = gl.arange(0, 8, layout=HEADS)
         # Rows past the GQ query heads are padding: not written (the combine step does not read them).
         gl.store(pa_ptr + (part * 8 + h_c[None, :]) * D + c_r[:, None], acc, mask=(h_c < GQ)[None, :])
-        gl.store(pm_ptr + part * 8 + rows_c, m_i, mask=rows_c < GQ)
-        gl.store(pl_ptr + part * 8 + rows_c, l_i, mask=rows_c < GQ)
+        gl.store(pm_ptr + part * 8 + h_c, m_fin, mask=h_c < GQ)
+        gl.store(pl_ptr + part * 8 + h_c, l_fin, mask=h_c < GQ)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

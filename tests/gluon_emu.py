@@ -11,9 +11,10 @@ compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
 the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`, `_f16_pairs`),
-whose replacements do the same operations with torch's `.view`, and the three whose inline PTX it
-computes with torch (`_byte_perm`, `_value_pairs`, `_mul_pairs`; one fp16 rounding per result, as
-`fma.rn.f16x2` and `mul.rn.f16x2`).
+whose replacements do the same operations with torch's `.view`, and the five whose inline PTX it
+computes with torch (`_byte_perm`, `_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16
+rounding per result, as `fma.rn.f16x2`, `mul.rn.f16x2` and `cvt.rn.f16x2.f32`; `_transposed_blocks`:
+movmatrix's cross-lane transpose, as the logical tensor sees it).
 """
 
 from __future__ import annotations
@@ -228,11 +229,24 @@ def _mul_pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _f16_pairs(out[..., 0], out[..., 1])
 
 
+def _f16_pairs_rounded(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    return _f16_pairs(even.to(torch.float16), odd.to(torch.float16))
+
+
+def _transposed_blocks(x: torch.Tensor) -> torch.Tensor:
+    """movmatrix.trans on an m16n8 accumulator's fp16 pairs [16, 4]: every 8 x 8 block transposed,
+    as the lanes see it (X[8j + a, b] = (P[8j + 2b, a], P[8j + 2b + 1, a]))."""
+    p = _halves_f16(x).reshape(2, 8, 8)  # (block, row, col) of P
+    t = p.transpose(1, 2).reshape(2, 8, 4, 2)  # t[j, a, b, e] = P[8j + 2b + e, a]
+    return _f16_pairs(t[..., 0], t[..., 1]).reshape(16, 4)
+
+
 def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
     env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
-                    "_byte_perm": _byte_perm, "_value_pairs": _value_pairs}
+                    "_byte_perm": _byte_perm, "_transposed_blocks": _transposed_blocks,
+                    "_f16_pairs_rounded": _f16_pairs_rounded, "_value_pairs": _value_pairs}
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
                _async_load=FakeAsyncCopy.async_copy_global_to_shared,
                **env_replaced)
