@@ -11,8 +11,10 @@ thread whose `mma.sync` fragment holds it:
   where it lies, at bit k of a byte's mantissa bits, reads as 1024 + 2^k q, exactly; the 1024 and
   the 2^k are taken out once per group or per row instead of per element (one instruction or two
   per operand register; the shift, the "- 1024" and the word merges cost 2-4 more before).
-- keys, B operand of S[h, t] = U[h, c] @ codes[c, t] (U = query x key scale, one [16, D] per
-  group; the zero point is a per-head bias): a thread holds channel pairs (c, c+1) of one token.
+- keys, A operand of S^T[t, h] = codes^T[t, c] @ U^T[c, h] (U = query x key scale, one per group,
+  the first 8 heads as the B operand: N = 8, since GQ <= 8, where a [16 heads, tokens] product
+  would pad 16 rows; the zero point is a per-head bias): a thread holds channel pairs (c, c+1) of
+  one token (the same elements as in the B operand of the untransposed product).
   Per bit plane it loads the 32-bit words (32 tokens, 8 a byte, LSB first) of both channels, puts
   the 16 tokens of a half step side by side in one word (one prmt; even channel in the low half)
   and masks its token's bit of both channels at t % 8 (after a shift by 8 for the half's second
@@ -20,14 +22,15 @@ thread whose `mma.sync` fragment holds it:
   (one MMA per plane): the low planes of all channels against U, the salient channels' high
   planes against U[:, salient] * 2^b_low, since code = low + 2^b_low * high. The accumulator
   starts at minus the planes' constant part (-1024 (2^planes - 1) sum U per head) and each token
-  column is scaled by 2^-(t % 8). No channel reordering, no gather of packed bytes.
+  row is scaled by 2^-(t % 8). No channel reordering, no gather of packed bytes.
 - values, A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h]: a thread holds token pairs of one
   channel. One prmt puts its channel's byte of both tokens' words in the two halves, one lop3
   masks the code in place (bit k = (c % codes per byte) * b_V, a function of the lane only) and
   ORs 1024 in, then sub.f16x2 and fma.f16x2 (inline PTX) apply "- 1024", the scale times 2^-k
   (one HMUL2 per token pair and group) and the zero.
-  Transposed so that the accumulator is [d, 8] (half the registers of [16, d]) and P^T needs no
-  data movement: the score accumulator's thread mapping is already P^T's B operand (asserted).
+  Transposed so that the accumulator is [d, 8] (half the registers of [16, d]). P^T, its B
+  operand, is the transpose of the score accumulator's 8-token blocks across lanes: one
+  movmatrix.trans per block (`_pt_operand`).
 - The accumulator is rescaled only when a running max moved.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
@@ -401,8 +404,9 @@ if gluon is not None:
 
     @gluon.jit
     def _p_operand(p, T: gl.constexpr, B_OP: gl.constexpr):
-        """P [16 heads, T tokens] (score accumulator) -> P^T [T, 8] fp16, the B operand of the value
-        product: the first 8 heads. Each thread already holds its operand elements (asserted)."""
+        """X [16 heads, T] in the accumulator layout -> X^T [T, 8] fp16 as a B operand, the first 8
+        heads: P^T of the fp16 tail's value product, and u^T of the key product. Each thread
+        already holds its operand elements (asserted)."""
         first, _ = gl.split(gl.permute(gl.reshape(p.to(gl.float16), [2, 8, T]), [1, 2, 0]))
         return gl.convert_layout(gl.permute(first, [1, 0]), B_OP, assert_trivial=True)
 
