@@ -6,7 +6,9 @@
 2. Garbage past each sequence's lengths does not change the output.
 3. The kernel compiles for sm_90 (offline, no GPU needed) for configs covering every branch: the
    layouts it declares are the ones the tensor cores use (`assert_trivial` conversions would not
-   compile otherwise) and it uses no shared memory.
+   compile otherwise) and its shared memory is the ring `ring_bytes` counts.
+4. The emulator's models of the kernel's cross-lane inline PTX (prmt, movmatrix) agree with the
+   instructions' documented semantics, computed lane by lane.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # the combine step is the Triton kernel, r
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from gluon_emu import run_split_kernel  # noqa: E402
+from gluon_emu import _byte_perm, _f16_pairs, _halves_f16, _transposed_blocks, run_split_kernel  # noqa: E402
 from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens  # noqa: E402
 
 from kernels import decode_mma  # noqa: E402
@@ -117,3 +119,26 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
 ])
 def test_wave_splits_fill_whole_waves(n_bh, ng_cap, resident, want):
     assert decode_mma.wave_splits(n_bh, ng_cap, resident) == want
+
+
+def test_emulated_prmt_picks_the_documented_bytes():
+    a = torch.tensor([0x33221100, -1, 0x0000FFFF], dtype=torch.int32)
+    b = torch.tensor([0x77665544, 0, -65536], dtype=torch.int32)
+    # Byte i of the result is byte nibble_i(sel) of {b, a}, a's bytes numbered 0-3 (PTX ISA, prmt).
+    assert [hex(v & 0xFFFFFFFF) for v in _byte_perm(a, b, 0x5410).tolist()] == ["0x55441100", "0xffff", "0xffff"]
+    assert [hex(v & 0xFFFFFFFF) for v in _byte_perm(a, b, 0x7632).tolist()] == ["0x77663322", "0xffff",
+                                                                                 "0xffff0000"]
+
+
+def test_emulated_movmatrix_is_the_lane_level_transpose():
+    """movmatrix.trans, lane by lane: lane L holds row L // 4, columns 2 (L % 4) and + 1 of an 8 x 8
+    fp16 block before, and the same positions of its transpose after. The register of lane L for
+    block j sits at row 8j + L // 4, column pair L % 4 of the emulated [16, 4] tensor."""
+    p = torch.randn(16, 8, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    got = _halves_f16(_transposed_blocks(_f16_pairs(p[:, 0::2], p[:, 1::2])))  # [16, 4, 2]
+    for j in range(2):
+        block = p[8 * j: 8 * j + 8]
+        for lane in range(32):
+            r, c = lane // 4, 2 * (lane % 4)
+            want = block.T[r, c: c + 2]
+            assert torch.equal(got[8 * j + r, lane % 4], want)
