@@ -109,7 +109,7 @@ def supports(cache: DecodeCache, q: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class _Layouts:
     mma: Any  # the mma.sync accumulator, one warp
-    a_op: Any  # its A operand (query side) and B operand (keys [d, 16], values [16, d])
+    a_op: Any  # its A operand (keys [16 tokens, d], V^T [d, 16]) and B operand (u^T [d, 8], P^T [16, 8])
     b_op: Any
     # Values: the A operand's int32 pairs (channel c of tokens 2i, 2i + 1) viewed as [value groups,
     # words per group, bytes per word, codes per byte, 8 token pairs]; the words of each token pair
@@ -159,10 +159,11 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     in a byte (c % cpb) is a lane basis for every b_V, so its bit position is fixed per thread.
     The load layouts hold the same elements per thread with the pair member (even/odd token) as
     the first register, so that `split` gives each token's words and scales.
-    For keys (K = channels, N = 16 tokens) the first register basis is c+1: a thread's register
-    holds channels c and c+1 of one token. The pair layouts drop that basis and halve the channel
-    bases, so one int32 element there is that register: both codes are built in its two halves at
-    once, and splitting the halves (join + reshape) gives the B operand with no data movement.
+    For keys (A operand, M = 16 tokens, K = channels) the first register basis is c+1: a thread's
+    register holds channels c and c+1 of one token. The pair layouts drop that basis and halve the
+    channel bases, so one int32 element there is that register: both codes are built in its two
+    halves at once, and splitting the halves (join + reshape + permute) gives the A operand with no
+    data movement (only the register order differs).
     """
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -234,7 +235,7 @@ if gluon is not None:
 
     @gluon.jit
     def _plane_pairs(we, wo, t, bit, half, magic_p):
-        """One bit plane's B-operand registers [C // 2, 16] for the tokens t of a half step: int32
+        """One bit plane's A-operand registers [C // 2, 16] for the tokens t of a half step: int32
         elements holding the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + t % 8) * bit.
 
         we, wo: plane words [C // 2] of the even and odd channels (32 tokens each). The half's 16
@@ -265,7 +266,7 @@ if gluon is not None:
         k = t % 8); the low planes of every channel against u into one accumulator, the salient
         channels' high planes against u_hi = u[:, salient] * 2^b_low into a second one. They start
         at c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)) in total, the planes'
-        constant part, which leaves 2^k * (u @ codes); inv_pos = 2^-k per column and the
+        constant part, which leaves 2^k * (codes @ u); inv_pos = 2^-k per token (row) and the
         zero-point bias finish it. The constant cancels in fp32 (up to ~2^13 times the smallest
         term, ~11 of 24 bits); measured rel err 2.0-2.2e-3 against 1.8-1.9e-3 with per-element
         subtraction (benchmarks/RESULTS.md).

@@ -206,8 +206,9 @@ def _f16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     return lo | (odd.to(torch.float16).view(torch.int16).to(torch.int32) << 16)
 
 
-def _byte_perm(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
-    """PTX prmt without sign replication: byte i of the result is byte (sel >> 4i) & 7 of {b, a}."""
+def _byte_perm(a: torch.Tensor, b: torch.Tensor, sel: Any) -> torch.Tensor:
+    """PTX prmt without sign replication: byte i of the result is byte (sel >> 4i) & 7 of {b, a};
+    sel an int or a tensor broadcasting with a and b."""
     both = (a.to(torch.int64) & 0xFFFFFFFF) | ((b.to(torch.int64) & 0xFFFFFFFF) << 32)
     out = sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
     return (out - ((out >> 31) << 32)).to(torch.int32)  # as a signed 32-bit word
@@ -216,9 +217,7 @@ def _byte_perm(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
 def _value_pairs(we: torch.Tensor, wo: torch.Tensor, sel: torch.Tensor, mask: torch.Tensor, magic: int,
                  scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The inline PTX (prmt, lop3, sub.f16x2, fma.f16x2), one rounding per fp16 result."""
-    a_byte = (we >> (8 * (sel & 0xF))) & 0xFF
-    b_byte = (wo >> (8 * (((sel >> 8) & 0xF) - 4))) & 0xFF
-    x = ((a_byte | (b_byte << 16)) & mask) | magic
+    x = (_byte_perm(we, wo, sel) & mask) | magic
     halves = _halves_f16(x).float() - 1024.0
     out = (halves * _halves_f16(scale).float() + _halves_f16(zero).float()).to(torch.float16)
     return _f16_pairs(out[..., 0], out[..., 1])
