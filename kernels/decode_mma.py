@@ -55,6 +55,7 @@ it on the GPU. Figures (H200, SASS, registers): benchmarks/RESULTS.md, Kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,7 @@ def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
             and cache.group_size % WORD_TOKENS == 0
             and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
             and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
+            and cache.value_group_size % 16 == 0 and 2 <= d // cache.value_group_size <= 8
             and cache.k_low.shape[-1] % 4 == 0)
 
 
@@ -117,7 +119,12 @@ class _Layouts:
     # layouts that split into that view's slices.
     v5: Any
     words_pairs: Any
-    scales_pairs: Any
+    # Value scales and zeros: int32 words (two value groups each) of the even and odd token of each
+    # pair, [2, 4, groups // 2, 2] (pair 4j + b, member last), and the fp16 pairs built from them,
+    # [2, 8, 4, groups], in P^T's pair layout (`_pt_pairs`: token pair 4j + b of head a) with the
+    # groups as registers (`_value_products`).
+    scale_words: Any
+    pairs4: Any
     pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
     # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
@@ -126,18 +133,18 @@ class _Layouts:
     cp_lo: Any  # one plane's words of the even (or odd) channels [d // 2]
     cp_hi: Any  # the same, salient channels [n_sc_p // 2]
     cp_v: Any  # value words [16 tokens x words], flat
-    cp_s: Any  # value scales or zeros [16 tokens x groups], flat
+    cp_s: Any  # value scale or zero words [8 token pairs x groups // 2 x 2], flat
     cp_k: Any  # a key scale or zero row [d]
 
     def constexprs(self) -> dict:
         """The kernel's layout arguments."""
         return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V5=self.v5, VWP_LOAD=self.words_pairs,
-                    VSP_LOAD=self.scales_pairs, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
+                    VS_WORDS=self.scale_words, PAIRS4=self.pairs4, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
                     CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
                     CP_S=self.cp_s, CP_K=self.cp_k)
 
 
-LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VSP_LOAD", "PAIRS_LO", "PAIRS_HI", "SMEM1",
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "SMEM1",
                "CP_LO", "CP_HI",
                "CP_V", "CP_S", "CP_K")
 
@@ -198,11 +205,15 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
         """Adds the pair member (even/odd token) as a trailing dim held in the first register."""
         return [[0] * len(bases[0]) + [1]] + [b + [0] for b in bases]
 
-    wd, sd = [0, 1, 4], [0, 4]
+    wd = [0, 1, 4]
     words_pairs = layout(member_first(keep(v_regs, wd, True)), [b + [0] for b in keep(v_lanes, wd, False)],
                          [shape5[0], shape5[1], 8, 2])
-    scales_pairs = layout(member_first(keep(v_regs, sd, True)), [b + [0] for b in keep(v_lanes, sd, False)],
-                          [shape5[0], 8, 2])
+    nvg = d // value_group
+    group_bits = [1 << i for i in range(nvg.bit_length() - 1)]
+    scale_words = layout([[0, 0, 0, 1]] + [[0, 0, g, 0] for g in group_bits[:-1]] + [[1, 0, 0, 0]],
+                         [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], [2, 4, nvg // 2, 2])
+    pairs4 = layout([[0, 0, 0, g] for g in group_bits] + [[1, 0, 0, 0]],
+                    [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [2, 8, 4, nvg])
 
     def pairs(channels: int) -> Any:
         k_regs = [[8, 0]] + [[16 << i, 0] for i in range((channels // 16).bit_length() - 1)] + [[0, 8]]
@@ -212,9 +223,9 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     def flat(vec: int) -> Any:
         return gl.BlockedLayout([vec], [32], [1], [0])
 
-    return _Layouts(mma, a_op, b_op, layout(v_regs, v_lanes, shape5), words_pairs, scales_pairs,
+    return _Layouts(mma, a_op, b_op, layout(v_regs, v_lanes, shape5), words_pairs, scale_words, pairs4,
                     pairs(d), pairs(n_sc_p), gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
-                    flat(1), flat(1), flat(4), flat(8), flat(8))
+                    flat(1), flat(1), flat(4), flat(max(1, 8 * nvg // 32)), flat(8))
 
 
 if gluon is not None:
@@ -312,9 +323,9 @@ if gluon is not None:
             t0 = step * 32 + half * 16
             _async_load(buf_v.index(stage * 2 + half), vp + t0 * NW + off_v,
                                                    mask=(off_v >= 0) & valid)
-            _async_load(buf_sc.index(stage * 2 + half), vsc + t0 * NVG + off_s,
+            _async_load(buf_sc.index(stage * 2 + half), vsc + t0 * (NVG // 2) + off_s,
                                                    mask=(off_s >= 0) & valid)
-            _async_load(buf_ze.index(stage * 2 + half), vze + t0 * NVG + off_s,
+            _async_load(buf_ze.index(stage * 2 + half), vze + t0 * (NVG // 2) + off_s,
                                                    mask=(off_s >= 0) & valid)
         first = (off_k >= 0) & valid & (wd == 0)
         _async_load(buf_ks.index(stage * 2), ksc + g * D + off_k, mask=first)
@@ -346,20 +357,19 @@ if gluon is not None:
         return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
-    def _value_pairs(we, wo, sel, mask, magic, scale, zero):
-        """The values' A-operand registers: int32 pairs (token 2i low, 2i + 1 high) of fp16 values.
+    def _value_pairs(we, wo, sel, mask):
+        """The values' A-operand registers: int32 pairs (token 2i low, 2i + 1 high) of fp16 codes.
 
         we, wo: the two tokens' words holding the channel; sel: a byte permutation putting the
-        channel's byte of we in byte 0 and of wo in byte 2; mask: the code's bits there (both halves);
-        magic: 1024.0 in both halves, so the masked code q at bit k reads as 1024 + 2^k q;
-        scale, zero: fp16 pairs, the scale already times 2^-k. Four instructions per register; in
-        Gluon's own ops the byte permutation is three and the fp16 pair arithmetic needs its scale
-        and zero packed anew for every register.
+        channel's byte of we in byte 0 and of wo in byte 2; mask: the code's bits there (both halves).
+        Masked where it lies, at bit k of an fp16 with a zero exponent, the code q reads as the
+        subnormal 2^(k - 24) q, exactly (the tensor cores take subnormal inputs; products are exact
+        in fp32). Two instructions per register; the scale and zero are applied outside the operand
+        (`_value_products`), the 2^(k - 24) at the packed branch's end (`_values_finished`).
         """
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 t; prmt.b32 t, $1, $2, $3; lop3.b32 t, t, $4, $5, 0xEA; "
-            "sub.rn.f16x2 t, t, $5; fma.rn.f16x2 $0, t, $6, $7; }",
-            "=r,r,r,r,r,r,r,r", [we, wo, sel, mask, magic, scale, zero], dtype=gl.int32, is_pure=True, pack=1)
+            "{ .reg .b32 t; prmt.b32 t, $1, $2, $3; and.b32 $0, t, $4; }",
+            "=r,r,r,r,r", [we, wo, sel, mask], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
     def _mul_pairs(x, y):
@@ -374,34 +384,102 @@ if gluon is not None:
         return lo | (odd.to(gl.int16, bitcast=True).to(gl.int32) << 16)
 
     @gluon.jit
-    def _value_operand(buf_v, buf_sc, buf_ze, row, sel, mask, inv_pos, magic, D: gl.constexpr, NVG: gl.constexpr,
-                       WPG: gl.constexpr, CPB: gl.constexpr, A_OP: gl.constexpr, V5: gl.constexpr,
-                       VWP_LOAD: gl.constexpr, VSP_LOAD: gl.constexpr):
-        """V^T [D, 16] fp16 (A operand) of 16 tokens from row `row` of the ring's buffers: words
-        [16 tokens x NW], scales and zeros [16 tokens x NVG] (flat).
+    def _value_codes(buf_v, row, sel, mask, D: gl.constexpr, NVG: gl.constexpr, WPG: gl.constexpr,
+                     A_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr):
+        """V^T codes [D, 16] fp16 (A operand) of 16 tokens from row `row` of the value-word ring
+        [16 tokens x NW]: 2^(k - 24) q for the code q of channel c, k = (c % codes per byte) * b_V.
 
-        A register holds one channel of tokens t and t + 1 (`_value_pairs`). The code of channel c
-        sits at bit k = (c % CPB) * b_V of its byte, masked in place (k + b_V <= 8 stays in the
-        fp16 mantissa); the 2^k it carries is taken out of the scale, per token pair and group,
-        not per register: k depends only on the lane.
+        A register holds one channel of tokens t and t + 1 (`_value_pairs`); the code is masked
+        where it lies in its byte (k + b_V <= 8 stays in the fp16 mantissa).
         """
         G4: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V5))  # [groups, words, 8 pairs]
-        S3: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, V5))  # [groups, codes in a byte, 8 pairs]
         pw = buf_v.index(row).reshape([8, 2, NVG, WPG]).permute([2, 3, 0, 1]).load(VWP_LOAD)
         we, wo = gl.split(pw)  # [NVG, WPG, 8 token pairs]: even and odd tokens' words
         we = gl.expand_dims(gl.expand_dims(gl.convert_layout(we, G4), 2), 3)
         wo = gl.expand_dims(gl.expand_dims(gl.convert_layout(wo, G4), 2), 3)
-        S2: gl.constexpr = gl.SliceLayout(1, S3)
-        s_e, s_o = gl.split(buf_sc.index(row).reshape([8, 2, NVG]).permute([2, 0, 1]).load(VSP_LOAD))
-        z_e, z_o = gl.split(buf_ze.index(row).reshape([8, 2, NVG]).permute([2, 0, 1]).load(VSP_LOAD))
-        f = gl.expand_dims(gl.expand_dims(inv_pos, 0), 2)  # [1, CPB, 1]: 2^-k in both halves
-        scale = _mul_pairs(gl.expand_dims(_f16_pairs(gl.convert_layout(s_e, S2), gl.convert_layout(s_o, S2)), 1), f)
-        scale = gl.expand_dims(gl.expand_dims(scale, 1), 1)
-        zero = gl.expand_dims(gl.expand_dims(gl.expand_dims(_f16_pairs(gl.convert_layout(z_e, S2),
-                                                                       gl.convert_layout(z_o, S2)), 1), 1), 1)
-        x = _value_pairs(we, wo, sel, mask, magic, scale, zero)  # [NVG, WPG, 4, CPB, 8]
+        x = _value_pairs(we, wo, sel, mask)  # [NVG, WPG, 4, CPB, 8]
         codes = gl.reshape(_halves_f16(gl.reshape(x, [D, 8])), [D, 16])
         return gl.convert_layout(codes, A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _value_scale_pairs(buf, row, NVG: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+        """Scale (or zero) fp16 pairs [2, 1, 4, NVG] of 16 tokens for `_value_products`: element
+        (j, 0, b, g) holds value group g of tokens 8j + 2b (low half) and 8j + 2b + 1.
+
+        The ring row holds int32 words (two groups of one token) ordered (token pair, word, member),
+        so one load gives a thread both members' words, and one prmt per pair takes a group's
+        halves of both."""
+        ev, od = gl.split(buf.index(row).reshape([2, 4, NVG // 2, 2]).load(VS_WORDS))
+        x = gl.reshape(gl.join(_byte_perm(ev, od, 0x5410), _byte_perm(ev, od, 0x7632)), [2, 4, NVG])
+        return gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, PAIRS4), assert_trivial=True), 1)
+
+    @gluon.jit
+    def _row_halves(x):
+        """[R, C] -> rows [0, R/2) and [R/2, R): the top row bit is a register basis, so no data moves."""
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [2, R // 2, C]), [1, 2, 0]))
+
+    @gluon.jit
+    def _rows_joined(a, b, L: gl.constexpr):
+        """The inverse of `_row_halves`, in layout L."""
+        R: gl.constexpr = a.shape[0]
+        C: gl.constexpr = a.shape[1]
+        return gl.convert_layout(gl.reshape(gl.permute(gl.join(a, b), [2, 0, 1]), [2 * R, C]), L,
+                                 assert_trivial=True)
+
+    @gluon.jit
+    def _column_sums(pair: gl.constexpr, NVG: gl.constexpr, B_OP: gl.constexpr):
+        """B operand [16 tokens, 8] fp16 that sums a `_pair_rows` operand for value-group pair `pair`:
+        1024 where column n is in the pair's block of 16 // NVG columns and the token half (k >= 8)
+        matches the column's half of that block (first half: the pair's first group), else 0."""
+        C: gl.constexpr = 16 // NVG
+        k = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+        mine = ((n // C) == pair)[None, :] & (((n % C) >= C // 2)[None, :] == (k >= 8)[:, None])
+        return gl.where(mine, 1024.0, 0.0).to(gl.float16)
+
+    @gluon.jit
+    def _pair_rows(x, A_OP: gl.constexpr):
+        """fp16 pairs [2, 8, 4, 2] of two value groups (P^T pairs x scale or zero, the B-operand
+        registers of both groups side by side) -> the A operand [16, 16] that holds the same registers:
+        row 8 j + a, column 8 g + 2 b + e = group g's element (token 8 j + 2 b + e, head a)."""
+        y = gl.permute(gl.reshape(_halves_f16(x), [2, 8, 4, 2, 2]), [0, 1, 3, 2, 4])
+        return gl.convert_layout(gl.reshape(y, [16, 16]), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _value_products(codes, xs, xz, acc, acc_z, pair: gl.constexpr, NVG: gl.constexpr, MMA: gl.constexpr,
+                        A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """acc^T += codes @ (P^T x scale), value group by value group, and the zeros' part
+        acc_z += 1024 * sum_t P^T x zero per head and group (`_values_finished` reads it).
+
+        codes [R, 16] (R: the channels of NG groups), acc [R, 8]; xs, xz [2, 8, 4, NG]: P^T's fp16
+        pairs (`_pt_pairs`) times each group's scale and zero pairs. A group's scale varies along the
+        tokens (the MMA's K), so it is folded into its own B operand: one MMA per group. (The codes
+        carry no offset, `_value_pairs`: an offset such as the keys' 1024 would grow in acc with
+        every step, and the tensor cores' accumulation truncates; 2e-2 relative error after 8K
+        tokens on the H200, benchmarks/RESULTS.md.) Groups are split off two at a time (register renames; recursing on NG). For a pair, the
+        zeros' sums take one MMA: both groups' registers as one A operand (`_pair_rows`) against
+        `_column_sums`.
+        """
+        NG: gl.constexpr = xs.shape[3]
+        c0, c1 = _row_halves(codes)
+        a0, a1 = _row_halves(acc)
+        a0 = gl.convert_layout(a0, MMA, assert_trivial=True)
+        a1 = gl.convert_layout(a1, MMA, assert_trivial=True)
+        if NG == 2:
+            s0, s1 = gl.split(xs)
+            a0 = mma_v2(gl.convert_layout(c0, A_OP, assert_trivial=True), _pairs_operand(s0, B_OP), a0)
+            a1 = mma_v2(gl.convert_layout(c1, A_OP, assert_trivial=True), _pairs_operand(s1, B_OP), a1)
+            acc_z = mma_v2(_pair_rows(xz, A_OP), _column_sums(pair, NVG, B_OP), acc_z)
+        else:
+            s0, s1 = gl.split(gl.permute(gl.reshape(xs, [2, 8, 4, 2, NG // 2]), [0, 1, 2, 4, 3]))
+            z0, z1 = gl.split(gl.permute(gl.reshape(xz, [2, 8, 4, 2, NG // 2]), [0, 1, 2, 4, 3]))
+            a0, acc_z = _value_products(gl.convert_layout(c0, A_OP, assert_trivial=True), s0, z0, a0, acc_z, pair,
+                                        NVG, MMA, A_OP, B_OP)
+            a1, acc_z = _value_products(gl.convert_layout(c1, A_OP, assert_trivial=True), s1, z1, a1, acc_z,
+                                        pair + NG // 4, NVG, MMA, A_OP, B_OP)
+        return _rows_joined(a0, a1, MMA), acc_z
 
     @gluon.jit
     def _p_operand(p, T: gl.constexpr, B_OP: gl.constexpr):
@@ -419,20 +497,54 @@ if gluon is not None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _pt_operand(p, B_OP: gl.constexpr):
-        """S^T-shaped P [16 tokens, 8 heads] (score accumulator) -> the B operand P^T [16, 8] fp16
-        of the value product.
+    def _pt_pairs(p):
+        """S^T-shaped P [16 tokens, 8 heads] (score accumulator) -> P^T's fp16 pairs [16, 4], as the
+        B operand of the value product holds them: X[8j + a, b] = (P[8j + 2b, a], P[8j + 2b + 1, a]).
 
         The accumulator gives a thread two heads of one token, the operand two tokens of one head:
         the transpose of each 8-token block. movmatrix does it in one instruction per block; its
-        result, read in the accumulator's own register order, is X[8j + a, b] = (P[8j + 2b, a],
-        P[8j + 2b + 1, a]), a logical permutation that leaves every element where the B operand
-        wants it (asserted), so the conversion after it moves nothing.
+        result, read in the accumulator's own register order, is that logical permutation, which
+        leaves every element where the B operand wants it (`_pairs_operand` asserts it).
         """
         even, odd = gl.split(gl.reshape(p, [16, 4, 2]))
-        x = _transposed_blocks(_f16_pairs_rounded(even, odd))  # [16, 4]
-        y = gl.reshape(_halves_f16(x), [2, 8, 4, 2])  # (j, a, b, e) = P[8j + 2b + e, a]
+        return _transposed_blocks(_f16_pairs_rounded(even, odd))
+
+    @gluon.jit
+    def _pairs_operand(x, B_OP: gl.constexpr):
+        """P^T-pairs [16, 4] (`_pt_pairs`, possibly scaled) -> the B operand [16 tokens, 8] fp16 (no data moves)."""
+        y = gl.reshape(_halves_f16(gl.reshape(x, [16, 4])), [2, 8, 4, 2])  # (j, a, b, e) = P[8j + 2b + e, a]
         return gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 3, 1]), [16, 8]), B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _half_values(buf_v, buf_sc, buf_ze, row, p, acc, acc_z, sel, mask, D: gl.constexpr,
+                     NVG: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                     V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+        """The value product of a half step (ring row `row`, probabilities p [16 tokens, 8 heads])."""
+        x = gl.expand_dims(gl.convert_layout(gl.reshape(_pt_pairs(p), [2, 8, 4]), gl.SliceLayout(3, PAIRS4),
+                                             assert_trivial=True), 3)
+        xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, VS_WORDS, PAIRS4))
+        xz = _mul_pairs(x, _value_scale_pairs(buf_ze, row, NVG, VS_WORDS, PAIRS4))
+        codes = _value_codes(buf_v, row, sel, mask, D, NVG, WPG, A_OP, V5, VWP_LOAD)
+        return _value_products(codes, xs, xz, acc, acc_z, 0, NVG, MMA, A_OP, B_OP)
+
+    @gluon.jit
+    def _values_finished(acc, acc_z, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr):
+        """acc^T [D, 8] of the codes' form (`_value_products`) -> the values' weighted sum: channel c
+        of group g becomes acc * 2^(24 - k) + Z_g / 1024, k = (c % codes per byte) * b_V, where Z_g is the
+        column `_column_sums` gave group g in acc_z, summed over both token halves (rows a and
+        8 + a of head a). Once per program; the broadcast over each group's channels is a one-hot sum."""
+        NVG: gl.constexpr = D // GV
+        C: gl.constexpr = 16 // NVG
+        L3: gl.constexpr = gl.BlockedLayout([1, 8, 1], [4, 1, 8], [1, 1, 1], [2, 1, 0])  # [D, 8 columns, 8 heads]
+        z_top, z_bottom = _row_halves(acc_z)
+        c = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        g = c // GV
+        own = (((g // 2) * C + (g % 2) * (C // 2))[:, None] == n[None, :])[:, :, None]  # [D, 8, 1]
+        z_c = gl.sum(gl.where(own, gl.convert_layout(gl.permute(z_top + z_bottom, [1, 0]),
+                                                     gl.SliceLayout(0, L3))[None, :, :], 0.0), axis=1)
+        k = (gl.arange(0, D, layout=gl.SliceLayout(1, MMA)) % (8 // BV)) * BV
+        return acc * gl.exp2(24.0 - k.to(gl.float32))[:, None] + gl.convert_layout(z_c, MMA) * (1.0 / 1024.0)
 
     @gluon.jit
     def _f16_pairs_rounded(even, odd):
@@ -464,7 +576,7 @@ if gluon is not None:
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
-        VWP_LOAD: gl.constexpr, VSP_LOAD: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
+        VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
         STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
         CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
     ):
@@ -513,7 +625,7 @@ if gluon is not None:
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
             q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
                              other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
-            # Values (`_value_operand`): per byte of a word (b) and code in the byte (j), the byte
+            # Values (`_value_codes`): per byte of a word (b) and code in the byte (j), the byte
             # permutation, the code's mask and its 2^-k.
             CPB: gl.constexpr = 8 // BV
             bv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4,
@@ -523,9 +635,6 @@ if gluon is not None:
                                                                                                           V5)))))
             v_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
                 (((1 << BV) - 1) * 0x10001) << (jv * BV), 0), 0), 0), 4)
-            # 2^-k as fp16 bits (exponent 15 - k) in both halves
-            v_inv = ((15 - gl.arange(0, CPB, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
-                1, gl.SliceLayout(1, V5))))) * BV) << 10) * 0x10001
             # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
             # copies STAGES - 1 steps ahead: the loads of a step are in flight while earlier steps
             # compute, instead of stalling the warp that needs them (and no registers hold them).
@@ -533,15 +642,17 @@ if gluon is not None:
             buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PL_P, D // 2], SMEM1)  # (parity, plane)
             buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PH_P, NSC_P // 2], SMEM1)
             buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [token, word]
-            buf_sc = gl.allocate_shared_memory(gl.float16, [STAGES * 2, 16 * NVG], SMEM1)  # [token, value group]
-            buf_ze = gl.allocate_shared_memory(gl.float16, [STAGES * 2, 16 * NVG], SMEM1)
+            # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member]
+            buf_sc = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
+            buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
             buf_ks = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], SMEM1)  # key scale row, zero row
             # Element offsets of one row's copy, from the step's first word / token / row.
             off_lo = gl.arange(0, D // 2, layout=CP_LO) * (2 * G32)  # even channel of each pair
             off_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) * (2 * G32)
             m_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) < NSC // 2
             off_v = gl.arange(0, 16 * NW, layout=CP_V)  # a half step's value words and scales are contiguous
-            off_s = gl.arange(0, 16 * NVG, layout=CP_S)
+            n_s = gl.arange(0, 8 * NVG, layout=CP_S)  # (pair i, word w, member e) -> word w of token 2i + e
+            off_s = ((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
             off_k = gl.arange(0, D, layout=CP_K)
             w_start = g_start * G32
             w_end = g_end * G32
@@ -556,6 +667,7 @@ if gluon is not None:
             c0 = gl.zeros([8], gl.float32, layout=HEADS)
             m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
             l_h = gl.zeros([8], gl.float32, layout=HEADS)
+            acc_z = gl.zeros([16, 8], gl.float32, layout=MMA)  # `_value_products`: the zeros' part
             for w in range(w_start, w_end):  # word steps: 32 tokens each, G32 per group
                 stage = (w - w_start) % STAGES
                 async_copy.wait_group(STAGES - 2)  # this step's copies have landed ...
@@ -597,15 +709,19 @@ if gluon is not None:
                 # tokens); alpha is 1 for every head otherwise.
                 if gl.max(m_new - m_h, axis=0) > 0:
                     acc = acc * alpha[None, :]
+                    # acc_z holds head a in rows a and 8 + a
+                    acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
+                                                      ROW)[:, None]
                 m_h = m_new
                 # Values of the same tokens, 16 at a time.
-                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2, v_sel, v_mask, v_inv, magic, D, NVG,
-                                            WPG, CPB, A_OP, V5, VWP_LOAD, VSP_LOAD),
-                             _pt_operand(p0, B_OP), acc)
-                acc = mma_v2(_value_operand(buf_v, buf_sc, buf_ze, stage * 2 + 1, v_sel, v_mask, v_inv, magic, D,
-                                            NVG, WPG, CPB, A_OP, V5, VWP_LOAD, VSP_LOAD),
-                             _pt_operand(p1, B_OP), acc)
+                acc, acc_z = _half_values(buf_v, buf_sc, buf_ze, stage * 2, p0, acc, acc_z, v_sel,
+                                                 v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                                 PAIRS4)
+                acc, acc_z = _half_values(buf_v, buf_sc, buf_ze, stage * 2 + 1, p1, acc, acc_z, v_sel,
+                                                 v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                                 PAIRS4)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
+            acc = _values_finished(acc, acc_z, D, GV, BV, MMA)
             m_fin = m_h
             l_fin = l_h
         else:
@@ -752,8 +868,11 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)
+    # Value scales and zeros as int32 words, two groups of a token each (`_value_scale_pairs`).
+    scale_words = dataclasses.replace(cache, v_scale=_words(cache.v_scale.flatten(-2)),
+                                      v_zero=_words(cache.v_zero.flatten(-2)))
     args = (
-        *cache_operands(q, cache, _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)),
+        *cache_operands(q, scale_words, _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)),
         pm, pl, pa,
         scale * LOG2E, groups_per_split, num_splits, FP16_PAIR_1024,
     )
@@ -812,8 +931,9 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     const = dict(HKV=8, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
                  NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, STAGES=STAGES, PL_P=next_pow2(b_low),
                  PH_P=next_pow2(max(b_high - b_low, 1)), **lay.constexprs())
-    words = {"klo_ptr", "khi_ptr", "vp_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr", "res_len_ptr"}
-    halves = {"ksc_ptr", "kze_ptr", "vsc_ptr", "vze_ptr"}
+    words = {"klo_ptr", "khi_ptr", "vp_ptr", "vsc_ptr", "vze_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr",
+             "res_len_ptr"}
+    halves = {"ksc_ptr", "kze_ptr"}
 
     def kind(name: str) -> str:
         if name in const:

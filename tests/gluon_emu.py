@@ -3,8 +3,8 @@
 Gluon kernels cannot run under TRITON_INTERPRET, and CI has no GPU. A layout only says which thread
 holds which element; it changes no value. So executing the kernel function's Python body with the
 layouts ignored computes what the GPU computes, program by program: tensors are torch tensors,
-pointers are (flat tensor, offsets) pairs, `mma_v2` is an fp32 matmul of its fp16 operands (exact
-products, as on the tensor cores) added to the accumulator. What this checks is the kernel's
+pointers are (flat tensor, offsets) pairs, `mma_v2` is a matmul of its fp16 operands added to the
+accumulator, rounded toward zero to fp32 (the tensor cores' products are exact, their sums truncate). What this checks is the kernel's
 arithmetic and indexing (bit positions, word and scale offsets, splits, masks, online softmax);
 what it cannot check is the placement (the layouts) and Triton's lowering, which the sm_90
 compile test and `benchmarks/bench_decode.py` on the GPU cover.
@@ -102,7 +102,7 @@ class FakeGluon:
     def _layout(*args: Any, **kwargs: Any) -> None:
         return None
 
-    SliceLayout = DotOperandLayout = NVMMADistributedLayout = DistributedLinearLayout = _layout
+    SliceLayout = DotOperandLayout = NVMMADistributedLayout = DistributedLinearLayout = BlockedLayout = _layout
 
     @staticmethod
     def allocate_shared_memory(dtype: torch.dtype, shape: list[int], layout: Any) -> Smem:
@@ -193,8 +193,12 @@ class FakeGluon:
 
 
 def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """The exact sum rounded toward zero to fp32: the tensor cores' accumulation truncates, so an
+    offset carried in the accumulator biases it (measured on the H200; `_value_products`)."""
     assert a.dtype == b.dtype == torch.float16, "mma_v2 operands are fp16 here"
-    return acc + a.float() @ b.float()
+    exact = acc.double() + a.double() @ b.double()
+    out = exact.float()
+    return torch.where(out.double().abs() > exact.abs(), torch.nextafter(out, torch.zeros_like(out)), out)
 
 
 def _halves_f16(x: torch.Tensor) -> torch.Tensor:
@@ -214,13 +218,9 @@ def _byte_perm(a: torch.Tensor, b: torch.Tensor, sel: Any) -> torch.Tensor:
     return (out - ((out >> 31) << 32)).to(torch.int32)  # as a signed 32-bit word
 
 
-def _value_pairs(we: torch.Tensor, wo: torch.Tensor, sel: torch.Tensor, mask: torch.Tensor, magic: int,
-                 scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The inline PTX (prmt, lop3, sub.f16x2, fma.f16x2), one rounding per fp16 result."""
-    x = (_byte_perm(we, wo, sel) & mask) | magic
-    halves = _halves_f16(x).float() - 1024.0
-    out = (halves * _halves_f16(scale).float() + _halves_f16(zero).float()).to(torch.float16)
-    return _f16_pairs(out[..., 0], out[..., 1])
+def _value_pairs(we: torch.Tensor, wo: torch.Tensor, sel: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The inline PTX (prmt, and): the code masked in place."""
+    return _byte_perm(we, wo, sel) & mask
 
 
 def _mul_pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ def test_emulated_kernel_matches_dequantize_then_attend(case):
 
 
 def test_emulated_kernel_reads_only_held_tokens():
-    q, cache = build(Case(value_group=64), fresh_generator())
+    q, cache = build(Case(value_group=32), fresh_generator())
     before = emulated(q, cache, 0.125, 2)
     garble_past_held_tokens(cache)
     after = emulated(q, cache, 0.125, 2)
@@ -86,7 +86,7 @@ def test_emulated_kernel_reads_only_held_tokens():
 COMPILED = [
     (128, 128, 1, 3, 64, 2, 32, 4, "*bf16"),  # pnmix-paper on an 8B-shaped layer
     (64, 32, 2, 4, 64, 1, 32, 1, "*fp16"),  # every channel salient, 1-bit values
-    (64, 64, 4, 4, 0, 8, 64, 3, "*fp32"),  # no high planes, 8-bit values
+    (64, 64, 4, 4, 0, 8, 32, 3, "*fp32"),  # no high planes, 8-bit values
 ]
 
 
