@@ -83,7 +83,9 @@ LOG2E = 1.4426950408889634
 FP16_PAIR_1024 = 0x64006400
 WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: one load per channel and plane feeds two 16-token steps
 MAX_GQA = 8  # query heads per KV head: the value product's N; partials hold this many rows
-STAGES = 3  # word steps (32 tokens) in a program's shared-memory ring: copies run STAGES - 1 steps ahead
+# Word steps (32 tokens) in a program's shared-memory ring. Copies run STAGES - 2 steps ahead: a step
+# reads its own slot (scores) and the slot of the step before (values; see the kernel's loop).
+STAGES = 4
 
 
 def available() -> bool:
@@ -139,7 +141,8 @@ class _Layouts:
     def constexprs(self) -> dict:
         """The kernel's layout arguments."""
         return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V5=self.v5, VWP_LOAD=self.words_pairs,
-                    VS_WORDS=self.scale_words, PAIRS4=self.pairs4, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi, SMEM1=self.smem1,
+                    VS_WORDS=self.scale_words, PAIRS4=self.pairs4, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi,
+                    SMEM1=self.smem1,
                     CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
                     CP_S=self.cp_s, CP_K=self.cp_k)
 
@@ -458,9 +461,9 @@ if gluon is not None:
         tokens (the MMA's K), so it is folded into its own B operand: one MMA per group. (The codes
         carry no offset, `_value_pairs`: an offset such as the keys' 1024 would grow in acc with
         every step, and the tensor cores' accumulation truncates; 2e-2 relative error after 8K
-        tokens on the H200, benchmarks/RESULTS.md.) Groups are split off two at a time (register renames; recursing on NG). For a pair, the
-        zeros' sums take one MMA: both groups' registers as one A operand (`_pair_rows`) against
-        `_column_sums`.
+        tokens on the H200, benchmarks/RESULTS.md.) Groups are split off two at a time (register
+        renames; recursing on NG). For a pair, the zeros' sums take one MMA: both groups' registers
+        as one A operand (`_pair_rows`) against `_column_sums`.
         """
         NG: gl.constexpr = xs.shape[3]
         c0, c1 = _row_halves(codes)
@@ -516,16 +519,21 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 3, 1]), [16, 8]), B_OP, assert_trivial=True)
 
     @gluon.jit
-    def _half_values(buf_v, buf_sc, buf_ze, row, p, acc, acc_z, sel, mask, D: gl.constexpr,
-                     NVG: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
-                     V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
-        """The value product of a half step (ring row `row`, probabilities p [16 tokens, 8 heads])."""
-        x = gl.expand_dims(gl.convert_layout(gl.reshape(_pt_pairs(p), [2, 8, 4]), gl.SliceLayout(3, PAIRS4),
-                                             assert_trivial=True), 3)
-        xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, VS_WORDS, PAIRS4))
-        xz = _mul_pairs(x, _value_scale_pairs(buf_ze, row, NVG, VS_WORDS, PAIRS4))
-        codes = _value_codes(buf_v, row, sel, mask, D, NVG, WPG, A_OP, V5, VWP_LOAD)
-        return _value_products(codes, xs, xz, acc, acc_z, 0, NVG, MMA, A_OP, B_OP)
+    def _step_values(buf_v, buf_sc, buf_ze, slot, x0, x1, acc, acc_z, sel, mask, D: gl.constexpr, NVG: gl.constexpr,
+                     WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
+                     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+        """The value product of a word step: ring slot `slot`, P^T pairs x0, x1 of its two 16-token
+        halves (`_pt_pairs`)."""
+        for half in gl.static_range(2):
+            row = slot * 2 + half
+            x = x0 if half == 0 else x1
+            x = gl.expand_dims(gl.convert_layout(gl.reshape(x, [2, 8, 4]), gl.SliceLayout(3, PAIRS4),
+                                                 assert_trivial=True), 3)
+            xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, VS_WORDS, PAIRS4))
+            xz = _mul_pairs(x, _value_scale_pairs(buf_ze, row, NVG, VS_WORDS, PAIRS4))
+            codes = _value_codes(buf_v, row, sel, mask, D, NVG, WPG, A_OP, V5, VWP_LOAD)
+            acc, acc_z = _value_products(codes, xs, xz, acc, acc_z, 0, NVG, MMA, A_OP, B_OP)
+        return acc, acc_z
 
     @gluon.jit
     def _values_finished(acc, acc_z, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr):
@@ -576,7 +584,8 @@ if gluon is not None:
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
-        VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr, PAIRS_HI: gl.constexpr,
+        VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
+        PAIRS_HI: gl.constexpr,
         STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
         CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
     ):
@@ -656,7 +665,12 @@ if gluon is not None:
             off_k = gl.arange(0, D, layout=CP_K)
             w_start = g_start * G32
             w_end = g_end * G32
-            for i in gl.static_range(STAGES - 1):
+            # The slot of the step before the first: the loop's first value product reads it with
+            # P = 0, so its scales and zeros must be finite (0 x NaN would be NaN); codes always are.
+            for half in gl.static_range(2):
+                buf_sc.index((STAGES - 1) * 2 + half).store(gl.zeros([8 * NVG], gl.int32, layout=CP_S))
+                buf_ze.index((STAGES - 1) * 2 + half).store(gl.zeros([8 * NVG], gl.int32, layout=CP_S))
+            for i in gl.static_range(STAGES - 2):
                 _issue_step(w_start + i, w_start + i < w_end, i, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                             klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
                             off_lo, off_hi, m_hi, off_v, off_s, off_k,
@@ -666,13 +680,16 @@ if gluon is not None:
             bias = gl.zeros([8], gl.float32, layout=HEADS)
             c0 = gl.zeros([8], gl.float32, layout=HEADS)
             m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
-            l_h = gl.zeros([8], gl.float32, layout=HEADS)
+            l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # softmax sums per lane, reduced after the loop
+            x0 = _pt_pairs(gl.zeros([16, 8], gl.float32, layout=MMA))  # P^T pairs of the step before: none
+            x1 = x0
             acc_z = gl.zeros([16, 8], gl.float32, layout=MMA)  # `_value_products`: the zeros' part
             for w in range(w_start, w_end):  # word steps: 32 tokens each, G32 per group
                 stage = (w - w_start) % STAGES
-                async_copy.wait_group(STAGES - 2)  # this step's copies have landed ...
+                before = (w - w_start + STAGES - 1) % STAGES  # the step before's slot
+                async_copy.wait_group(STAGES - 3)  # this step's copies have landed ...
                 _thread_barrier()  # ... for every lane, and every lane is done with the step before
-                nxt = w + STAGES - 1
+                nxt = w + STAGES - 2
                 _issue_step(nxt, nxt < w_end, (nxt - w_start) % STAGES, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                             klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
                             off_lo, off_hi, m_hi, off_v, off_s, off_k,
@@ -694,32 +711,38 @@ if gluon is not None:
                                                  + gl.sum(u_hi16.to(gl.float32), axis=1) * ((1 << NH) - 1)), HEADS)
                 lw = _smem_pair_words(buf_lo, stage * 2 * PL_P, B_LOW, PL_P, gl.SliceLayout(1, PAIRS_LO))
                 hw = _smem_pair_words(buf_hi, stage * 2 * PH_P, NH, PH_P, gl.SliceLayout(1, PAIRS_HI))
-                # Both 16-token halves' scores first (four independent MMA chains), then one
-                # online-softmax update for the 32 tokens.
+                # Both 16-token halves' scores (four independent MMA chains), then the value product
+                # of the step before (its P^T pairs x0, x1): independent work for the scheduler to
+                # interleave with this step's dependent chains (a warp has few neighbours to hide
+                # them: 8 per SM). Then one online-softmax update for the 32 tokens.
                 s0 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 0, magic, B_LOW, NH,
                                   NSC, D, NSC_P, MMA, A_OP)
                 s1 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 1, magic, B_LOW, NH,
                                   NSC, D, NSC_P, MMA, A_OP)
+                acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, before, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG,
+                                          WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
                 m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
                 alpha = gl.exp2(m_h - m_new)
                 p0 = gl.exp2(s0 - m_new[None, :])
                 p1 = gl.exp2(s1 - m_new[None, :])
-                l_h = l_h * alpha + gl.sum(p0 + p1, axis=0)
-                # Rescale the accumulator only when a running max moved (rare after the first
+                # Rescale the accumulators only when a running max moved (rare after the first
                 # tokens); alpha is 1 for every head otherwise.
                 if gl.max(m_new - m_h, axis=0) > 0:
                     acc = acc * alpha[None, :]
+                    l_t = l_t * alpha[None, :]
                     # acc_z holds head a in rows a and 8 + a
                     acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
                                                       ROW)[:, None]
+                l_t = l_t + p0 + p1
                 m_h = m_new
-                # Values of the same tokens, 16 at a time.
-                acc, acc_z = _half_values(buf_v, buf_sc, buf_ze, stage * 2, p0, acc, acc_z, v_sel,
-                                                 v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
-                                                 PAIRS4)
-                acc, acc_z = _half_values(buf_v, buf_sc, buf_ze, stage * 2 + 1, p1, acc, acc_z, v_sel,
-                                                 v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
-                                                 PAIRS4)
+                x0 = _pt_pairs(p0)
+                x1 = _pt_pairs(p1)
+            async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
+            # The last step's values (or, for an empty split, the zeroed slot before the first step).
+            last = (gl.maximum(w_end - w_start, 0) + STAGES - 1) % STAGES
+            acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, last, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG, MMA,
+                                      A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+            l_h = gl.sum(l_t, axis=0)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             acc = _values_finished(acc, acc_z, D, GV, BV, MMA)
             m_fin = m_h
@@ -851,8 +874,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     `max_registers` and `stages`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i)
     split i.
     """
-    if stages < 2:
-        raise ValueError(f"stages={stages}: the shared-memory ring needs at least 2 slots")
+    if stages < 3:
+        raise ValueError(f"stages={stages}: the shared-memory ring needs at least 3 slots")
     from kernels.decode import cache_operands, check_operands, split_plan
 
     check_operands(q, cache)

@@ -4,9 +4,9 @@ Gluon kernels cannot run under TRITON_INTERPRET, and CI has no GPU. A layout onl
 holds which element; it changes no value. So executing the kernel function's Python body with the
 layouts ignored computes what the GPU computes, program by program: tensors are torch tensors,
 pointers are (flat tensor, offsets) pairs, `mma_v2` is a matmul of its fp16 operands added to the
-accumulator, rounded toward zero to fp32 (the tensor cores' products are exact, their sums truncate). What this checks is the kernel's
-arithmetic and indexing (bit positions, word and scale offsets, splits, masks, online softmax);
-what it cannot check is the placement (the layouts) and Triton's lowering, which the sm_90
+accumulator, rounded toward zero to fp32 (the tensor cores' products are exact, their sums
+truncate). What this checks is the kernel's arithmetic and indexing (bit positions, word and
+scale offsets, splits, masks, online softmax); what it cannot check is the placement (the layouts) and Triton's lowering, which the sm_90
 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
@@ -63,6 +63,9 @@ class Smem:
 
     def load(self, layout: Any) -> torch.Tensor:
         return self.t.clone()
+
+    def store(self, value: torch.Tensor) -> None:
+        self.t.copy_(value)
 
 
 class FakeAsyncCopy:
