@@ -6,8 +6,8 @@ layouts ignored computes what the GPU computes, program by program: tensors are 
 pointers are (flat tensor, offsets) pairs, `mma_v2` is a matmul of its fp16 operands added to the
 accumulator, rounded toward zero to fp32 (the tensor cores' products are exact, their sums
 truncate). What this checks is the kernel's arithmetic and indexing (bit positions, word and
-scale offsets, splits, masks, online softmax); what it cannot check is the placement (the layouts) and Triton's lowering, which the sm_90
-compile test and `benchmarks/bench_decode.py` on the GPU cover.
+scale offsets, splits, masks, online softmax); what it cannot check is the placement (the
+layouts) and Triton's lowering, which the sm_90 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
 the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`, `_f16_pairs`),
