@@ -127,8 +127,10 @@ class _Layouts:
     # groups as registers (`_value_products`).
     scale_words: Any
     pairs4: Any
-    pairs_lo: Any  # keys: [d // 2 channel pairs, 16 tokens], one int32 holding both codes of a pair
-    pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 16]
+    # Keys: [d // 2 channel pairs, 8 token pairs], one int32 holding both codes of a channel pair;
+    # each element is two A-operand registers (`_plane_pairs`: rows r and 8 + r, tokens 2r, 2r + 1).
+    pairs_lo: Any
+    pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 8]
     # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
     # into it: one lane per element for the strided plane words, 16-byte copies for the contiguous rows.
     smem1: Any  # rank 1: buffers are [rows, row] and indexed by row
@@ -219,9 +221,9 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
                     [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [2, 8, 4, nvg])
 
     def pairs(channels: int) -> Any:
-        k_regs = [[8, 0]] + [[16 << i, 0] for i in range((channels // 16).bit_length() - 1)] + [[0, 8]]
+        k_regs = [[8, 0]] + [[16 << i, 0] for i in range((channels // 16).bit_length() - 1)]
         k_lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
-        return layout([[c // 2, t] for c, t in k_regs], [[c // 2, t] for c, t in k_lanes], [channels // 2, 16])
+        return layout([[c // 2, t] for c, t in k_regs], [[c // 2, t] for c, t in k_lanes], [channels // 2, 8])
 
     def flat(vec: int) -> Any:
         return gl.BlockedLayout([vec], [32], [1], [0])
@@ -248,19 +250,35 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _plane_pairs(we, wo, t, bit, half, magic_p):
-        """One bit plane's A-operand registers [C // 2, 16] for the tokens t of a half step: int32
-        elements holding the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + t % 8) * bit.
+    def _token_of_row(m):
+        """The token (within its 16-token half step) of row m of the score and value products: 2 (m % 8)
+        + m // 8, so that a thread's two rows r, 8 + r are adjacent tokens (`_plane_pairs`)."""
+        return 2 * (m % 8) + m // 8
 
-        we, wo: plane words [C // 2] of the even and odd channels (32 tokens each). The half's 16
-        tokens of both channels are first put side by side in one word (even channel in the low
-        half); a token's bit is then masked where it lies, at t % 8 (`bit` = 0x10001 << (t % 8)),
-        after a shift by 8 for the half's second byte. ORed into magic_p = 1024 * 2^p, a bit at
-        mantissa position k adds 2^(p + k): no shift down to bit 0 and no "- 1024" per element;
-        `_half_scores` takes the per-token factor 2^-k and the constant out of the accumulator.
+    @gluon.jit
+    def _byte_perm_by(a, b, sel):
+        """`_byte_perm` with the selector a tensor (a register), for selectors that vary by thread."""
+        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _plane_pairs(we, wo, sel, bit_e, bit_o, magic_p):
+        """One bit plane's A-operand registers [C // 2, 16] for a half step: int32 elements holding
+        the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + k) * bit.
+
+        Row m of the operand is token 2 (m % 8) + m // 8 of the half (`token_rows`), so that the
+        two rows of a thread (r and 8 + r) are tokens 2r and 2r + 1, in the same byte of the plane
+        words: one prmt (selector `sel` [8], per row r) puts that byte of both channels' words
+        we, wo [C // 2] (32 tokens each) side by side (even channel in the low half), and one
+        masking per row takes a token's bit where it lies, at k = its token % 8 (`bit_e`, `bit_o`
+        = 0x10001 << k). ORed into magic_p = 1024 * 2^p, a bit at mantissa position k adds
+        2^(p + k): no shift and no "- 1024" per element; `_half_scores` takes the per-row factor
+        2^-k and the constant out of the accumulator.
         """
-        w = _byte_perm(we, wo, 0x5410 if half == 0 else 0x7632)
-        return ((w[:, None] >> (t & 8)[None, :]) & bit[None, :]) | magic_p
+        w = _byte_perm_by(we[:, None], wo[:, None], sel[None, :])  # [C // 2, 8]
+        x = gl.join((w & bit_e[None, :]) | magic_p, (w & bit_o[None, :]) | magic_p)
+        C2: gl.constexpr = w.shape[0]
+        return gl.reshape(gl.permute(x, [0, 2, 1]), [C2, 16])
 
     @gluon.jit
     def _plane_operand(x, C: gl.constexpr, A_OP: gl.constexpr):
@@ -269,7 +287,7 @@ if gluon is not None:
         return gl.convert_layout(gl.permute(codes, [1, 0]), A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, half: gl.constexpr, magic,
+    def _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, half: gl.constexpr, magic,
                      B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr,
                      NSC_P: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr):
         """Scores S^T [16 tokens, 8 heads] of half step `half` of a 32-token word: the keys are the A
@@ -277,7 +295,7 @@ if gluon is not None:
         of [16 heads, 16 tokens], since GQ <= 8).
 
         One MMA per bit plane: plane p's operand is 2^p * (1024 + 2^k * bit) (`_plane_pairs`,
-        k = t % 8); the low planes of every channel against u into one accumulator, the salient
+        k = token % 8; rows are tokens in `token_rows` order); the low planes of every channel against u into one accumulator, the salient
         channels' high planes against u_hi = u[:, salient] * 2^b_low into a second one. They start
         at c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)) in total, the planes'
         constant part, which leaves 2^k * (codes @ u); inv_pos = 2^-k per token (row) and the
@@ -287,14 +305,16 @@ if gluon is not None:
         """
         acc = gl.zeros([16, 8], gl.float32, layout=MMA) + c0[None, :]
         for p in gl.static_range(B_LOW):
-            x = _plane_pairs(lw[2 * p], lw[2 * p + 1], t_lo, bit_lo, half, magic + p * 0x04000400)
+            x = _plane_pairs(lw[2 * p], lw[2 * p + 1], sel_lo + half * 0x0202, bits_lo[0], bits_lo[1],
+                             magic + p * 0x04000400)
             acc = mma_v2(_plane_operand(x, D, A_OP), u, acc)
         if NH > 0:
             if NSC > 0:
                 # A second accumulator: two shorter dependent MMA chains instead of one long one.
                 acc_hi = gl.zeros([16, 8], gl.float32, layout=MMA)
                 for p in gl.static_range(NH):
-                    x = _plane_pairs(hw[2 * p], hw[2 * p + 1], t_hi, bit_hi, half, magic + p * 0x04000400)
+                    x = _plane_pairs(hw[2 * p], hw[2 * p + 1], sel_hi + half * 0x0202, bits_hi[0], bits_hi[1],
+                                     magic + p * 0x04000400)
                     acc_hi = mma_v2(_plane_operand(x, NSC_P, A_OP), u_hi, acc_hi)
                 acc = acc + acc_hi
         return acc * inv_pos[:, None] + bias[None, :]
@@ -623,12 +643,16 @@ if gluon is not None:
             vp = vp_ptr + b.to(gl.int64) * stride_vpb + h * stride_vph
             vsc = vsc_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             vze = vze_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
-            t_lo = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_LO))  # tokens of a half step
-            t_hi = gl.arange(0, 16, layout=gl.SliceLayout(0, PAIRS_HI))
-            bit_lo = 0x10001 << (t_lo & 7)  # where a token's bit lies in its merged byte (`_plane_pairs`)
-            bit_hi = 0x10001 << (t_hi & 7)
+            # `_plane_pairs`, per row pair r: the byte of tokens 2r, 2r + 1 in the first half's two
+            # bytes (both channels' words), and where each token's bit lies in it.
+            r_lo = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS_LO))
+            r_hi = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS_HI))
+            sel_lo = (r_lo // 4) * 0x0101 + 0x0400
+            sel_hi = (r_hi // 4) * 0x0101 + 0x0400
+            bits_lo = (0x10001 << ((2 * r_lo) % 8), 0x10001 << ((2 * r_lo + 1) % 8))
+            bits_hi = (0x10001 << ((2 * r_hi) % 8), 0x10001 << ((2 * r_hi + 1) % 8))
             t_s = gl.arange(0, 16, layout=ROW)
-            inv_pos = gl.exp2(-(t_s & 7).to(gl.float32))  # 2^-k: the scores' per-token (row) factor
+            inv_pos = gl.exp2(-(_token_of_row(t_s) & 7).to(gl.float32))  # 2^-k: the scores' per-row factor
             js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
@@ -659,9 +683,12 @@ if gluon is not None:
             off_lo = gl.arange(0, D // 2, layout=CP_LO) * (2 * G32)  # even channel of each pair
             off_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) * (2 * G32)
             m_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) < NSC // 2
-            off_v = gl.arange(0, 16 * NW, layout=CP_V)  # a half step's value words and scales are contiguous
+            # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
+            # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
+            n_v = gl.arange(0, 16 * NW, layout=CP_V)
+            off_v = _token_of_row(n_v // NW) * NW + n_v % NW
             n_s = gl.arange(0, 8 * NVG, layout=CP_S)  # (pair i, word w, member e) -> word w of token 2i + e
-            off_s = ((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
+            off_s = _token_of_row((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
             off_k = gl.arange(0, D, layout=CP_K)
             w_start = g_start * G32
             w_end = g_end * G32
@@ -715,10 +742,10 @@ if gluon is not None:
                 # of the step before (its P^T pairs x0, x1): independent work for the scheduler to
                 # interleave with this step's dependent chains (a warp has few neighbours to hide
                 # them: 8 per SM). Then one online-softmax update for the 32 tokens.
-                s0 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 0, magic, B_LOW, NH,
-                                  NSC, D, NSC_P, MMA, A_OP)
-                s1 = _half_scores(u, u_hi, c0, bias, lw, hw, t_lo, t_hi, bit_lo, bit_hi, inv_pos, 1, magic, B_LOW, NH,
-                                  NSC, D, NSC_P, MMA, A_OP)
+                s0 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 0, magic, B_LOW,
+                                  NH, NSC, D, NSC_P, MMA, A_OP)
+                s1 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 1, magic, B_LOW,
+                                  NH, NSC, D, NSC_P, MMA, A_OP)
                 acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, before, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG,
                                           WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
                 m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))

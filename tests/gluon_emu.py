@@ -247,7 +247,7 @@ def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
     env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
-                    "_byte_perm": _byte_perm, "_transposed_blocks": _transposed_blocks,
+                    "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_transposed_blocks": _transposed_blocks,
                     "_f16_pairs_rounded": _f16_pairs_rounded, "_value_pairs": _value_pairs}
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
                _async_load=FakeAsyncCopy.async_copy_global_to_shared,
