@@ -752,14 +752,13 @@ if gluon is not None:
                 alpha = gl.exp2(m_h - m_new)
                 p0 = gl.exp2(s0 - m_new[None, :])
                 p1 = gl.exp2(s1 - m_new[None, :])
-                # Rescale the accumulators only when a running max moved (rare after the first
-                # tokens); alpha is 1 for every head otherwise.
-                if gl.max(m_new - m_h, axis=0) > 0:
-                    acc = acc * alpha[None, :]
-                    l_t = l_t * alpha[None, :]
-                    # acc_z holds head a in rows a and 8 + a
-                    acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
-                                                      ROW)[:, None]
+                # Rescaled at every step, not under a branch: alpha is mostly 1, but the branch's
+                # warp-wide test and its block boundary cost more than the 40 multiplications.
+                acc = acc * alpha[None, :]
+                l_t = l_t * alpha[None, :]
+                # acc_z holds head a in rows a and 8 + a
+                acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
+                                                  ROW)[:, None]
                 l_t = l_t + p0 + p1
                 m_h = m_new
                 x0 = _pt_pairs(p0)
