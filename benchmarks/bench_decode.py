@@ -64,10 +64,10 @@ VARIANTS = [
 
 
 # Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM or None for
-# splits that fill whole waves, register cap, shared-memory ring slots or None for 3); the first is the
-# launcher's default. Uncapped it takes about 232 registers (8 warps per SM); 168 allows 12 with no
-# spill in the inner loop but was 5-10% slower; 2, 4 and 6 slots timed like 3 (within 1%, 2026-11-30).
-MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mma", None, None, 2)]
+# splits that fill whole waves, register cap, shared-memory ring slots (>= 3) or None for 4); the first
+# is the launcher's default. Uncapped it takes 225 registers (8 warps per SM); caps of 168 and 200 were
+# 6% and 48% slower at 32 x 32K, 6 slots timed like 4 (within 1%, 2026-12-01).
+MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mma", None, None, 6)]
 
 
 def parse_variant(text: str) -> tuple:

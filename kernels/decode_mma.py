@@ -7,46 +7,53 @@ memory; that round trip and the layout shuffles cost more than the bytes saved (
 0.45-0.58x of bf16 SDPA; benchmarks/RESULTS.md, Kernels). Here every code is expanded by the
 thread whose `mma.sync` fragment holds it:
 
-- Codes are never shifted down to bit 0. ORed into the fp16 1024.0 (0x6400), a code q masked
-  where it lies, at bit k of a byte's mantissa bits, reads as 1024 + 2^k q, exactly; the 1024 and
-  the 2^k are taken out once per group or per row instead of per element (one instruction or two
-  per operand register; the shift, the "- 1024" and the word merges cost 2-4 more before).
+- Codes are never shifted down to bit 0: masked where it lies, at bit k of a byte, a code q is
+  read as an fp16 whose mantissa holds it, and the 2^k is taken out per row or per group, not
+  per element.
 - keys, A operand of S^T[t, h] = codes^T[t, c] @ U^T[c, h] (U = query x key scale, one per group,
   the first 8 heads as the B operand: N = 8, since GQ <= 8, where a [16 heads, tokens] product
   would pad 16 rows; the zero point is a per-head bias): a thread holds channel pairs (c, c+1) of
-  one token (the same elements as in the B operand of the untransposed product).
-  Per bit plane it loads the 32-bit words (32 tokens, 8 a byte, LSB first) of both channels, puts
-  the 16 tokens of a half step side by side in one word (one prmt; even channel in the low half)
-  and masks its token's bit of both channels at t % 8 (after a shift by 8 for the half's second
-  byte). Plane p is ORed into 1024 * 2^p, so every plane of a product adds into one accumulator
-  (one MMA per plane): the low planes of all channels against U, the salient channels' high
-  planes against U[:, salient] * 2^b_low, since code = low + 2^b_low * high. The accumulator
-  starts at minus the planes' constant part (-1024 (2^planes - 1) sum U per head) and each token
-  row is scaled by 2^-(t % 8). No channel reordering, no gather of packed bytes.
-- values, A operand of acc^T[c, h] += V^T[c, t] @ P^T[t, h]: a thread holds token pairs of one
-  channel. One prmt puts its channel's byte of both tokens' words in the two halves, one lop3
-  masks the code in place (bit k = (c % codes per byte) * b_V, a function of the lane only) and
-  ORs 1024 in, then sub.f16x2 and fma.f16x2 (inline PTX) apply "- 1024", the scale times 2^-k
-  (one HMUL2 per token pair and group) and the zero.
-  Transposed so that the accumulator is [d, 8] (half the registers of [16, d]). P^T, its B
-  operand, is the transpose of the score accumulator's 8-token blocks across lanes: one
-  movmatrix.trans per block (`_pt_operand`).
-- The accumulator is rescaled only when a running max moved.
+  its two token rows. Rows are tokens in the order 2 (m % 8) + m // 8 (`_token_of_row`), so a
+  thread's two rows are adjacent tokens in one byte of the plane words (32 tokens, 8 a byte, LSB
+  first): per bit plane one prmt puts that byte of both channels' words side by side (even channel
+  in the low half) and one masking per row takes each token's bit, ORed into 1024 * 2^p
+  (0x6400 for plane 0): 1024 * 2^p + 2^(p + k) * bit exactly. Every plane of a product adds into
+  one accumulator (one MMA per plane): the low planes of all channels against U, the salient
+  channels' high planes against U[:, salient] * 2^b_low, since code = low + 2^b_low * high. The
+  accumulator starts at minus the planes' constant part (-1024 (2^planes - 1) sum U per head)
+  and each row is scaled by 2^-k. No channel reordering, no gather of packed bytes.
+- values, A operand of acc^T[c, h] += V^T[c, t] @ (P^T x scale)[t, h]: a thread holds token pairs
+  of one channel. One prmt puts its channel's byte of both tokens' words in the two halves, one
+  `and` masks the code in place (bit k = (c % codes per byte) * b_V, a function of the lane only):
+  with a zero exponent that is the subnormal fp16 2^(k - 24) q, exact, with no offset (an offset
+  would grow in the accumulator, whose sums the tensor cores truncate). The scale varies along
+  the MMA's K (tokens), so each value group gets its own B operand, P^T's fp16 pairs times that
+  group's scale pairs (one HMUL2 per register), and its own MMA; the zeros' part, 1024 * sum_t
+  P^T x zero per head and group, takes one MMA per pair of groups (`_value_products`). The
+  2^(24 - k) and the zeros are applied once, at the program's end (`_values_finished`).
+  Transposed so that the accumulator is [d, 8] (half the registers of [16, d]). P^T is the
+  transpose of the score accumulator's 8-token blocks across lanes: one movmatrix.trans per
+  block (`_pt_pairs`). Value words, scales and zeros reach shared memory already in row order.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
 and keeps its own online softmax. It walks its slice in steps of 32 tokens (one word of every bit
 plane). The bytes of a step (plane words, value words, value scales and zeros, and at a group's
 first step the key scale and zero rows) reach a ring of STAGES slots in shared memory by
-asynchronous copies (cp.async) issued STAGES - 1 steps ahead, so the warp never waits on global
+asynchronous copies (cp.async) issued STAGES - 2 steps ahead, so the warp never waits on global
 memory; the codes are read from there straight into operand registers. Without the ring the
-kernel was 1.3x slower (each step stalled on its own loads; RESULTS.md). Split 0 handles the sinks
-and the residual (fp16 MMA on the raw tokens); the splits of the packed region are sized so that
-their programs fill whole waves of the GPU (`wave_splits`). Partials go to
-`decode.combine_partials`.
+kernel was 1.3x slower (each step stalled on its own loads; RESULTS.md). The loop is software
+pipelined: a step computes its scores and softmax and, between them, the value product of the
+step before (whose P^T pairs it kept), so that a warp always has independent work for the
+scheduler (8 warps per SM leave little to hide latency with; 1.13x at 32 x 32K). The
+accumulators are rescaled at every step (no warp-wide test). Split 0 handles the sinks and the
+residual (fp16 MMA on the raw tokens); the splits of the packed region are sized so that their
+programs fill whole waves of the GPU (`wave_splits`). Partials go to `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
 Triton with Gluon, group size G a multiple of 32, head dim a multiple of 16, at most 8 query heads
-per KV head, value groups spanning whole 32-bit words (G_V * b_V >= 32).
+per KV head, value groups spanning whole 32-bit words (G_V * b_V >= 32), whole MMA tiles (G_V a
+multiple of 16) and 2 to 8 value groups per head (scales are read as words of two groups; the
+zeros' sums have 8 columns).
 
 CI runs this source through a CPU emulator (`tests/gluon_emu.py`) against the fp32 reference and
 compiles it offline for sm_90 (`compile_offline`); `benchmarks/bench_decode.py` checks and times
@@ -412,7 +419,7 @@ if gluon is not None:
         """V^T codes [D, 16] fp16 (A operand) of 16 tokens from row `row` of the value-word ring
         [16 tokens x NW]: 2^(k - 24) q for the code q of channel c, k = (c % codes per byte) * b_V.
 
-        A register holds one channel of tokens t and t + 1 (`_value_pairs`); the code is masked
+        A register holds one channel of rows 2i and 2i + 1 (`_value_pairs`); the code is masked
         where it lies in its byte (k + b_V <= 8 stays in the fp16 mantissa).
         """
         G4: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V5))  # [groups, words, 8 pairs]
@@ -669,7 +676,7 @@ if gluon is not None:
             v_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
                 (((1 << BV) - 1) * 0x10001) << (jv * BV), 0), 0), 0), 4)
             # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
-            # copies STAGES - 1 steps ahead: the loads of a step are in flight while earlier steps
+            # copies STAGES - 2 steps ahead: the loads of a step are in flight while earlier steps
             # compute, instead of stalling the warp that needs them (and no registers hold them).
             # Every buffer is [slots x rows, row], indexed by one row number: a row is one copy.
             buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PL_P, D // 2], SMEM1)  # (parity, plane)
@@ -836,7 +843,7 @@ class SplitLaunch:
     pa: torch.Tensor
 
 
-# Registers per thread the kernel takes uncapped (230-246 measured offline for sm_90; ptxas may use up
+# Registers per thread the kernel takes uncapped (223-246 measured offline for sm_90; ptxas may use up
 # to 255): with one-warp programs that allows 8 resident programs per SM.
 UNCAPPED_REGISTERS = 255
 
@@ -947,8 +954,8 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
 
     num_splits, programs_per_sm: splits of the packed region per (b, h_kv), as `split_launch`
     (by default balanced over whole waves). max_registers caps registers per thread (ptxas
-    maxnreg; uncapped the kernel takes about 240, which allows 8 warps per SM). stages: slots of
-    the shared-memory ring (copies run stages - 1 word steps ahead).
+    maxnreg; uncapped the kernel takes about 225, which allows 8 warps per SM). stages: slots of
+    the shared-memory ring, at least 3 (copies run stages - 2 word steps ahead).
     """
     from kernels.decode import output_for
 

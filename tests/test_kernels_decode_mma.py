@@ -82,6 +82,16 @@ def test_emulated_kernel_reads_only_held_tokens():
     assert torch.equal(before, after)
 
 
+@pytest.mark.parametrize("value_group,head_dim,admitted_here", [
+    (32, 64, True), (16, 128, True), (64, 128, True),  # 2 to 8 value groups of whole MMA tiles
+    (64, 64, False), (128, 128, False),  # one group per head: scales are read as words of two groups
+    (8, 64, False),  # a group smaller than an MMA tile
+])
+def test_value_group_limits_send_other_configs_to_the_triton_kernel(value_group, head_dim, admitted_here):
+    q, cache = build(Case(value_group=value_group, head_dim=head_dim, value_bits=4), torch.Generator().manual_seed(0))
+    assert decode_mma.shape_supported(cache, q) is admitted_here
+
+
 # (head_dim, G, b_low, b_high, salient channels, value bits, value group, GQA, activation pointer type)
 COMPILED = [
     (128, 128, 1, 3, 64, 2, 32, 4, "*bf16"),  # pnmix-paper on an 8B-shaped layer
