@@ -302,8 +302,9 @@ if gluon is not None:
         of [16 heads, 16 tokens], since GQ <= 8).
 
         One MMA per bit plane: plane p's operand is 2^p * (1024 + 2^k * bit) (`_plane_pairs`,
-        k = token % 8; rows are tokens in `token_rows` order); the low planes of every channel against u into one accumulator, the salient
-        channels' high planes against u_hi = u[:, salient] * 2^b_low into a second one. They start
+        k = token % 8; rows are tokens in `_token_of_row` order); the low planes of every channel
+        against u into one accumulator, the salient channels' high planes against
+        u_hi = u[:, salient] * 2^b_low into a second one. They start
         at c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)) in total, the planes'
         constant part, which leaves 2^k * (codes @ u); inv_pos = 2^-k per token (row) and the
         zero-point bias finish it. The constant cancels in fp32 (up to ~2^13 times the smallest
