@@ -74,6 +74,19 @@ def test_emulated_kernel_matches_dequantize_then_attend(case):
     assert (per_seq <= 2e-2).all(), f"per-sequence relative errors {per_seq.tolist()}"
 
 
+def test_emulated_kernel_with_eight_value_groups_per_head():
+    # 16-channel value groups at d 128: `_value_products` splits groups three levels deep and
+    # `_column_sums` gives each group one column (the shared CASES reach at most 4 groups).
+    case = Case(b_low=2, b_high=3, group_size=64, head_dim=128, value_bits=4, value_group=16, gqa=2, splits=2)
+    q, cache = build(case, fresh_generator())
+    assert decode_mma.shape_supported(cache, q) and cache.v_scale.shape[-1] == 8
+    out = emulated(q, cache, case.head_dim**-0.5, case.splits)
+    want = decode_reference(q, cache, case.head_dim**-0.5)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert err <= 1e-2, f"relative error {err:.3e}"
+
+
 def test_emulated_kernel_reads_only_held_tokens():
     q, cache = build(Case(value_group=32), fresh_generator())
     before = emulated(q, cache, 0.125, 2)
@@ -97,6 +110,7 @@ COMPILED = [
     (128, 128, 1, 3, 64, 2, 32, 4, "*bf16"),  # pnmix-paper on an 8B-shaped layer
     (64, 32, 2, 4, 64, 1, 32, 1, "*fp16"),  # every channel salient, 1-bit values
     (64, 64, 4, 4, 0, 8, 32, 3, "*fp32"),  # no high planes, 8-bit values
+    (128, 32, 2, 3, 32, 4, 16, 2, "*fp16"),  # 8 value groups per head (the deepest group split)
 ]
 
 
