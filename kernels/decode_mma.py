@@ -418,13 +418,18 @@ if gluon is not None:
     def _value_codes(buf_v, row, sel, mask, D: gl.constexpr, NVG: gl.constexpr, WPG: gl.constexpr,
                      A_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr):
         """V^T codes [D, 16] fp16 (A operand) of 16 tokens from row `row` of the value-word ring
-        [16 tokens x NW]: 2^(k - 24) q for the code q of channel c, k = (c % codes per byte) * b_V.
+        [2 pair members, 8 token pairs, NW words]: 2^(k - 24) q for the code q of channel c,
+        k = (c % codes per byte) * b_V.
+
+        Member-major: the 4 lanes of a load that read different token pairs then read adjacent
+        rows, in distinct banks (pair-major, rows 2i were 64 bytes apart at NW = 8: a 2-way bank
+        conflict on every load, 64 extra shared-memory wavefronts a step, ncu).
 
         A register holds one channel of rows 2i and 2i + 1 (`_value_pairs`); the code is masked
         where it lies in its byte (k + b_V <= 8 stays in the fp16 mantissa).
         """
         G4: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V5))  # [groups, words, 8 pairs]
-        pw = buf_v.index(row).reshape([8, 2, NVG, WPG]).permute([2, 3, 0, 1]).load(VWP_LOAD)
+        pw = buf_v.index(row).reshape([2, 8, NVG, WPG]).permute([2, 3, 1, 0]).load(VWP_LOAD)
         we, wo = gl.split(pw)  # [NVG, WPG, 8 token pairs]: even and odd tokens' words
         we = gl.expand_dims(gl.expand_dims(gl.convert_layout(we, G4), 2), 3)
         wo = gl.expand_dims(gl.expand_dims(gl.convert_layout(wo, G4), 2), 3)
@@ -682,7 +687,7 @@ if gluon is not None:
             # Every buffer is [slots x rows, row], indexed by one row number: a row is one copy.
             buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PL_P, D // 2], SMEM1)  # (parity, plane)
             buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PH_P, NSC_P // 2], SMEM1)
-            buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [token, word]
+            buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [member, pair, word]
             # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member]
             buf_sc = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
             buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
@@ -693,8 +698,9 @@ if gluon is not None:
             m_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) < NSC // 2
             # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
             # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
-            n_v = gl.arange(0, 16 * NW, layout=CP_V)
-            off_v = _token_of_row(n_v // NW) * NW + n_v % NW
+            n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
+            v_rows = 2 * ((n_v // NW) % 8) + n_v // (8 * NW)
+            off_v = _token_of_row(v_rows) * NW + n_v % NW
             n_s = gl.arange(0, 8 * NVG, layout=CP_S)  # (pair i, word w, member e) -> word w of token 2i + e
             off_s = _token_of_row((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
             off_k = gl.arange(0, D, layout=CP_K)

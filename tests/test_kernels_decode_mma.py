@@ -87,6 +87,19 @@ def test_emulated_kernel_with_eight_value_groups_per_head():
     assert err <= 1e-2, f"relative error {err:.3e}"
 
 
+def test_emulated_kernel_with_at_most_16_salient_channels():
+    # 16 salient channels are 8 high-plane channel pairs, one MMA tile: `_channel_of_k`'s short K
+    # order (the shared CASES have 32 or more whenever there are high planes).
+    case = Case(b_low=1, b_high=3, ratio=0.25, head_dim=64, gqa=4, splits=2)
+    q, cache = build(case, fresh_generator())
+    assert 0 < cache.n_salient_channels <= 16
+    out = emulated(q, cache, case.head_dim**-0.5, case.splits)
+    want = decode_reference(q, cache, case.head_dim**-0.5)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert err <= 1e-2, f"relative error {err:.3e}"
+
+
 def test_emulated_kernel_reads_only_held_tokens():
     q, cache = build(Case(value_group=32), fresh_generator())
     before = emulated(q, cache, 0.125, 2)
@@ -111,6 +124,7 @@ COMPILED = [
     (64, 32, 2, 4, 64, 1, 32, 1, "*fp16"),  # every channel salient, 1-bit values
     (64, 64, 4, 4, 0, 8, 32, 3, "*fp32"),  # no high planes, 8-bit values
     (128, 32, 2, 3, 32, 4, 16, 2, "*fp16"),  # 8 value groups per head (the deepest group split)
+    (64, 32, 1, 3, 16, 2, 32, 4, "*bf16"),  # 16 salient channels: one tile of high-plane pairs
 ]
 
 
