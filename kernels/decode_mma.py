@@ -138,11 +138,18 @@ class _Layouts:
     # each element is two A-operand registers (`_plane_pairs`: rows r and 8 + r, tokens 2r, 2r + 1).
     pairs_lo: Any
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 8]
+    # A plane's words of a step as a ring slot holds them, [parity, pairs]: the slot's shared layout
+    # (swizzled where rows would share banks) and the loads' layout (parity a register, so that
+    # `split` gives the even and odd channels' words in the slices of pairs_lo / pairs_hi).
+    rows_lo: Any
+    rows_hi: Any
+    par_lo: Any
+    par_hi: Any
     # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
     # into it: one lane per element for the strided plane words, 16-byte copies for the contiguous rows.
     smem1: Any  # rank 1: buffers are [rows, row] and indexed by row
-    cp_lo: Any  # one plane's words of the even (or odd) channels [d // 2]
-    cp_hi: Any  # the same, salient channels [n_sc_p // 2]
+    cp_lo: Any  # one plane's words of a step [parity, d // 2 pairs]
+    cp_hi: Any  # the same, salient channels [2, n_sc_p // 2]
     cp_v: Any  # value words [16 tokens x words], flat
     cp_s: Any  # value scale or zero words [8 token pairs x groups // 2 x 2], flat
     cp_k: Any  # a key scale or zero row [d]
@@ -151,12 +158,14 @@ class _Layouts:
         """The kernel's layout arguments."""
         return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V5=self.v5, VWP_LOAD=self.words_pairs,
                     VS_WORDS=self.scale_words, PAIRS4=self.pairs4, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi,
+                    ROWS_LO=self.rows_lo, ROWS_HI=self.rows_hi, PAR_LO=self.par_lo, PAR_HI=self.par_hi,
                     SMEM1=self.smem1,
                     CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
                     CP_S=self.cp_s, CP_K=self.cp_k)
 
 
-LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "SMEM1",
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "ROWS_LO", "ROWS_HI", "PAR_LO",
+               "PAR_HI", "SMEM1",
                "CP_LO", "CP_HI",
                "CP_V", "CP_S", "CP_K")
 
@@ -235,9 +244,23 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     def flat(vec: int) -> Any:
         return gl.BlockedLayout([vec], [32], [1], [0])
 
+    # 32 lanes on 32 consecutive channels (parity fastest): a copy spans 32 x G / 8 bytes of memory
+    cp_rows = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [0, 1])
+
+    def slot_rows(channels: int) -> Any:
+        """[parity, pairs] words of one plane: the copy's 32 lanes write 16 pairs of both rows
+        (`_issue_step`); rows 32 or more words long would share banks, so the odd row's 16-pair
+        halves are swapped (chunk index XOR row)."""
+        return gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=2 if channels // 2 >= 32 else 1, order=[1, 0])
+
+    def par_load(channels: int) -> Any:
+        regs = [[1, 0]] + [[0, 4 << i] for i in range((channels // 2).bit_length() - 3)]
+        return layout(regs, [[0, 1], [0, 2], [0, 0], [0, 0], [0, 0]], [2, channels // 2])
+
     return _Layouts(mma, a_op, b_op, layout(v_regs, v_lanes, shape5), words_pairs, scale_words, pairs4,
-                    pairs(d), pairs(n_sc_p), gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
-                    flat(1), flat(1), flat(4), flat(max(1, 8 * nvg // 32)), flat(8))
+                    pairs(d), pairs(n_sc_p), slot_rows(d), slot_rows(n_sc_p), par_load(d), par_load(n_sc_p),
+                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
+                    cp_rows, cp_rows, flat(4), flat(max(1, 8 * nvg // 32)), flat(8))
 
 
 if gluon is not None:
@@ -335,21 +358,22 @@ if gluon is not None:
         """Starts the asynchronous copies of word step `step` (32 tokens) into ring slot `stage`: the
         plane words of every channel (low) and salient channel (high), the value words, scales and
         zeros, and at a group's first step the group's key scale and zero rows. `valid` False (past
-        the split's end) copies nothing; the commit is still made, so the group count stays regular."""
+        the split's end) copies nothing; the commit is still made, so the group count stays regular.
+
+        A plane's words are copied 32 consecutive channels at a time (both parities of 16 pairs,
+        `cp_rows`), 4 B each, G / 8 bytes apart: 4 cache lines a copy at G = 128, where a copy of
+        one parity's words touched 8 (ncu: 7.9 L1 wavefronts a copy, 63 a step, a quarter of the
+        L1 data pipe's work)."""
         g = step // G32
         wd = step % G32
         lo = klo + g * (B_LOW * D * G32) + wd
-        for par in gl.static_range(2):
-            for p in gl.static_range(B_LOW):
-                _async_load(buf_lo.index((stage * 2 + par) * PL_P + p),
-                                                       lo + (p * D + par) * G32 + off_lo, mask=(off_lo >= 0) & valid)
+        for p in gl.static_range(B_LOW):
+            _async_load(buf_lo.index(stage * PL_P + p), lo + p * (D * G32) + off_lo, mask=(off_lo >= 0) & valid)
         if NH > 0:
             if NSC > 0:
                 hi = khi + g * (NH * NSC * G32) + wd
-                for par in gl.static_range(2):
-                    for p in gl.static_range(NH):
-                        _async_load(buf_hi.index((stage * 2 + par) * PH_P + p),
-                                                               hi + (p * NSC + par) * G32 + off_hi, mask=m_hi & valid)
+                for p in gl.static_range(NH):
+                    _async_load(buf_hi.index(stage * PH_P + p), hi + p * (NSC * G32) + off_hi, mask=m_hi & valid)
         for half in gl.static_range(2):
             t0 = step * 32 + half * 16
             _async_load(buf_v.index(stage * 2 + half), vp + t0 * NW + off_v,
@@ -364,12 +388,16 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _smem_pair_words(buf, row0, N_PLANES: gl.constexpr, P_P: gl.constexpr, L: gl.constexpr):
-        """Plane words [pairs] of the even and odd channels from a step's rows (parity, plane) of
-        `buf` starting at row0, planes 0..3 (unused planes repeat plane 0), in the order
-        `_half_scores` takes."""
-        e0 = buf.index(row0).load(L)
-        o0 = buf.index(row0 + P_P).load(L)
+    def _parity_words(slot, PAR: gl.constexpr, L: gl.constexpr):
+        """A ring slot's [parity, pairs] words of one plane -> the even and the odd channels' words [pairs], in L."""
+        e, o = gl.split(gl.permute(slot.load(PAR), [1, 0]))
+        return gl.convert_layout(e, L, assert_trivial=True), gl.convert_layout(o, L, assert_trivial=True)
+
+    @gluon.jit
+    def _smem_pair_words(buf, row0, N_PLANES: gl.constexpr, PAR: gl.constexpr, L: gl.constexpr):
+        """Plane words [pairs] of the even and odd channels from a step's slots (plane) of `buf`
+        starting at row0, planes 0..3 (unused planes repeat plane 0), in the order `_half_scores` takes."""
+        e0, o0 = _parity_words(buf.index(row0), PAR, L)
         e1 = e0
         o1 = o0
         e2 = e0
@@ -377,14 +405,11 @@ if gluon is not None:
         e3 = e0
         o3 = o0
         if N_PLANES > 1:
-            e1 = buf.index(row0 + 1).load(L)
-            o1 = buf.index(row0 + P_P + 1).load(L)
+            e1, o1 = _parity_words(buf.index(row0 + 1), PAR, L)
         if N_PLANES > 2:
-            e2 = buf.index(row0 + 2).load(L)
-            o2 = buf.index(row0 + P_P + 2).load(L)
+            e2, o2 = _parity_words(buf.index(row0 + 2), PAR, L)
         if N_PLANES > 3:
-            e3 = buf.index(row0 + 3).load(L)
-            o3 = buf.index(row0 + P_P + 3).load(L)
+            e3, o3 = _parity_words(buf.index(row0 + 3), PAR, L)
         return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
@@ -618,7 +643,8 @@ if gluon is not None:
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
         VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
-        PAIRS_HI: gl.constexpr,
+        PAIRS_HI: gl.constexpr, ROWS_LO: gl.constexpr, ROWS_HI: gl.constexpr, PAR_LO: gl.constexpr,
+        PAR_HI: gl.constexpr,
         STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
         CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
     ):
@@ -685,17 +711,20 @@ if gluon is not None:
             # copies STAGES - 2 steps ahead: the loads of a step are in flight while earlier steps
             # compute, instead of stalling the warp that needs them (and no registers hold them).
             # Every buffer is [slots x rows, row], indexed by one row number: a row is one copy.
-            buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PL_P, D // 2], SMEM1)  # (parity, plane)
-            buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * PH_P, NSC_P // 2], SMEM1)
+            buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * PL_P, 2, D // 2], ROWS_LO)  # slot (step, plane)
+            buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * PH_P, 2, NSC_P // 2], ROWS_HI)
             buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [member, pair, word]
             # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member]
             buf_sc = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
             buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
             buf_ks = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], SMEM1)  # key scale row, zero row
             # Element offsets of one row's copy, from the step's first word / token / row.
-            off_lo = gl.arange(0, D // 2, layout=CP_LO) * (2 * G32)  # even channel of each pair
-            off_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) * (2 * G32)
-            m_hi = gl.arange(0, NSC_P // 2, layout=CP_HI) < NSC // 2
+            # [parity, pair] -> channel 2 pair + parity, whose words are G32 apart
+            off_lo = (gl.arange(0, 2, layout=gl.SliceLayout(1, CP_LO))[:, None]
+                      + 2 * gl.arange(0, D // 2, layout=gl.SliceLayout(0, CP_LO))[None, :]) * G32
+            off_hi = (gl.arange(0, 2, layout=gl.SliceLayout(1, CP_HI))[:, None]
+                      + 2 * gl.arange(0, NSC_P // 2, layout=gl.SliceLayout(0, CP_HI))[None, :]) * G32
+            m_hi = off_hi < NSC * G32
             # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
             # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
             n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
@@ -750,8 +779,8 @@ if gluon is not None:
                     # The planes' constant part (`_half_scores`), from the fp16 operands the MMAs see.
                     c0 = _first_heads(-1024.0 * (gl.sum(u16.to(gl.float32), axis=1) * ((1 << B_LOW) - 1)
                                                  + gl.sum(u_hi16.to(gl.float32), axis=1) * ((1 << NH) - 1)), HEADS)
-                lw = _smem_pair_words(buf_lo, stage * 2 * PL_P, B_LOW, PL_P, gl.SliceLayout(1, PAIRS_LO))
-                hw = _smem_pair_words(buf_hi, stage * 2 * PH_P, NH, PH_P, gl.SliceLayout(1, PAIRS_HI))
+                lw = _smem_pair_words(buf_lo, stage * PL_P, B_LOW, PAR_LO, gl.SliceLayout(1, PAIRS_LO))
+                hw = _smem_pair_words(buf_hi, stage * PH_P, NH, PAR_HI, gl.SliceLayout(1, PAIRS_HI))
                 # Both 16-token halves' scores (four independent MMA chains), then the value product
                 # of the step before (its P^T pairs x0, x1): independent work for the scheduler to
                 # interleave with this step's dependent chains (a warp has few neighbours to hide
