@@ -41,7 +41,10 @@ plane). The bytes of a step (plane words, value words, value scales and zeros, a
 first step the key scale and zero rows) reach a ring of STAGES slots in shared memory by
 asynchronous copies (cp.async) issued STAGES - 2 steps ahead, so the warp never waits on global
 memory; the codes are read from there straight into operand registers. Without the ring the
-kernel was 1.3x slower (each step stalled on its own loads; RESULTS.md). The loop is software
+kernel was 1.3x slower (each step stalled on its own loads; RESULTS.md). The L1 data pipe, which
+carries both the copies and the shared-memory reads, is the busiest unit (ncu), so the ring is laid
+out for it: copies read whole cache lines where they can (`_issue_step`) and no load or copy has a
+bank conflict (`_value_codes`, `slot_rows` in `_layouts`). The loop is software
 pipelined: a step computes its scores and softmax and, between them, the value product of the
 step before (whose P^T pairs it kept), so that a warp always has independent work for the
 scheduler (8 warps per SM leave little to hide latency with; 1.13x at 32 x 32K). The
@@ -164,10 +167,8 @@ class _Layouts:
                     CP_S=self.cp_s, CP_K=self.cp_k)
 
 
-LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "ROWS_LO", "ROWS_HI", "PAR_LO",
-               "PAR_HI", "SMEM1",
-               "CP_LO", "CP_HI",
-               "CP_V", "CP_S", "CP_K")
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "ROWS_LO",
+               "ROWS_HI", "PAR_LO", "PAR_HI", "SMEM1", "CP_LO", "CP_HI", "CP_V", "CP_S", "CP_K")
 
 
 @functools.cache
