@@ -184,8 +184,9 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     basis c into (c // G_V, (c % G_V) // cpw, (c % cpw) // cpb, c % cpb) views those int32
     registers as [groups, words, bytes, codes in a byte, 8 token pairs], so the codes can be built
     there from one word per token and one scale/zero pair per (group, token pair), and reshaping
-    back gives the A operand itself (the kernel asserts that the conversion is trivial). The code
-    in a byte (c % cpb) is a lane basis for every b_V, so its bit position is fixed per thread.
+    back gives the A operand itself (the kernel asserts that the conversion is trivial). Row m is
+    not channel m: `split5` orders a row's bits byte, word, code, group, so that the lanes of a
+    row group differ in the byte or word they read (see there).
     The load layouts hold the same elements per thread with the pair member (even/odd token) as
     the first register, so that `split` gives each token's words and scales.
     For keys (A operand, M = 16 tokens, K = channels) the first register basis is c+1: a thread's
@@ -204,9 +205,23 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[], shape=shape)
 
     # The values' A operand without its first register basis (t+1: the two fp16 halves of an int32),
-    # tokens halved, channels split into (group, word, byte, code in the byte).
-    def split5(c: int, p: int) -> list[int]:
-        return [c // value_group, (c % value_group) // cpw, (c % cpw) // cpb, c % cpb, p]
+    # tokens halved, rows m split into (group, word, byte, code in the byte): the row's channel
+    # (`_value_channel`) has its byte in m's two lowest bits, then its word in the group, its code
+    # in the byte, its group. So the row lanes m+1, m+2, m+4 pick different bytes and words, and
+    # the codes of a byte sit in one thread's registers: a thread reads half or less of the words
+    # the lanes m+1, m+2, m+4 as code bits made it read (each value word was loaded by 8 lanes).
+    wb = (value_group // cpw).bit_length() - 1  # word bits in a group
+    cb = cpb.bit_length() - 1  # code bits in a byte
+
+    def split5(m: int, p: int) -> list[int]:
+        """Row m (0 or a power of two) and token pair p as [group, word, byte, code, pair]."""
+        out = [0, 0, 0, 0, p]
+        if m:
+            i = m.bit_length() - 1
+            dim, bit = (2, i) if i < 2 else (1, i - 2) if i < 2 + wb else (3, i - 2 - wb) if i < 2 + wb + cb else (
+                0, i - 2 - wb - cb)
+            out[dim] = 1 << bit
+        return out
 
     v_regs = [split5(8, 0), split5(0, 4)] + [split5(16 << i, 0) for i in range((d // 16).bit_length() - 1)]
     v_lanes = [split5(0, 1), split5(0, 2), split5(1, 0), split5(2, 0), split5(4, 0)]
@@ -445,7 +460,7 @@ if gluon is not None:
                      A_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr):
         """V^T codes [D, 16] fp16 (A operand) of 16 tokens from row `row` of the value-word ring
         [2 pair members, 8 token pairs, NW words]: 2^(k - 24) q for the code q of channel c,
-        k = (c % codes per byte) * b_V.
+        k = (c % codes per byte) * b_V, in row order (row m holds channel `_value_channel`(m)).
 
         Member-major: the 4 lanes of a load that read different token pairs then read adjacent
         rows, in distinct banks (pair-major, rows 2i were 64 bytes apart at NW = 8: a 2-way bank
@@ -460,6 +475,7 @@ if gluon is not None:
         we = gl.expand_dims(gl.expand_dims(gl.convert_layout(we, G4), 2), 3)
         wo = gl.expand_dims(gl.expand_dims(gl.convert_layout(wo, G4), 2), 3)
         x = _value_pairs(we, wo, sel, mask)  # [NVG, WPG, 4, CPB, 8]
+        x = gl.permute(x, [0, 3, 1, 2, 4])  # rows m = ((group, code), word, byte): `_value_channel`
         codes = gl.reshape(_halves_f16(gl.reshape(x, [D, 8])), [D, 16])
         return gl.convert_layout(codes, A_OP, assert_trivial=True)
 
@@ -595,9 +611,19 @@ if gluon is not None:
         return acc, acc_z
 
     @gluon.jit
+    def _value_channel(m, GV: gl.constexpr, BV: gl.constexpr):
+        """The channel and the code-in-byte index of row m of the values' product (`split5` in
+        `_layouts`): m = ((group * codes per byte + code) * words per group + word) * 4 + byte."""
+        CPB: gl.constexpr = 8 // BV
+        WPG: gl.constexpr = GV * BV // 32
+        code = (m // (4 * WPG)) % CPB
+        return (m // GV) * GV + ((m // 4) % WPG) * (32 // BV) + (m % 4) * CPB + code, code
+
+    @gluon.jit
     def _values_finished(acc, acc_z, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr):
-        """acc^T [D, 8] of the codes' form (`_value_products`) -> the values' weighted sum: channel c
-        of group g becomes acc * 2^(24 - k) + Z_g / 1024, k = (c % codes per byte) * b_V, where Z_g is the
+        """acc^T [D, 8] of the codes' form (`_value_products`) -> the values' weighted sum: row m
+        (group g = m // G_V) becomes acc * 2^(24 - k) + Z_g / 1024, k = code-in-byte * b_V of its
+        channel (`_value_channel`; rows stay in that order), where Z_g is the
         column `_column_sums` gave group g in acc_z, summed over both token halves (rows a and
         8 + a of head a). Once per program; the broadcast over each group's channels is a one-hot sum."""
         NVG: gl.constexpr = D // GV
@@ -610,7 +636,8 @@ if gluon is not None:
         own = (((g // 2) * C + (g % 2) * (C // 2))[:, None] == n[None, :])[:, :, None]  # [D, 8, 1]
         z_c = gl.sum(gl.where(own, gl.convert_layout(gl.permute(z_top + z_bottom, [1, 0]),
                                                      gl.SliceLayout(0, L3))[None, :, :], 0.0), axis=1)
-        k = (gl.arange(0, D, layout=gl.SliceLayout(1, MMA)) % (8 // BV)) * BV
+        _, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)
+        k = code * BV
         return acc * gl.exp2(24.0 - k.to(gl.float32))[:, None] + gl.convert_layout(z_c, MMA) * (1.0 / 1024.0)
 
     @gluon.jit
@@ -815,6 +842,7 @@ if gluon is not None:
             l_h = gl.sum(l_t, axis=0)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             acc = _values_finished(acc, acc_z, D, GV, BV, MMA)
+            c_r, _ = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
             m_fin = m_h
             l_fin = l_h
         else:
@@ -852,9 +880,9 @@ if gluon is not None:
                     vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
                                  mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
                     acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
+            c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))  # rows are channels here
             m_fin = _first_heads(m_i, HEADS)
             l_fin = _first_heads(l_i, HEADS)
-        c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
         h_c = gl.arange(0, 8, layout=HEADS)
         # Rows past the GQ query heads are padding: not written (the combine step does not read them).
         gl.store(pa_ptr + (part * 8 + h_c[None, :]) * D + c_r[:, None], acc, mask=(h_c < GQ)[None, :])
