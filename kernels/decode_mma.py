@@ -24,7 +24,7 @@ thread whose `mma.sync` fragment holds it:
   and each row is scaled by 2^-k. No channel reordering, no gather of packed bytes.
 - values, A operand of acc^T[c, h] += V^T[c, t] @ (P^T x scale)[t, h]: a thread holds token pairs
   of one channel. One prmt puts its channel's byte of both tokens' words in the two halves, one
-  `and` masks the code in place (bit k = (c % codes per byte) * b_V, a function of the lane only):
+  `and` masks the code in place (bit k = (c % codes per byte) * b_V, a function of the register):
   with a zero exponent that is the subnormal fp16 2^(k - 24) q, exact, with no offset (an offset
   would grow in the accumulator, whose sums the tensor cores truncate). The scale varies along
   the MMA's K (tokens), so each value group gets its own B operand, P^T's fp16 pairs times that
@@ -34,6 +34,10 @@ thread whose `mma.sync` fragment holds it:
   Transposed so that the accumulator is [d, 8] (half the registers of [16, d]). P^T is the
   transpose of the score accumulator's 8-token blocks across lanes: one movmatrix.trans per
   block (`_pt_pairs`). Value words, scales and zeros reach shared memory already in row order.
+  The product's rows are not channels in order: within a value group a row's bits are the
+  channel's byte, word, code in the byte (`_value_channel`), so that the lanes of a row group read
+  different words and each thread loads half the words it would otherwise; the partials are
+  stored by channel.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
 and keeps its own online softmax. It walks its slice in steps of 32 tokens (one word of every bit
