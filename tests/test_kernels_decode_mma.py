@@ -88,8 +88,8 @@ def test_emulated_kernel_with_eight_value_groups_per_head():
 
 
 def test_emulated_kernel_with_at_most_16_salient_channels():
-    # 16 salient channels are 8 high-plane channel pairs, one MMA tile: `_channel_of_k`'s short K
-    # order (the shared CASES have 32 or more whenever there are high planes).
+    # 16 salient channels are 8 high-plane channel pairs, one MMA tile, and a ring slot's rows too
+    # short to swizzle (`slot_rows`); the shared CASES have 32 or more whenever there are high planes.
     case = Case(b_low=1, b_high=3, ratio=0.25, head_dim=64, gqa=4, splits=2)
     q, cache = build(case, fresh_generator())
     assert 0 < cache.n_salient_channels <= 16
