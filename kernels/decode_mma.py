@@ -152,8 +152,9 @@ class _Layouts:
     rows_hi: Any
     par_lo: Any
     par_hi: Any
-    # Shared memory (unswizzled: each load reads a few words per wavefront) and the asynchronous copies
-    # into it: one lane per element for the strided plane words, 16-byte copies for the contiguous rows.
+    # Shared memory for the other buffers (unswizzled: each load reads a few words per wavefront) and
+    # the asynchronous copies: 32 consecutive channels a copy for the plane words, 16-byte copies for
+    # the contiguous rows.
     smem1: Any  # rank 1: buffers are [rows, row] and indexed by row
     cp_lo: Any  # one plane's words of a step [parity, d // 2 pairs]
     cp_hi: Any  # the same, salient channels [2, n_sc_p // 2]
@@ -408,6 +409,13 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _parity_offsets(C2: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
+        """[parity, pair] -> the offset of channel 2 pair + parity's word in a plane (channels G32 words apart)."""
+        par = gl.arange(0, 2, layout=gl.SliceLayout(1, L))
+        pair = gl.arange(0, C2, layout=gl.SliceLayout(0, L))
+        return (par[:, None] + 2 * pair[None, :]) * G32
+
+    @gluon.jit
     def _parity_words(slot, PAR: gl.constexpr, L: gl.constexpr):
         """A ring slot's [parity, pairs] words of one plane -> the even and the odd channels' words [pairs], in L."""
         e, o = gl.split(gl.permute(slot.load(PAR), [1, 0]))
@@ -624,10 +632,10 @@ if gluon is not None:
         return (m // GV) * GV + ((m // 4) % WPG) * (32 // BV) + (m % 4) * CPB + code, code
 
     @gluon.jit
-    def _values_finished(acc, acc_z, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr):
+    def _values_finished(acc, acc_z, code, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr):
         """acc^T [D, 8] of the codes' form (`_value_products`) -> the values' weighted sum: row m
         (group g = m // G_V) becomes acc * 2^(24 - k) + Z_g / 1024, k = code-in-byte * b_V of its
-        channel (`_value_channel`; rows stay in that order), where Z_g is the
+        channel (`code`, from `_value_channel`; rows stay in that order), where Z_g is the
         column `_column_sums` gave group g in acc_z, summed over both token halves (rows a and
         8 + a of head a). Once per program; the broadcast over each group's channels is a one-hot sum."""
         NVG: gl.constexpr = D // GV
@@ -640,7 +648,6 @@ if gluon is not None:
         own = (((g // 2) * C + (g % 2) * (C // 2))[:, None] == n[None, :])[:, :, None]  # [D, 8, 1]
         z_c = gl.sum(gl.where(own, gl.convert_layout(gl.permute(z_top + z_bottom, [1, 0]),
                                                      gl.SliceLayout(0, L3))[None, :, :], 0.0), axis=1)
-        _, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)
         k = code * BV
         return acc * gl.exp2(24.0 - k.to(gl.float32))[:, None] + gl.convert_layout(z_c, MMA) * (1.0 / 1024.0)
 
@@ -742,7 +749,8 @@ if gluon is not None:
             # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
             # copies STAGES - 2 steps ahead: the loads of a step are in flight while earlier steps
             # compute, instead of stalling the warp that needs them (and no registers hold them).
-            # Every buffer is [slots x rows, row], indexed by one row number: a row is one copy.
+            # Every buffer but the plane words' is [slots x rows, row], indexed by one row number: a row is
+            # one copy; the plane words' is [slots, parity, pairs], a slot (step, plane) one copy.
             buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * PL_P, 2, D // 2], ROWS_LO)  # slot (step, plane)
             buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * PH_P, 2, NSC_P // 2], ROWS_HI)
             buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [member, pair, word]
@@ -751,11 +759,8 @@ if gluon is not None:
             buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
             buf_ks = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], SMEM1)  # key scale row, zero row
             # Element offsets of one row's copy, from the step's first word / token / row.
-            # [parity, pair] -> channel 2 pair + parity, whose words are G32 apart
-            off_lo = (gl.arange(0, 2, layout=gl.SliceLayout(1, CP_LO))[:, None]
-                      + 2 * gl.arange(0, D // 2, layout=gl.SliceLayout(0, CP_LO))[None, :]) * G32
-            off_hi = (gl.arange(0, 2, layout=gl.SliceLayout(1, CP_HI))[:, None]
-                      + 2 * gl.arange(0, NSC_P // 2, layout=gl.SliceLayout(0, CP_HI))[None, :]) * G32
+            off_lo = _parity_offsets(D // 2, G32, CP_LO)
+            off_hi = _parity_offsets(NSC_P // 2, G32, CP_HI)
             m_hi = off_hi < NSC * G32
             # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
             # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
@@ -845,8 +850,8 @@ if gluon is not None:
                                       A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             l_h = gl.sum(l_t, axis=0)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
-            acc = _values_finished(acc, acc_z, D, GV, BV, MMA)
-            c_r, _ = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
+            c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
+            acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA)
             m_fin = m_h
             l_fin = l_h
         else:

@@ -59,17 +59,23 @@ def test_the_cases_cover_the_kernel_branches():
     assert {c.group_size for c in MMA_CASES} == {32, 64, 128} and {c.gqa for c in MMA_CASES} == {1, 3, 4}
 
 
+def assert_emulated_matches_reference(q, cache, scale, splits):
+    """Runs the emulated kernel; asserts every output finite and within 1e-2 relative error of the
+    fp32 dequantize-then-attend reference. Returns both outputs."""
+    out = emulated(q, cache, scale, splits)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
+    want = decode_reference(q, cache, scale)
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert err <= 1e-2, f"relative error {err:.3e}"
+    return out, want
+
+
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: (
     f"b{c.b_low}{c.b_high}-G{c.group_size}-r{c.ratio}-s{c.n_sink}-{c.residual}-gqa{c.gqa}-d{c.head_dim}"
     f"-v{c.value_bits}g{c.value_group}-{str(c.dtype)[6:]}-sp{c.splits}"))
 def test_emulated_kernel_matches_dequantize_then_attend(case):
     q, cache = build(case, fresh_generator())
-    scale = case.head_dim**-0.5
-    out = emulated(q, cache, scale, case.splits or 3)
-    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
-    want = decode_reference(q, cache, scale)
-    err = ((out.float() - want).norm() / want.norm()).item()
-    assert err <= 1e-2, f"relative error {err:.3e}"
+    out, want = assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits or 3)
     per_seq = (out.float() - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))
     assert (per_seq <= 2e-2).all(), f"per-sequence relative errors {per_seq.tolist()}"
 
@@ -80,11 +86,7 @@ def test_emulated_kernel_with_eight_value_groups_per_head():
     case = Case(b_low=2, b_high=3, group_size=64, head_dim=128, value_bits=4, value_group=16, gqa=2, splits=2)
     q, cache = build(case, fresh_generator())
     assert decode_mma.shape_supported(cache, q) and cache.v_scale.shape[-1] == 8
-    out = emulated(q, cache, case.head_dim**-0.5, case.splits)
-    want = decode_reference(q, cache, case.head_dim**-0.5)
-    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
-    err = ((out.float() - want).norm() / want.norm()).item()
-    assert err <= 1e-2, f"relative error {err:.3e}"
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
 def test_emulated_kernel_with_at_most_16_salient_channels():
@@ -93,11 +95,7 @@ def test_emulated_kernel_with_at_most_16_salient_channels():
     case = Case(b_low=1, b_high=3, ratio=0.25, head_dim=64, gqa=4, splits=2)
     q, cache = build(case, fresh_generator())
     assert 0 < cache.n_salient_channels <= 16
-    out = emulated(q, cache, case.head_dim**-0.5, case.splits)
-    want = decode_reference(q, cache, case.head_dim**-0.5)
-    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
-    err = ((out.float() - want).norm() / want.norm()).item()
-    assert err <= 1e-2, f"relative error {err:.3e}"
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
 def test_emulated_kernel_reads_only_held_tokens():
