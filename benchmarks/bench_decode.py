@@ -67,12 +67,12 @@ VARIANTS = [
 # splits that fill whole waves, register cap, shared-memory ring slots (>= 3) or None for 4); the first
 # is the launcher's default. Uncapped it takes 225 registers (8 warps per SM); caps of 168 and 200 were
 # 6% and 48% slower at 32 x 32K, 6 slots timed like 4 (within 1%, 2026-12-01).
-MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None), ("mma", None, None, 6)]
+MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None)]
 
 
 def parse_variant(text: str) -> tuple:
-    """'64,2,1,none' (Triton: block_t, warps, stages, register cap) or 'mma,16,none[,3]' (Gluon:
-    programs per SM, register cap, ring slots)."""
+    """'64,2,1,none' (Triton: block_t, warps, stages, register cap) or 'mma,16,none' (Gluon:
+    programs per SM, register cap)."""
     fields = [None if x == "none" else x for x in text.split(",")]
     if fields[0] == "mma":
         return ("mma",) + tuple(None if x is None else int(x) for x in fields[1:])
@@ -87,9 +87,7 @@ def variant_kwargs(variant: tuple) -> dict:
 def attend(variant: tuple, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
     """One decode attention with a Triton launch variant or a Gluon ("mma", ...) variant."""
     if variant[0] == "mma":
-        stages = {"stages": variant[3]} if len(variant) > 3 and variant[3] else {}
-        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out,
-                                    **stages)
+        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out)
     return decode_attention(q, cache, scale, out=out, **variant_kwargs(variant))
 
 

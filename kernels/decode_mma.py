@@ -87,6 +87,7 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5)
     # the asynchronous global -> shared copy (same arguments).
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _REINTERPRET_IS_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # `_reinterpret` in 3.6
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
@@ -95,11 +96,8 @@ LOG2E = 1.4426950408889634
 # then keeps it in a register, and "mask the bits, or in the exponent" is one LOP3 (two with an
 # immediate), per pair of codes.
 FP16_PAIR_1024 = 0x64006400
-WORD_TOKENS = 32  # tokens per 32-bit word of a key bit plane: one load per channel and plane feeds two 16-token steps
+BLOCK_TOKENS = 128  # tokens of a key plane's 16 bytes per channel: the ring's unit; G must be a multiple
 MAX_GQA = 8  # query heads per KV head: the value product's N; partials hold this many rows
-# Word steps (32 tokens) in a program's shared-memory ring. Copies run STAGES - 2 steps ahead: a step
-# reads its own slot (scores) and the slot of the step before (values; see the kernel's loop).
-STAGES = 4
 
 
 def available() -> bool:
@@ -111,7 +109,7 @@ def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
     return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= MAX_GQA
-            and cache.group_size % WORD_TOKENS == 0
+            and cache.group_size % BLOCK_TOKENS == 0
             and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
             and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
             and cache.value_group_size % 16 == 0 and 2 <= d // cache.value_group_size <= 8
@@ -141,39 +139,40 @@ class _Layouts:
     # groups as registers (`_value_products`).
     scale_words: Any
     pairs4: Any
-    # Keys: [d // 2 channel pairs, 8 token pairs], one int32 holding both codes of a channel pair;
-    # each element is two A-operand registers (`_plane_pairs`: rows r and 8 + r, tokens 2r, 2r + 1).
+    # Keys: [d // 2 channel pairs, 8 runs], one int32 holding the even and the odd channel's 16 bits
+    # of a run (16 consecutive tokens of a 128-token block, one per row group of lanes); each element
+    # gives two A-operand registers (`_plane_pairs`: rows r and 8 + r, two tokens of run r).
     pairs_lo: Any
     pairs_hi: Any  # the same for the salient channels' high planes, [n_sc_p // 2, 8]
-    # A plane's words of a step as a ring slot holds them, [parity, pairs]: the slot's shared layout
-    # (swizzled where rows would share banks) and the loads' layout (parity a register, so that
-    # `split` gives the even and odd channels' words in the slices of pairs_lo / pairs_hi).
-    rows_lo: Any
-    rows_hi: Any
-    par_lo: Any
-    par_hi: Any
-    # Shared memory for the other buffers (unswizzled: each load reads a few words per wavefront) and
-    # the asynchronous copies: 32 consecutive channels a copy for the plane words, 16-byte copies for
-    # the contiguous rows.
-    smem1: Any  # rank 1: buffers are [rows, row] and indexed by row
-    cp_lo: Any  # one plane's words of a step [parity, d // 2 pairs]
-    cp_hi: Any  # the same, salient channels [2, n_sc_p // 2]
-    cp_v: Any  # value words [16 tokens x words], flat
-    cp_s: Any  # value scale or zero words [8 token pairs x groups // 2 x 2], flat
-    cp_k: Any  # a key scale or zero row [d]
+    # A plane's words of a block as int16 [channels, 8 runs] (a channel's 16 bytes), loaded so that a
+    # thread gets its pairs' runs: ldmatrix.trans (`_block_words`).
+    runs_lo: Any
+    runs_hi: Any
+    # Shared memory: rank 1 for buffers of [rows, row] indexed by row; rank 2 for the key planes
+    # [slots x planes, channels, 8 runs] and the value scales and zeros [slots, 8 tiles, row].
+    smem1: Any
+    smem2: Any
+    # The asynchronous copies, 4 bytes a lane where the source is contiguous (a 4-byte copy costs
+    # the L1 one wavefront per cache line it touches; ncu, RESULTS.md): a plane [channels, 8 runs]
+    # 8 channels a copy; value words [16 tokens x words] (16-byte copies); a block's value scale or
+    # zero words [8 tiles, row] in memory order (`_layouts`); a key scale or zero row [d].
+    cp_keys: Any
+    cp_v: Any
+    cp_s: Any
+    cp_k: Any
+    cp_sal: Any  # the words of the salient channels' key scales [n_sc_p]
 
     def constexprs(self) -> dict:
         """The kernel's layout arguments."""
         return dict(MMA=self.mma, A_OP=self.a_op, B_OP=self.b_op, V5=self.v5, VWP_LOAD=self.words_pairs,
                     VS_WORDS=self.scale_words, PAIRS4=self.pairs4, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi,
-                    ROWS_LO=self.rows_lo, ROWS_HI=self.rows_hi, PAR_LO=self.par_lo, PAR_HI=self.par_hi,
-                    SMEM1=self.smem1,
-                    CP_LO=self.cp_lo, CP_HI=self.cp_hi, CP_V=self.cp_v,
-                    CP_S=self.cp_s, CP_K=self.cp_k)
+                    RUNS_LO=self.runs_lo, RUNS_HI=self.runs_hi, SMEM1=self.smem1, SMEM2=self.smem2,
+                    CP_KEYS=self.cp_keys, CP_V=self.cp_v, CP_S=self.cp_s, CP_K=self.cp_k,
+                    CP_SAL=self.cp_sal)
 
 
-LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "ROWS_LO",
-               "ROWS_HI", "PAR_LO", "PAR_HI", "SMEM1", "CP_LO", "CP_HI", "CP_V", "CP_S", "CP_K")
+LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "RUNS_LO",
+               "RUNS_HI", "SMEM1", "SMEM2", "CP_KEYS", "CP_V", "CP_S", "CP_K", "CP_SAL")
 
 
 @functools.cache
@@ -262,26 +261,28 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
         k_lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
         return layout([[c // 2, t] for c, t in k_regs], [[c // 2, t] for c, t in k_lanes], [channels // 2, 8])
 
+    def runs(channels: int) -> Any:
+        """int16 [channels, 8 runs]: `pairs` with the channel's parity as the first register."""
+        regs = [[1, 0]] + [[8 << i, 0] for i in range((channels // 8).bit_length() - 1)]
+        return layout(regs, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [channels, 8])
+
     def flat(vec: int) -> Any:
         return gl.BlockedLayout([vec], [32], [1], [0])
 
-    # 32 lanes on 32 consecutive channels (parity fastest): a copy spans 32 x G / 8 bytes of memory
-    cp_rows = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [0, 1])
-
-    def slot_rows(channels: int) -> Any:
-        """[parity, pairs] words of one plane: the copy's 32 lanes write 16 pairs of both rows
-        (`_issue_step`); rows 32 or more words long would share banks, so the odd row's 16-pair
-        halves are swapped (chunk index XOR row)."""
-        return gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=2 if channels // 2 >= 32 else 1, order=[1, 0])
-
-    def par_load(channels: int) -> Any:
-        regs = [[1, 0]] + [[0, 4 << i] for i in range((channels // 2).bit_length() - 3)]
-        return layout(regs, [[0, 1], [0, 2], [0, 0], [0, 0], [0, 0]], [2, channels // 2])
+    # A block's value scale (or zero) words [8 tiles, 8 token pairs x groups // 2 words x 2 members]
+    # (`_value_scale_pairs`), copied so that the 32 lanes of a copy read 32 consecutive words: the
+    # bits of a word's address in the block (`_issue_block`, `_token_of_row`), lowest first, are the
+    # word in the token, then the token's: pair bit 2, tile bits 0-2, member, pair bits 0-1.
+    wsb = nvg.bit_length() - 2  # word bits of a token's scales
+    s_bits = ([[0, 2 << j] for j in range(wsb)] + [[0, 8 << wsb], [1, 0], [2, 0], [4, 0], [0, 1], [0, 2 << wsb],
+                                                   [0, 4 << wsb]])
+    cp_s = layout(s_bits[5:], s_bits[:5], [8, 8 * nvg])
 
     return _Layouts(mma, a_op, b_op, layout(v_regs, v_lanes, shape5), words_pairs, scale_words, pairs4,
-                    pairs(d), pairs(n_sc_p), slot_rows(d), slot_rows(n_sc_p), par_load(d), par_load(n_sc_p),
+                    pairs(d), pairs(n_sc_p), runs(d), runs(n_sc_p),
                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
-                    cp_rows, cp_rows, flat(4), flat(max(1, 8 * nvg // 32)), flat(8))
+                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+                    gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]), flat(4), cp_s, flat(8), flat(1))
 
 
 if gluon is not None:
@@ -302,34 +303,34 @@ if gluon is not None:
 
     @gluon.jit
     def _token_of_row(m):
-        """The token (within its 16-token half step) of row m of the score and value products: 2 (m % 8)
-        + m // 8, so that a thread's two rows r, 8 + r are adjacent tokens (`_plane_pairs`)."""
-        return 2 * (m % 8) + m // 8
+        """The token of row m of a tile's score and value products, from the tile's first token: row
+        r < 8 is the tile's token in run r (tokens 16 r to 16 r + 15 of the block), row 8 + r the one
+        after it, so that a thread's two rows are adjacent bits of the 16 it holds per channel
+        (`_plane_pairs`). Tile h of step s starts at token 4 s + 2 h of the block."""
+        return 16 * (m % 8) + m // 8
 
     @gluon.jit
-    def _byte_perm_by(a, b, sel):
-        """`_byte_perm` with the selector a tensor (a register), for selectors that vary by thread."""
-        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=gl.int32,
-                                         is_pure=True, pack=1)
+    def _pack_halves(lo, hi):
+        """int16 x 2 -> int32 (lo in the low half). Free where both already share a register (ldmatrix)."""
+        return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
+                                         pack=1)
 
     @gluon.jit
-    def _plane_pairs(we, wo, sel, bit_e, bit_o, magic_p):
-        """One bit plane's A-operand registers [C // 2, 16] for a half step: int32 elements holding
-        the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + k) * bit.
+    def _plane_pairs(x, S: gl.constexpr, H: gl.constexpr, magic_p):
+        """One bit plane's A-operand registers [C // 2, 16] for tile H of step S: int32 elements
+        holding the fp16 pair (channel 2i low, 2i + 1 high) M_p + 2^(p + k) * bit.
 
-        Row m of the operand is token 2 (m % 8) + m // 8 of the half (`token_rows`), so that the
-        two rows of a thread (r and 8 + r) are tokens 2r and 2r + 1, in the same byte of the plane
-        words: one prmt (selector `sel` [8], per row r) puts that byte of both channels' words
-        we, wo [C // 2] (32 tokens each) side by side (even channel in the low half), and one
-        masking per row takes a token's bit where it lies, at k = its token % 8 (`bit_e`, `bit_o`
-        = 0x10001 << k). ORed into magic_p = 1024 * 2^p, a bit at mantissa position k adds
-        2^(p + k): no shift and no "- 1024" per element; `_half_scores` takes the per-row factor
-        2^-k and the constant out of the accumulator.
+        x [C // 2, 8 runs] holds both channels' 16 bits of each run (`_block_words`). Row r of the
+        tile (and 8 + r) is bit 4 S + 2 H (and the next) of run r (`_token_of_row`): shifted down by
+        4 S, one masking per row takes the bit where it lies, at k = 2 H + row // 8 (both channels
+        at once), and ORed into magic_p = 1024 * 2^p it adds 2^(p + k): no shift per element and no
+        "- 1024"; `_tile_scores` takes the per-row factor 2^-k and the constant out of the accumulator.
         """
-        w = _byte_perm_by(we[:, None], wo[:, None], sel[None, :])  # [C // 2, 8]
-        x = gl.join((w & bit_e[None, :]) | magic_p, (w & bit_o[None, :]) | magic_p)
-        C2: gl.constexpr = w.shape[0]
-        return gl.reshape(gl.permute(x, [0, 2, 1]), [C2, 16])
+        y = x >> (4 * S) if S > 0 else x
+        e = (y & (0x10001 << (2 * H))) | magic_p
+        o = (y & (0x10001 << (2 * H + 1))) | magic_p
+        C2: gl.constexpr = x.shape[0]
+        return gl.reshape(gl.permute(gl.join(e, o), [0, 2, 1]), [C2, 16])
 
     @gluon.jit
     def _plane_operand(x, C: gl.constexpr, A_OP: gl.constexpr):
@@ -338,107 +339,110 @@ if gluon is not None:
         return gl.convert_layout(gl.permute(codes, [1, 0]), A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, half: gl.constexpr, magic,
+    def _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, S: gl.constexpr, H: gl.constexpr, magic,
                      B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr,
                      NSC_P: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr):
-        """Scores S^T [16 tokens, 8 heads] of half step `half` of a 32-token word: the keys are the A
+        """Scores S^T [16 tokens, 8 heads] of tile H of step S (`_token_of_row`): the keys are the A
         operand and u^T [D, 8] the B operand (N = 8 heads: half the MMAs and accumulator registers
         of [16 heads, 16 tokens], since GQ <= 8).
 
-        One MMA per bit plane: plane p's operand is 2^p * (1024 + 2^k * bit) (`_plane_pairs`,
-        k = token % 8; rows are tokens in `_token_of_row` order); the low planes of every channel
-        against u into one accumulator, the salient channels' high planes against
-        u_hi = u[:, salient] * 2^b_low into a second one. They start
-        at c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)) in total, the planes'
-        constant part, which leaves 2^k * (codes @ u); inv_pos = 2^-k per token (row) and the
-        zero-point bias finish it. The constant cancels in fp32 (up to ~2^13 times the smallest
-        term, ~11 of 24 bits); measured rel err 2.0-2.2e-3 against 1.8-1.9e-3 with per-element
-        subtraction (benchmarks/RESULTS.md).
+        One MMA per bit plane: plane p's operand is 2^p * (1024 + 2^k * bit) (`_plane_pairs`); the
+        low planes of every channel against u into one accumulator, the salient channels' high
+        planes against u_hi = u[:, salient] * 2^b_low into a second one. They start at
+        c0 = -1024 * (sum u * (2^b_low - 1) + sum u_hi * (2^NH - 1)) in total, the planes' constant
+        part, which leaves 2^k * (codes @ u); inv_pos[H] = 2^-k per row and the zero-point bias
+        finish it. The constant cancels in fp32 (up to ~2^13 times the smallest term, ~11 of 24
+        bits); measured rel err 2.0-2.2e-3 against 1.8-1.9e-3 with per-element subtraction
+        (benchmarks/RESULTS.md).
         """
-        acc = gl.zeros([16, 8], gl.float32, layout=MMA) + c0[None, :]
+        acc = c0
         for p in gl.static_range(B_LOW):
-            x = _plane_pairs(lw[2 * p], lw[2 * p + 1], sel_lo + half * 0x0202, bits_lo[0], bits_lo[1],
-                             magic + p * 0x04000400)
+            x = _plane_pairs(lw[p], S, H, magic + p * 0x04000400)
             acc = mma_v2(_plane_operand(x, D, A_OP), u, acc)
         if NH > 0:
             if NSC > 0:
                 # A second accumulator: two shorter dependent MMA chains instead of one long one.
                 acc_hi = gl.zeros([16, 8], gl.float32, layout=MMA)
                 for p in gl.static_range(NH):
-                    x = _plane_pairs(hw[2 * p], hw[2 * p + 1], sel_hi + half * 0x0202, bits_hi[0], bits_hi[1],
-                                     magic + p * 0x04000400)
+                    x = _plane_pairs(hw[p], S, H, magic + p * 0x04000400)
                     acc_hi = mma_v2(_plane_operand(x, NSC_P, A_OP), u_hi, acc_hi)
                 acc = acc + acc_hi
-        return acc * inv_pos[:, None] + bias[None, :]
+        return acc * inv_pos[H][:, None] + bias
 
     @gluon.jit
-    def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
-                    kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr, B_LOW: gl.constexpr,
-                    D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
-                    PL_P: gl.constexpr, PH_P: gl.constexpr):
-        """Starts the asynchronous copies of word step `step` (32 tokens) into ring slot `stage`: the
-        plane words of every channel (low) and salient channel (high), the value words, scales and
-        zeros, and at a group's first step the group's key scale and zero rows. `valid` False (past
-        the split's end) copies nothing; the commit is still made, so the group count stays regular.
-
-        A plane's words are copied 32 consecutive channels at a time (both parities of 16 pairs,
-        `cp_rows`), 4 B each, G / 8 bytes apart: 4 cache lines a copy at G = 128, where a copy of
-        one parity's words touched 8 (ncu: 7.9 L1 wavefronts a copy, 63 a step, a quarter of the
-        L1 data pipe's work)."""
-        g = step // G32
-        wd = step % G32
-        lo = klo + g * (B_LOW * D * G32) + wd
+    def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, buf_ss, klo, khi, vp, vsc, vze,
+                     ksc, kze, ksw, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss, G32: gl.constexpr, B_LOW: gl.constexpr,
+                     D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
+                     PL_P: gl.constexpr, PH_P: gl.constexpr):
+        """Starts the asynchronous copies of block `blk` (128 tokens) into ring slot `slot`: its 16
+        bytes of every channel's (low) and salient channel's (high) plane words, the value words of
+        its 8 tiles, its value scales and zeros, and at a group's first block the group's key scale
+        and zero rows and the words holding its salient channels' scales (ksw: the scales as int32);
+        then commits them as one group. `valid` False (past the split's end) copies nothing. klo and
+        khi count int16 halves of the plane words."""
+        GB: gl.constexpr = G32 // 4  # blocks per group
+        g = blk // GB
+        q8 = (blk % GB) * 8  # the block's first half-word in a channel's words of the group
+        lo = klo + g * (B_LOW * D * G32 * 2) + q8
         for p in gl.static_range(B_LOW):
-            _async_load(buf_lo.index(stage * PL_P + p), lo + p * (D * G32) + off_lo, mask=(off_lo >= 0) & valid)
+            _async_load(buf_lo.index(slot * PL_P + p), lo + p * (D * G32 * 2) + off_lo, mask=(off_lo >= 0) & valid)
         if NH > 0:
             if NSC > 0:
-                hi = khi + g * (NH * NSC * G32) + wd
+                hi = khi + g * (NH * NSC * G32 * 2) + q8
                 for p in gl.static_range(NH):
-                    _async_load(buf_hi.index(stage * PH_P + p), hi + p * (NSC * G32) + off_hi, mask=m_hi & valid)
-        for half in gl.static_range(2):
-            t0 = step * 32 + half * 16
-            _async_load(buf_v.index(stage * 2 + half), vp + t0 * NW + off_v,
-                                                   mask=(off_v >= 0) & valid)
-            _async_load(buf_sc.index(stage * 2 + half), vsc + t0 * (NVG // 2) + off_s,
-                                                   mask=(off_s >= 0) & valid)
-            _async_load(buf_ze.index(stage * 2 + half), vze + t0 * (NVG // 2) + off_s,
-                                                   mask=(off_s >= 0) & valid)
-        first = (off_k >= 0) & valid & (wd == 0)
-        _async_load(buf_ks.index(stage * 2), ksc + g * D + off_k, mask=first)
-        _async_load(buf_ks.index(stage * 2 + 1), kze + g * D + off_k, mask=first)
+                    _async_load(buf_hi.index(slot * PH_P + p), hi + p * (NSC * G32 * 2) + off_hi, mask=m_hi & valid)
+        for tile in gl.static_range(8):
+            _async_load(buf_v.index(slot * 8 + tile), vp + (blk * 128 + 2 * tile) * NW + off_v,
+                        mask=(off_v >= 0) & valid)
+        _async_load(buf_sc.index(slot), vsc + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
+        _async_load(buf_ze.index(slot), vze + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
+        first = (off_k >= 0) & valid & (q8 == 0)
+        _async_load(buf_ks.index(slot * 2), ksc + g * D + off_k, mask=first)
+        _async_load(buf_ks.index(slot * 2 + 1), kze + g * D + off_k, mask=first)
+        _async_load(buf_ss.index(slot), ksw + g * (D // 2) + off_ss, mask=(off_ss >= 0) & valid & (q8 == 0))
         async_copy.commit_group()
 
     @gluon.jit
-    def _parity_offsets(C2: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
-        """[parity, pair] -> the offset of channel 2 pair + parity's word in a plane (channels G32 words apart)."""
-        par = gl.arange(0, 2, layout=gl.SliceLayout(1, L))
-        pair = gl.arange(0, C2, layout=gl.SliceLayout(0, L))
-        return (par[:, None] + 2 * pair[None, :]) * G32
+    def _run_offsets(C: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
+        """[channel, half-word] -> its offset in a plane of a group (a channel's words are G32 words)."""
+        c = gl.arange(0, C, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, L))
+        return c[:, None] * (2 * G32) + j[None, :]
 
     @gluon.jit
-    def _parity_words(slot, PAR: gl.constexpr, L: gl.constexpr):
-        """A ring slot's [parity, pairs] words of one plane -> the even and the odd channels' words [pairs], in L."""
-        e, o = gl.split(gl.permute(slot.load(PAR), [1, 0]))
-        return gl.convert_layout(e, L, assert_trivial=True), gl.convert_layout(o, L, assert_trivial=True)
+    def _plane_words(slot, RUNS: gl.constexpr, PAIRS: gl.constexpr):
+        """A ring slot's [channels, 8 runs] int16 of one plane -> [pairs, 8 runs] int32 (even channel low).
+        RUNS puts a pair's two channels in one register's halves: ldmatrix.trans, 4 L1 wavefronts
+        per 512 bytes with no byte read twice."""
+        x = slot.load(RUNS)
+        C: gl.constexpr = x.shape[0]
+        lo, hi = gl.split(gl.permute(gl.reshape(x, [C // 2, 2, 8]), [0, 2, 1]))
+        return gl.convert_layout(_pack_halves(lo, hi), PAIRS, assert_trivial=True)
 
     @gluon.jit
-    def _smem_pair_words(buf, row0, N_PLANES: gl.constexpr, PAR: gl.constexpr, L: gl.constexpr):
-        """Plane words [pairs] of the even and odd channels from a step's slots (plane) of `buf`
-        starting at row0, planes 0..3 (unused planes repeat plane 0), in the order `_half_scores` takes."""
-        e0, o0 = _parity_words(buf.index(row0), PAR, L)
-        e1 = e0
-        o1 = o0
-        e2 = e0
-        o2 = o0
-        e3 = e0
-        o3 = o0
+    def _block_words(buf, row0, N_PLANES: gl.constexpr, RUNS: gl.constexpr, PAIRS: gl.constexpr):
+        """Plane words [pairs, 8 runs] of a block's slot of `buf` starting at row0, planes 0..3
+        (unused planes repeat plane 0), in the order `_tile_scores` takes."""
+        w0 = _plane_words(buf.index(row0), RUNS, PAIRS)
+        w1 = w0
+        w2 = w0
+        w3 = w0
         if N_PLANES > 1:
-            e1, o1 = _parity_words(buf.index(row0 + 1), PAR, L)
+            w1 = _plane_words(buf.index(row0 + 1), RUNS, PAIRS)
         if N_PLANES > 2:
-            e2, o2 = _parity_words(buf.index(row0 + 2), PAR, L)
+            w2 = _plane_words(buf.index(row0 + 2), RUNS, PAIRS)
         if N_PLANES > 3:
-            e3, o3 = _parity_words(buf.index(row0 + 3), PAR, L)
-        return e0, o0, e1, o1, e2, o2, e3, o3
+            w3 = _plane_words(buf.index(row0 + 3), RUNS, PAIRS)
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _rows_view(buf, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+        """The same shared memory as [rows, row] (rank-1 layout), so that one index picks a row."""
+        if _REINTERPRET_IS_PUBLIC:
+            view = buf.reinterpret(gl.int32, SHAPE, LAYOUT)
+        else:
+            view = buf._reinterpret(gl.int32, SHAPE, LAYOUT)
+        return view
 
     @gluon.jit
     def _value_pairs(we, wo, sel, mask):
@@ -606,13 +610,13 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 3, 1]), [16, 8]), B_OP, assert_trivial=True)
 
     @gluon.jit
-    def _step_values(buf_v, buf_sc, buf_ze, slot, x0, x1, acc, acc_z, sel, mask, D: gl.constexpr, NVG: gl.constexpr,
+    def _step_values(buf_v, buf_sc, buf_ze, row0, x0, x1, acc, acc_z, sel, mask, D: gl.constexpr, NVG: gl.constexpr,
                      WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
                      VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
-        """The value product of a word step: ring slot `slot`, P^T pairs x0, x1 of its two 16-token
-        halves (`_pt_pairs`)."""
+        """The value product of a step: its two tiles, rows row0 and row0 + 1 of the ring's value
+        buffers, with their P^T pairs x0, x1 (`_pt_pairs`)."""
         for half in gl.static_range(2):
-            row = slot * 2 + half
+            row = row0 + half
             x = x0 if half == 0 else x1
             x = gl.expand_dims(gl.convert_layout(gl.reshape(x, [2, 8, 4]), gl.SliceLayout(3, PAIRS4),
                                                  assert_trivial=True), 3)
@@ -675,20 +679,20 @@ if gluon is not None:
         vsc_ptr, vze_ptr, stride_vsb, stride_vsh,
         order_ptr, stride_ob, stride_oh,
         sink_len_ptr, n_groups_ptr, res_len_ptr,
-        pm_ptr, pl_ptr, pa_ptr,
+        pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
         qk_scale, groups_per_split, n_split, magic,
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
         VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
-        PAIRS_HI: gl.constexpr, ROWS_LO: gl.constexpr, ROWS_HI: gl.constexpr, PAR_LO: gl.constexpr,
-        PAR_HI: gl.constexpr,
-        STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
-        CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
+        PAIRS_HI: gl.constexpr, RUNS_LO: gl.constexpr, RUNS_HI: gl.constexpr,
+        PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, SMEM2: gl.constexpr, CP_KEYS: gl.constexpr,
+        CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr, CP_SAL: gl.constexpr,
     ):
-        """Operands as in `decode._decode_split_kernel`, except: klo, khi and vp are int32 views of
-        the packed bytes (strides in words), and partials hold MAX_GQA = 8 rows."""
+        """Operands as in `decode._decode_split_kernel`, except: klo and khi are int16 views of the
+        packed bytes, vp, vsc and vze int32 views (strides in those units), and partials hold
+        MAX_GQA = 8 rows."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // HKV
@@ -699,15 +703,6 @@ if gluon is not None:
         WPG: gl.constexpr = GV // CPW  # value words per value group
         NVG: gl.constexpr = D // GV
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
-        # Query-side operands are computed in the accumulator layout (reductions need it) and moved
-        # to the A-operand layout, which for 16-bit data holds the same elements in the same registers.
-        rows_a = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-        cols_a = gl.arange(0, D, layout=gl.SliceLayout(0, MMA))
-        q_base = q_ptr + b.to(gl.int64) * stride_qb + (h * GQ + rows_a) * stride_qh
-        # Padded query rows are zero, so their scores stay finite (never -inf - -inf).
-        # Kept in fp16 (half the registers of fp32): q * softmax scale * log2 e is well inside its range.
-        q16 = (gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
-                       other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * (n_split + 1) + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
@@ -721,21 +716,27 @@ if gluon is not None:
             vp = vp_ptr + b.to(gl.int64) * stride_vpb + h * stride_vph
             vsc = vsc_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
             vze = vze_ptr + b.to(gl.int64) * stride_vsb + h * stride_vsh
-            # `_plane_pairs`, per row pair r: the byte of tokens 2r, 2r + 1 in the first half's two
-            # bytes (both channels' words), and where each token's bit lies in it.
-            r_lo = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS_LO))
-            r_hi = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS_HI))
-            sel_lo = (r_lo // 4) * 0x0101 + 0x0400
-            sel_hi = (r_hi // 4) * 0x0101 + 0x0400
-            bits_lo = (0x10001 << ((2 * r_lo) % 8), 0x10001 << ((2 * r_lo + 1) % 8))
-            bits_hi = (0x10001 << ((2 * r_hi) % 8), 0x10001 << ((2 * r_hi + 1) % 8))
             t_s = gl.arange(0, 16, layout=ROW)
-            inv_pos = gl.exp2(-(_token_of_row(t_s) & 7).to(gl.float32))  # 2^-k: the scores' per-row factor
-            js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
+            inv0 = gl.exp2(-(t_s // 8).to(gl.float32))  # 2^-k: the scores' per-row factor (`_plane_pairs`)
+            inv_pos = (inv0, inv0 * 0.25)  # tiles 0 and 1 of a step
+            # The query as the key product's B operand, q^T [D, 8 heads] (padded heads zero), and its
+            # salient channels' [NSC_P, 8]; kept in fp16 (half the registers of fp32): q * softmax
+            # scale * log2 e is well inside its range.
+            KCOL: gl.constexpr = gl.SliceLayout(1, B_OP)  # the channels (rows) of a B operand
+            q_heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+            q_rows = q_ptr + b.to(gl.int64) * stride_qb + (h * GQ + q_heads) * stride_qh
+            q_c = gl.arange(0, D, layout=KCOL)
+            q_t = (gl.load(q_rows[None, :] + q_c[:, None], mask=(q_heads < GQ)[None, :],
+                           other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+            js = gl.arange(0, NSC_P, layout=KCOL)
             order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
-            sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
-            q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
+            sal = gl.load(order + (D - NSC) + js, mask=js < NSC, other=0)
+            q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & (js < NSC)[:, None],
                              other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
+            # In shared memory, not registers: they are read once per group, and the loop's registers
+            # decide how many programs an SM holds.
+            buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
+            buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
             # Values (`_value_codes`): per byte of a word (b) and code in the byte (j), the byte
             # permutation, the code's mask and its 2^-k.
             CPB: gl.constexpr = 8 // BV
@@ -746,107 +747,129 @@ if gluon is not None:
                                                                                                           V5)))))
             v_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
                 (((1 << BV) - 1) * 0x10001) << (jv * BV), 0), 0), 0), 4)
-            # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
-            # copies STAGES - 2 steps ahead: the loads of a step are in flight while earlier steps
-            # compute, instead of stalling the warp that needs them (and no registers hold them).
-            # Every buffer but the plane words' is [slots x rows, row], indexed by one row number: a row is
-            # one copy; the plane words' is [slots, parity, pairs], a slot (step, plane) one copy.
-            buf_lo = gl.allocate_shared_memory(gl.int32, [STAGES * PL_P, 2, D // 2], ROWS_LO)  # slot (step, plane)
-            buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * PH_P, 2, NSC_P // 2], ROWS_HI)
-            buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [member, pair, word]
-            # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member]
-            buf_sc = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
-            buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
-            buf_ks = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], SMEM1)  # key scale row, zero row
-            # Element offsets of one row's copy, from the step's first word / token / row.
-            off_lo = _parity_offsets(D // 2, G32, CP_LO)
-            off_hi = _parity_offsets(NSC_P // 2, G32, CP_HI)
-            m_hi = off_hi < NSC * G32
+            # A ring of two block slots (128 tokens each) in shared memory. Block i + 1's copies are
+            # issued at step 1 of block i, into the slot block i - 1 used (its last value product runs
+            # at block i's step 0), and waited for at block i + 1's start: three steps of cover, and
+            # the words are read from there straight into operand registers, the key planes once
+            # per block. Buffers of rows are [slots x rows, row], indexed by one row number.
+            buf_lo = gl.allocate_shared_memory(gl.int16, [2 * PL_P, D, 8], SMEM2)  # (slot, plane): [channel, run]
+            buf_hi = gl.allocate_shared_memory(gl.int16, [2 * PH_P, NSC_P, 8], SMEM2)
+            buf_v = gl.allocate_shared_memory(gl.int32, [2 * 8, 16 * NW], SMEM1)  # (slot, tile): [member, pair, word]
+            # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member] a
+            # tile; copied a block at a time, read a tile (row) at a time
+            buf_sc = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
+            buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
+            sc_rows = _rows_view(buf_sc, [16, 8 * NVG], SMEM1)
+            ze_rows = _rows_view(buf_ze, [16, 8 * NVG], SMEM1)
+            buf_ks = gl.allocate_shared_memory(gl.float16, [2 * 2, D], SMEM1)  # key scale row, zero row
+            buf_ss = gl.allocate_shared_memory(gl.int32, [2, NSC_P], SMEM1)  # the words of the salient scales
+            # Element offsets of the copies, from the block's first word / token / row.
+            off_lo = _run_offsets(D, G32, CP_KEYS)
+            off_hi = _run_offsets(NSC_P, G32, CP_KEYS)
+            m_hi = off_hi < NSC * G32 * 2
             # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
             # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
             n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
             v_rows = 2 * ((n_v // NW) % 8) + n_v // (8 * NW)
             off_v = _token_of_row(v_rows) * NW + n_v % NW
-            n_s = gl.arange(0, 8 * NVG, layout=CP_S)  # (pair i, word w, member e) -> word w of token 2i + e
-            off_s = _token_of_row((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
+            # [tile, (pair i, word w, member e)] -> word w of the tile's token 2 i + e (tile h of step s
+            # starts at token 4 s + 2 h = 2 tile)
+            tile_s = gl.arange(0, 8, layout=gl.SliceLayout(1, CP_S))
+            n_s = gl.arange(0, 8 * NVG, layout=gl.SliceLayout(0, CP_S))
+            off_s = ((2 * tile_s[:, None] + _token_of_row((n_s[None, :] // NVG) * 2 + n_s[None, :] % 2)) * (NVG // 2)
+                     + (n_s[None, :] // 2) % (NVG // 2))
             off_k = gl.arange(0, D, layout=CP_K)
-            w_start = g_start * G32
-            w_end = g_end * G32
-            # The slot of the step before the first: the loop's first value product reads it with
-            # P = 0, so its scales and zeros must be finite (0 x NaN would be NaN); codes always are.
+            js_cp = gl.arange(0, NSC_P, layout=CP_SAL)
+            off_ss = gl.load(order + (D - NSC) + js_cp, mask=js_cp < NSC, other=0) // 2
+            off_ss = gl.where(js_cp < NSC, off_ss, -1)
+            n_blk = gl.maximum(g_end - g_start, 0) * (G32 // 4)
+            b_start = g_start * (G32 // 4)
+            # The tiles of the step before the first (slot 1, tiles 6 and 7): the loop's first value
+            # product reads them with P = 0, so their scales and zeros must be finite (0 x NaN would
+            # be NaN); codes always are.
             for half in gl.static_range(2):
-                buf_sc.index((STAGES - 1) * 2 + half).store(gl.zeros([8 * NVG], gl.int32, layout=CP_S))
-                buf_ze.index((STAGES - 1) * 2 + half).store(gl.zeros([8 * NVG], gl.int32, layout=CP_S))
-            for i in gl.static_range(STAGES - 2):
-                _issue_step(w_start + i, w_start + i < w_end, i, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                            klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
-                            off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                            G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                sc_rows.index(14 + half).store(gl.zeros([8 * NVG], gl.int32, layout=gl.BlockedLayout([1], [32], [1],
+                                                                                                      [0])))
+                ze_rows.index(14 + half).store(gl.zeros([8 * NVG], gl.int32, layout=gl.BlockedLayout([1], [32], [1],
+                                                                                                      [0])))
+            _issue_block(b_start, n_blk > 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                         buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, ksw_ptr + ks_off // 2,
+                         off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
+                         G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
             u = gl.zeros([D, 8], gl.float16, layout=B_OP)  # u^T, u_hi^T: the first 8 heads
             u_hi = gl.zeros([NSC_P, 8], gl.float16, layout=B_OP)
-            bias = gl.zeros([8], gl.float32, layout=HEADS)
-            c0 = gl.zeros([8], gl.float32, layout=HEADS)
+            bias = gl.zeros([16, 8], gl.float32, layout=MMA)  # per head, the same in every row
+            c0 = gl.zeros([16, 8], gl.float32, layout=MMA)
             m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
             l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # softmax sums per lane, reduced after the loop
             x0 = _pt_pairs(gl.zeros([16, 8], gl.float32, layout=MMA))  # P^T pairs of the step before: none
             x1 = x0
             acc_z = gl.zeros([16, 8], gl.float32, layout=MMA)  # `_value_products`: the zeros' part
-            for w in range(w_start, w_end):  # word steps: 32 tokens each, G32 per group
-                stage = (w - w_start) % STAGES
-                before = (w - w_start + STAGES - 1) % STAGES  # the step before's slot
-                async_copy.wait_group(STAGES - 3)  # this step's copies have landed ...
-                _thread_barrier()  # ... for every lane, and every lane is done with the step before
-                nxt = w + STAGES - 2
-                _issue_step(nxt, nxt < w_end, (nxt - w_start) % STAGES, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                            klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
-                            off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                            G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
-                g = w // G32
-                if w % G32 == 0:  # a new group: its scales fold into the query, its zeros into a bias
-                    s_row = buf_ks.index(stage * 2).load(gl.SliceLayout(0, MMA)).to(gl.float32)
-                    z_row = buf_ks.index(stage * 2 + 1).load(gl.SliceLayout(0, MMA)).to(gl.float32)
-                    q32 = q16.to(gl.float32)
-                    u16 = (q32 * s_row[None, :]).to(gl.float16)
-                    u = _p_operand(u16, D, B_OP)
-                    bias = _first_heads(gl.sum(q32 * z_row[None, :], axis=1), HEADS)  # zero: u @ z
-                    # A gather the copies cannot do (2-byte elements); the row was just copied, so it hits cache.
-                    s_sal = gl.load(ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
-                    u_hi16 = (q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16)
-                    u_hi = _p_operand(u_hi16, NSC_P, B_OP)
-                    # The planes' constant part (`_half_scores`), from the fp16 operands the MMAs see.
-                    c0 = _first_heads(-1024.0 * (gl.sum(u16.to(gl.float32), axis=1) * ((1 << B_LOW) - 1)
-                                                 + gl.sum(u_hi16.to(gl.float32), axis=1) * ((1 << NH) - 1)), HEADS)
-                lw = _smem_pair_words(buf_lo, stage * PL_P, B_LOW, PAR_LO, gl.SliceLayout(1, PAIRS_LO))
-                hw = _smem_pair_words(buf_hi, stage * PH_P, NH, PAR_HI, gl.SliceLayout(1, PAIRS_HI))
-                # Both 16-token halves' scores (four independent MMA chains), then the value product
-                # of the step before (its P^T pairs x0, x1): independent work for the scheduler to
-                # interleave with this step's dependent chains (a warp has few neighbours to hide
-                # them: 8 per SM). Then one online-softmax update for the 32 tokens.
-                s0 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 0, magic, B_LOW,
-                                  NH, NSC, D, NSC_P, MMA, A_OP)
-                s1 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 1, magic, B_LOW,
-                                  NH, NSC, D, NSC_P, MMA, A_OP)
-                acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, before, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG,
-                                          WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
-                m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
-                alpha = gl.exp2(m_h - m_new)
-                p0 = gl.exp2(s0 - m_new[None, :])
-                p1 = gl.exp2(s1 - m_new[None, :])
-                # Rescaled at every step, not under a branch: alpha is mostly 1, but the branch's
-                # warp-wide test and its block boundary cost more than the 40 multiplications.
-                acc = acc * alpha[None, :]
-                l_t = l_t * alpha[None, :]
-                # acc_z holds head a in rows a and 8 + a
-                acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
-                                                  ROW)[:, None]
-                l_t = l_t + p0 + p1
-                m_h = m_new
-                x0 = _pt_pairs(p0)
-                x1 = _pt_pairs(p1)
+            for i in range(0, n_blk):  # blocks: 128 tokens, 4 steps of 32 (2 tiles of 16) each
+                blk = b_start + i
+                slot = i % 2
+                for st in gl.static_range(4):
+                    if st == 0:
+                        async_copy.wait_group(0)  # this block's copies have landed ...
+                        _thread_barrier()  # ... for every lane
+                        if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
+                            # u = q x key scale, exactly as before (one fp16 rounding of an exact product);
+                            # the zero point's bias and the planes' constant part c0 as MMAs, sums over the
+                            # channels in fp32 like the scores' own (every row of those tiles is the same).
+                            q_t = buf_q.load(B_OP)
+                            u = q_t * buf_ks.index(slot * 2).load(KCOL)[:, None]
+                            z_a = gl.expand_dims(buf_ks.index(slot * 2 + 1).load(gl.SliceLayout(0, A_OP)), 0)
+                            bias = mma_v2(z_a + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
+                                          gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
+                            # The salient channels' scales: each in the low or high half of its copied word.
+                            s_lo, s_hi = gl.split(_halves_f16(buf_ss.index(slot).load(KCOL)))
+                            s_sal = gl.where(js < NSC, gl.where((sal % 2) == 1, gl.convert_layout(s_hi, KCOL),
+                                                                 gl.convert_layout(s_lo, KCOL)), 0.0)
+                            u_hi = buf_qs.load(B_OP) * s_sal[:, None]
+                            c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
+                                        gl.zeros([16, 8], gl.float32, layout=MMA))
+                            c0 = mma_v2(gl.full([16, NSC_P], -1024.0 * ((1 << NH) - 1), gl.float16, layout=A_OP),
+                                        u_hi, c0)
+                        lw = _block_words(buf_lo, slot * PL_P, B_LOW, RUNS_LO, PAIRS_LO)
+                        hw = _block_words(buf_hi, slot * PH_P, NH, RUNS_HI, PAIRS_HI)
+                        before = (1 - slot) * 8 + 6  # the previous block's last step
+                    else:
+                        before = slot * 8 + 2 * (st - 1)
+                    if st == 1:
+                        _thread_barrier()  # every lane is done with the previous block's slot
+                        _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                                     buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, ksw_ptr + ks_off // 2,
+                                     off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
+                                     G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                    # Both tiles' scores (independent MMA chains), then the value product of the step
+                    # before (its P^T pairs x0, x1): independent work for the scheduler to interleave
+                    # with this step's dependent chains (a warp has few neighbours to hide them: 8 per
+                    # SM). Then one online-softmax update for the 32 tokens.
+                    s0 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, st, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
+                                      A_OP)
+                    s1 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, st, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
+                                      A_OP)
+                    acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, before, x0, x1, acc, acc_z, v_sel, v_mask, D,
+                                              NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+                    m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
+                    alpha = gl.exp2(m_h - m_new)
+                    p0 = gl.exp2(s0 - m_new[None, :])
+                    p1 = gl.exp2(s1 - m_new[None, :])
+                    # Rescaled at every step, not under a branch: alpha is mostly 1, but the branch's
+                    # warp-wide test and its block boundary cost more than the 40 multiplications.
+                    acc = acc * alpha[None, :]
+                    l_t = l_t * alpha[None, :]
+                    # acc_z holds head a in rows a and 8 + a
+                    acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
+                                                      ROW)[:, None]
+                    l_t = l_t + p0 + p1
+                    m_h = m_new
+                    x0 = _pt_pairs(p0)
+                    x1 = _pt_pairs(p1)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
-            # The last step's values (or, for an empty split, the zeroed slot before the first step).
-            last = (gl.maximum(w_end - w_start, 0) + STAGES - 1) % STAGES
-            acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, last, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG, MMA,
+            # The last step's values (or, for an empty split, the zeroed tiles before the first step).
+            last = ((n_blk + 1) % 2) * 8 + 6
+            acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, last, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG, MMA,
                                       A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             l_h = gl.sum(l_t, axis=0)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
@@ -857,7 +880,13 @@ if gluon is not None:
         else:
             m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
             l_i = gl.zeros([16], gl.float32, layout=ROW)
-            u0 = gl.convert_layout(q16, A_OP)
+            # Padded query rows are zero, so their scores stay finite (never -inf - -inf).
+            rows_a = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+            cols_a = gl.arange(0, D, layout=gl.SliceLayout(0, MMA))
+            q_base = q_ptr + b.to(gl.int64) * stride_qb + (h * GQ + rows_a) * stride_qh
+            q16 = (gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
+                           other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+            u0 = gl.convert_layout(q16, A_OP)  # the A operand holds the accumulator layout's 16-bit elements
             t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
             c_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
             t_a = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, A_OP))  # value tokens (columns of V^T)
@@ -899,6 +928,12 @@ if gluon is not None:
         gl.store(pl_ptr + part * 8 + h_c, l_fin, mask=h_c < GQ)
 
 
+def _halfwords(t: torch.Tensor) -> torch.Tensor:
+    """The int16 view of packed bytes (last dim even); strides then count halves."""
+    return t.view(torch.int16) if t.numel() else torch.empty(t.shape[:-1] + (t.shape[-1] // 2,), dtype=torch.int16,
+                                                             device=t.device)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The int32 view of packed bytes (last dim a multiple of 4); strides then count words."""
     return t.view(torch.int32) if t.numel() else torch.empty(t.shape[:-1] + (t.shape[-1] // 4,), dtype=torch.int32,
@@ -925,16 +960,16 @@ UNCAPPED_REGISTERS = 255
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
 
 
-def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
-               stages: int = STAGES) -> int:
-    """Shared memory of one program: its ring of `stages` word steps (see the kernel's buffers)."""
+def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
+    """Shared memory of one program: its ring of two block slots (see the kernel's buffers)."""
     nsc_p = next_pow2(max(n_salient, 16))
-    key_words = next_pow2(b_low) * d  # (parity, plane) rows; the high planes' only where used
+    key_words = next_pow2(b_low) * d  # 16 bytes per (plane, channel); the high planes' only where used
     if b_high > b_low and n_salient:
         key_words += next_pow2(b_high - b_low) * nsc_p
-    words = key_words + d * value_bits  # + 32 tokens of value words
-    halves = 2 * 32 * (d // value_group) + 2 * d  # value scales and zeros, key scale and zero rows
-    return stages * (4 * words + 2 * halves)
+    per_slot = 16 * key_words + BLOCK_TOKENS * d * value_bits // 8  # key plane words, value words
+    per_slot += 2 * 2 * BLOCK_TOKENS * (d // value_group) + 2 * 2 * d  # value scales and zeros, key scale and zero rows
+    per_slot += 4 * nsc_p  # the words of the salient channels' key scales
+    return 2 * per_slot + 2 * MAX_GQA * (d + nsc_p)  # + the query's channels and salient channels
 
 
 def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int) -> int:
@@ -972,17 +1007,14 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
 
 
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
-                 programs_per_sm: int | None = None, max_registers: int | None = None,
-                 stages: int = STAGES) -> SplitLaunch:
+                 programs_per_sm: int | None = None, max_registers: int | None = None) -> SplitLaunch:
     """The split kernel's grid, arguments and compile-time constants.
 
     Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
     (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
-    `max_registers` and `stages`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i)
+    `max_registers`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i)
     split i.
     """
-    if stages < 3:
-        raise ValueError(f"stages={stages}: the shared-memory ring needs at least 3 slots")
     from kernels.decode import cache_operands, check_operands, split_plan
 
     check_operands(q, cache)
@@ -991,7 +1023,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     n_sc = cache.n_salient_channels
     ng_cap = cache.k_low.shape[2]
     if num_splits is None and programs_per_sm is None and ng_cap:
-        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size, stages)
+        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size)
         num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
@@ -1002,14 +1034,14 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     scale_words = dataclasses.replace(cache, v_scale=_words(cache.v_scale.flatten(-2)),
                                       v_zero=_words(cache.v_zero.flatten(-2)))
     args = (
-        *cache_operands(q, scale_words, _words(cache.k_low), _words(cache.k_high), _words(cache.v_packed)),
-        pm, pl, pa,
+        *cache_operands(q, scale_words, _halfwords(cache.k_low), _halfwords(cache.k_high), _words(cache.v_packed)),
+        pm, pl, pa, _words(cache.k_scale),
         scale * LOG2E, groups_per_split, num_splits, FP16_PAIR_1024,
     )
     constexprs = dict(
         HKV=hkv, GQ=hq // hkv, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
         NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), BV=cache.value_bits, GV=cache.value_group_size, BLOCK_R=32,
-        STAGES=stages, PL_P=next_pow2(cache.b_low), PH_P=next_pow2(max(cache.b_high - cache.b_low, 1)),
+        PL_P=next_pow2(cache.b_low), PH_P=next_pow2(max(cache.b_high - cache.b_low, 1)),
     )
     return SplitLaunch((bsz * hkv, n_parts), args, constexprs, pm, pl, pa)
 
@@ -1023,18 +1055,17 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
                          programs_per_sm: int | None = None, max_registers: int | None = None,
-                         out: torch.Tensor | None = None, stages: int = STAGES) -> torch.Tensor:
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
 
     num_splits, programs_per_sm: splits of the packed region per (b, h_kv), as `split_launch`
     (by default balanced over whole waves). max_registers caps registers per thread (ptxas
-    maxnreg; uncapped the kernel takes about 225, which allows 8 warps per SM). stages: slots of
-    the shared-memory ring, at least 3 (copies run stages - 2 word steps ahead).
+    maxnreg; uncapped the kernel takes about 225, which allows 8 warps per SM).
     """
     from kernels.decode import output_for
 
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers, stages)
+    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers)
     lay = _layouts(q.shape[-1], cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
     _mma_split_kernel[launch.grid](
         *launch.args, **launch.constexprs, **lay.constexprs(), num_warps=1,
@@ -1059,9 +1090,10 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     nsc_p = next_pow2(max(n_salient, 16))
     lay = _layouts(d, value_bits, value_group, nsc_p)
     const = dict(HKV=8, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
-                 NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, STAGES=STAGES, PL_P=next_pow2(b_low),
+                 NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, PL_P=next_pow2(b_low),
                  PH_P=next_pow2(max(b_high - b_low, 1)), **lay.constexprs())
-    words = {"klo_ptr", "khi_ptr", "vp_ptr", "vsc_ptr", "vze_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr",
+    halfwords = {"klo_ptr", "khi_ptr"}
+    words = {"ksw_ptr", "vp_ptr", "vsc_ptr", "vze_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr",
              "res_len_ptr"}
     halves = {"ksc_ptr", "kze_ptr"}
 
@@ -1069,7 +1101,7 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
         if name in const:
             return "constexpr"
         if name.endswith("_ptr"):
-            return "*i32" if name in words else "*fp16" if name in halves else "*fp32" if name in (
+            return "*i32" if name in words else "*i16" if name in halfwords else "*fp16" if name in halves else "*fp32" if name in (
                 "pm_ptr", "pl_ptr", "pa_ptr") else activation
         return "fp32" if name == "qk_scale" else "i32"
 

@@ -11,8 +11,8 @@ layouts) and Triton's lowering, which the sm_90 compile test and `benchmarks/ben
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
 the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`, `_f16_pairs`),
-whose replacements do the same operations with torch's `.view`, and the five whose inline PTX it
-computes with torch (`_byte_perm`, `_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16
+whose replacements do the same operations with torch's `.view`, and the six whose inline PTX it
+computes with torch (`_pack_halves`, `_byte_perm`, `_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16
 rounding per result, as `fma.rn.f16x2`, `mul.rn.f16x2` and `cvt.rn.f16x2.f32`; `_transposed_blocks`:
 movmatrix's cross-lane transpose, as the logical tensor sees it).
 """
@@ -61,6 +61,11 @@ class Smem:
     def permute(self, order: list[int]) -> Smem:
         return Smem(self.t.permute(*order))
 
+    def reinterpret(self, dtype: torch.dtype, shape: list[int], layout: Any) -> Smem:
+        return Smem(self.t.view(dtype).view(shape))
+
+    _reinterpret = reinterpret  # Triton 3.6's name
+
     def load(self, layout: Any) -> torch.Tensor:
         return self.t.clone()
 
@@ -108,11 +113,15 @@ class FakeGluon:
     SliceLayout = DotOperandLayout = NVMMADistributedLayout = DistributedLinearLayout = BlockedLayout = _layout
 
     @staticmethod
-    def allocate_shared_memory(dtype: torch.dtype, shape: list[int], layout: Any) -> Smem:
-        """Filled with garbage (NaN floats, random ints), so that reading a slot no copy wrote fails."""
+    def allocate_shared_memory(dtype: torch.dtype, shape: list[int], layout: Any, value: Any = None) -> Smem:
+        """Filled with `value`, or with garbage (NaN floats, random ints), so that reading a slot no
+        copy wrote fails."""
+        if value is not None:
+            return Smem(value.to(dtype).reshape(shape).clone())
         if dtype.is_floating_point:
             return Smem(torch.full(shape, float("nan"), dtype=dtype))
-        return Smem(torch.randint(-2**31, 2**31 - 1, shape, dtype=dtype))
+        info = torch.iinfo(dtype)
+        return Smem(torch.randint(info.min, info.max, shape, dtype=dtype))
 
 
     def program_id(self, axis: int) -> torch.Tensor:
@@ -213,6 +222,10 @@ def _f16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     return lo | (odd.to(torch.float16).view(torch.int16).to(torch.int32) << 16)
 
 
+def _pack_halves(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return (lo.to(torch.int32) & 0xFFFF) | (hi.to(torch.int32) << 16)
+
+
 def _byte_perm(a: torch.Tensor, b: torch.Tensor, sel: Any) -> torch.Tensor:
     """PTX prmt without sign replication: byte i of the result is byte (sel >> 4i) & 7 of {b, a};
     sel an int or a tensor broadcasting with a and b."""
@@ -247,7 +260,7 @@ def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
     gl = FakeGluon()
     env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
-                    "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_transposed_blocks": _transposed_blocks,
+                    "_byte_perm": _byte_perm, "_pack_halves": _pack_halves, "_transposed_blocks": _transposed_blocks,
                     "_f16_pairs_rounded": _f16_pairs_rounded, "_value_pairs": _value_pairs}
     env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
                _async_load=FakeAsyncCopy.async_copy_global_to_shared,
