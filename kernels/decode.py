@@ -484,7 +484,8 @@ def cache_operands(q: torch.Tensor, cache: DecodeCache, k_low: torch.Tensor, k_h
                    v_packed: torch.Tensor) -> tuple:
     """The split kernels' leading arguments, in their order: the query, the cache tensors with their
     batch/head strides, the lengths. The packed tensors are passed in so that a kernel can take
-    other views of them (`decode_mma` reads int32 words); strides are then in those elements."""
+    other views of them (`decode_mma` reads int32 words and int16 halves); strides are then in those
+    elements."""
     return (
         q, q.stride(0), q.stride(1),
         cache.k_sink, cache.v_sink, cache.k_sink.stride(0), cache.k_sink.stride(1), cache.k_sink.stride(2),

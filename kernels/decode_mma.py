@@ -109,7 +109,7 @@ def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
     return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= MAX_GQA
-            and cache.group_size % BLOCK_TOKENS == 0
+            and cache.group_size % 32 == 0
             and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
             and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
             and cache.value_group_size % 16 == 0 and 2 <= d // cache.value_group_size <= 8
@@ -371,9 +371,9 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, buf_ss, klo, khi, vp, vsc, vze,
-                     ksc, kze, ksw, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss, G32: gl.constexpr, B_LOW: gl.constexpr,
-                     D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
-                     PL_P: gl.constexpr, PH_P: gl.constexpr):
+                     ksc, kze, ksw, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss, G32: gl.constexpr,
+                     B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr,
+                     NVG: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
         """Starts the asynchronous copies of block `blk` (128 tokens) into ring slot `slot`: its 16
         bytes of every channel's (low) and salient channel's (high) plane words, the value words of
         its 8 tiles, its value scales and zeros, and at a group's first block the group's key scale
@@ -838,8 +838,8 @@ if gluon is not None:
                     if st == 1:
                         _thread_barrier()  # every lane is done with the previous block's slot
                         _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                                     buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, ksw_ptr + ks_off // 2,
-                                     off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
+                                     buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
+                                     ksw_ptr + ks_off // 2, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
                                      G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
                     # Both tiles' scores (independent MMA chains), then the value product of the step
                     # before (its P^T pairs x0, x1): independent work for the scheduler to interleave
@@ -869,8 +869,8 @@ if gluon is not None:
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             # The last step's values (or, for an empty split, the zeroed tiles before the first step).
             last = ((n_blk + 1) % 2) * 8 + 6
-            acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, last, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG, MMA,
-                                      A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+            acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, last, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG,
+                                      MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             l_h = gl.sum(l_t, axis=0)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
@@ -942,11 +942,13 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SplitLaunch:
-    """Everything one launch of `_mma_split_kernel` needs; `decode_attention_mma` runs it, and the
-    CPU tests run the same kernel source through an emulator (tests/gluon_emu.py)."""
+    """Everything one launch of the split kernel needs; `decode_attention_mma` runs it, and the CPU
+    tests run the same kernel source through an emulator (tests/gluon_emu.py)."""
     grid: tuple[int, int]
+    kernel: Any  # `_mma_split_kernel`, or `decode_mma_words._mma_split_kernel` for G not a multiple of 128
     args: tuple
     constexprs: dict
+    layouts: dict  # the kernel's layout arguments
     pm: torch.Tensor  # partials, as `decode._combine_kernel` reads them
     pl: torch.Tensor
     pa: torch.Tensor
@@ -960,8 +962,19 @@ UNCAPPED_REGISTERS = 255
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
 
 
-def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
-    """Shared memory of one program: its ring of two block slots (see the kernel's buffers)."""
+def uses_blocks(group_size: int) -> bool:
+    """Whether this module's block kernel runs groups of this size (else `decode_mma_words`' kernel)."""
+    return group_size % BLOCK_TOKENS == 0
+
+
+def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
+               group_size: int = BLOCK_TOKENS) -> int:
+    """Shared memory of one program: its ring of two block slots and the query (see the kernel's
+    buffers), or the word kernel's ring (`decode_mma_words.ring_bytes`)."""
+    if not uses_blocks(group_size):
+        from kernels import decode_mma_words
+
+        return decode_mma_words.ring_bytes(d, b_low, b_high, n_salient, value_bits, value_group)
     nsc_p = next_pow2(max(n_salient, 16))
     key_words = next_pow2(b_low) * d  # 16 bytes per (plane, channel); the high planes' only where used
     if b_high > b_low and n_salient:
@@ -1022,8 +1035,10 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     hkv = cache.k_sink.shape[1]
     n_sc = cache.n_salient_channels
     ng_cap = cache.k_low.shape[2]
+    blocks = uses_blocks(cache.group_size)
     if num_splits is None and programs_per_sm is None and ng_cap:
-        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size)
+        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size,
+                            cache.group_size)
         num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
@@ -1033,17 +1048,38 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     # Value scales and zeros as int32 words, two groups of a token each (`_value_scale_pairs`).
     scale_words = dataclasses.replace(cache, v_scale=_words(cache.v_scale.flatten(-2)),
                                       v_zero=_words(cache.v_zero.flatten(-2)))
+    planes = _halfwords if blocks else _words  # the block kernel reads plane words as int16 runs
     args = (
-        *cache_operands(q, scale_words, _halfwords(cache.k_low), _halfwords(cache.k_high), _words(cache.v_packed)),
+        *cache_operands(q, scale_words, planes(cache.k_low), planes(cache.k_high), _words(cache.v_packed)),
         pm, pl, pa, _words(cache.k_scale),
         scale * LOG2E, groups_per_split, num_splits, FP16_PAIR_1024,
     )
-    constexprs = dict(
-        HKV=hkv, GQ=hq // hkv, D=d, G=cache.group_size, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
-        NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), BV=cache.value_bits, GV=cache.value_group_size, BLOCK_R=32,
-        PL_P=next_pow2(cache.b_low), PH_P=next_pow2(max(cache.b_high - cache.b_low, 1)),
-    )
-    return SplitLaunch((bsz * hkv, n_parts), args, constexprs, pm, pl, pa)
+    constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high, n_sc,
+                                  cache.value_bits, cache.value_group_size)
+    kernel, layouts = _kernel_and_layouts(d, cache.group_size, cache.value_bits, cache.value_group_size,
+                                          constexprs["NSC_P"])
+    return SplitLaunch((bsz * hkv, n_parts), kernel, args, constexprs, layouts, pm, pl, pa)
+
+
+def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
+                     value_bits: int, value_group: int) -> dict:
+    """The split kernel's compile-time constants (besides its layouts)."""
+    out = dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
+               NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=32,
+               PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)))
+    if not uses_blocks(group_size):
+        from kernels import decode_mma_words
+
+        out["STAGES"] = decode_mma_words.STAGES
+    return out
+
+
+def _kernel_and_layouts(d: int, group_size: int, value_bits: int, value_group: int, nsc_p: int) -> tuple[Any, dict]:
+    if uses_blocks(group_size):
+        return _mma_split_kernel, _layouts(d, value_bits, value_group, nsc_p).constexprs()
+    from kernels import decode_mma_words
+
+    return decode_mma_words._mma_split_kernel, decode_mma_words.word_layouts(d, value_bits, value_group, nsc_p)
 
 
 def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
@@ -1066,9 +1102,8 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
 
     out = output_for(q, out)
     launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers)
-    lay = _layouts(q.shape[-1], cache.value_bits, cache.value_group_size, launch.constexprs["NSC_P"])
-    _mma_split_kernel[launch.grid](
-        *launch.args, **launch.constexprs, **lay.constexprs(), num_warps=1,
+    launch.kernel[launch.grid](
+        *launch.args, **launch.constexprs, **launch.layouts, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
     return combine(launch, out)
@@ -1087,12 +1122,10 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    nsc_p = next_pow2(max(n_salient, 16))
-    lay = _layouts(d, value_bits, value_group, nsc_p)
-    const = dict(HKV=8, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
-                 NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=32, PL_P=next_pow2(b_low),
-                 PH_P=next_pow2(max(b_high - b_low, 1)), **lay.constexprs())
-    halfwords = {"klo_ptr", "khi_ptr"}
+    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group)
+    fn, layouts = _kernel_and_layouts(d, group_size, value_bits, value_group, const["NSC_P"])
+    const.update(layouts)
+    halfwords = {"klo_ptr", "khi_ptr"} if uses_blocks(group_size) else set()
     words = {"ksw_ptr", "vp_ptr", "vsc_ptr", "vze_ptr", "order_ptr", "sink_len_ptr", "n_groups_ptr",
              "res_len_ptr"}
     halves = {"ksc_ptr", "kze_ptr"}
@@ -1101,11 +1134,12 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
         if name in const:
             return "constexpr"
         if name.endswith("_ptr"):
-            return "*i32" if name in words else "*i16" if name in halfwords else "*fp16" if name in halves else "*fp32" if name in (
-                "pm_ptr", "pl_ptr", "pa_ptr") else activation
+            if name in ("pm_ptr", "pl_ptr", "pa_ptr"):
+                return "*fp32"
+            return "*i16" if name in halfwords else "*i32" if name in words | {"klo_ptr", "khi_ptr"} else (
+                "*fp16" if name in halves else activation)
         return "fp32" if name == "qk_scale" else "i32"
 
-    fn = _mma_split_kernel
     sig = {n: kind(n) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n.startswith("stride")}

@@ -9,16 +9,18 @@ truncate). What this checks is the kernel's arithmetic and indexing (bit positio
 scale offsets, splits, masks, online softmax); what it cannot check is the placement (the
 layouts) and Triton's lowering, which the sm_90 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
-Covers exactly the subset of Gluon that `kernels/decode_mma.py` uses. The helpers it replaces are
-the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`, `_f16_pairs`),
-whose replacements do the same operations with torch's `.view`, and the six whose inline PTX it
-computes with torch (`_pack_halves`, `_byte_perm`, `_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16
-rounding per result, as `fma.rn.f16x2`, `mul.rn.f16x2` and `cvt.rn.f16x2.f32`; `_transposed_blocks`:
-movmatrix's cross-lane transpose, as the logical tensor sees it).
+Covers exactly the subset of Gluon that `kernels/decode_mma.py` and `kernels/decode_mma_words.py`
+use. The helpers it replaces are the two whose int16 <-> fp16 bitcast has no torch `.to` spelling
+(`_halves_f16`, `_f16_pairs`), whose replacements do the same operations with torch's `.view`, and
+the seven whose inline PTX it computes with torch (`_pack_halves`, `_byte_perm` and `_byte_perm_by`,
+`_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16 rounding per result, as `mul.rn.f16x2`
+and `cvt.rn.f16x2.f32`; `_transposed_blocks`: movmatrix's cross-lane transpose, as the logical
+tensor sees it).
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -257,20 +259,23 @@ def _transposed_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_split_kernel(module: Any, launch: Any) -> None:
-    """Runs `module._mma_split_kernel` for every program of `launch` (a `decode_mma.SplitLaunch`)."""
+    """Runs `launch.kernel` (a `decode_mma.SplitLaunch`'s: `module`'s split kernel or the word
+    kernel of `decode_mma_words`, which shares `module`'s helpers) for every program of `launch`."""
     gl = FakeGluon()
     env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
-                    "_byte_perm": _byte_perm, "_pack_halves": _pack_halves, "_transposed_blocks": _transposed_blocks,
-                    "_f16_pairs_rounded": _f16_pairs_rounded, "_value_pairs": _value_pairs}
-    env = dict(module.__dict__, gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
-               _async_load=FakeAsyncCopy.async_copy_global_to_shared,
-               **env_replaced)
-    for name, obj in module.__dict__.items():  # the kernel's jit helpers, run on this namespace
+                    "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_pack_halves": _pack_halves,
+                    "_transposed_blocks": _transposed_blocks, "_f16_pairs_rounded": _f16_pairs_rounded,
+                    "_value_pairs": _value_pairs}
+    kernel_module = sys.modules[launch.kernel.fn.__module__]
+    env = {**module.__dict__, **kernel_module.__dict__}
+    env.update(gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
+               _async_load=FakeAsyncCopy.async_copy_global_to_shared, **env_replaced)
+    for name, obj in list(env.items()):  # the kernels' jit helpers, run on this namespace
         if name.startswith("_") and name not in env_replaced and hasattr(obj, "fn") and name != "_mma_split_kernel":
             env[name] = types.FunctionType(obj.fn.__code__, env, name)
-    kernel = types.FunctionType(module._mma_split_kernel.fn.__code__, env, "_mma_split_kernel")
+    kernel = types.FunctionType(launch.kernel.fn.__code__, env, "_mma_split_kernel")
     args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
-    layouts = {k: None for k in module.LAYOUT_ARGS}
+    layouts = {k: None for k in launch.layouts}
     for bh in range(launch.grid[0]):
         for split in range(launch.grid[1]):
             gl.pid = (bh, split)

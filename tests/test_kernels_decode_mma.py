@@ -98,6 +98,15 @@ def test_emulated_kernel_with_at_most_16_salient_channels():
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
+def test_emulated_block_kernel_with_two_blocks_per_group():
+    # G = 256: a group's plane words are two blocks (the second starts 8 halves into each channel's
+    # words), and the key scales and query operands change every other block.
+    case = Case(b_low=1, b_high=3, group_size=256, head_dim=64, gqa=3, splits=2)
+    q, cache = build(case, fresh_generator())
+    assert decode_mma.uses_blocks(cache.group_size) and cache.k_low.shape[2] >= 2
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
+
+
 def test_emulated_kernel_reads_only_held_tokens():
     q, cache = build(Case(value_group=32), fresh_generator())
     before = emulated(q, cache, 0.125, 2)
@@ -123,6 +132,8 @@ COMPILED = [
     (64, 64, 4, 4, 0, 8, 32, 3, "*fp32"),  # no high planes, 8-bit values
     (128, 32, 2, 3, 32, 4, 16, 2, "*fp16"),  # 8 value groups per head (the deepest group split)
     (64, 32, 1, 3, 16, 2, 32, 4, "*bf16"),  # 16 salient channels: one tile of high-plane pairs
+    (64, 256, 2, 4, 16, 4, 16, 2, "*fp16"),  # two blocks per group, 16 salient channels
+    (128, 128, 3, 3, 0, 1, 64, 8, "*bf16"),  # no high planes, 1-bit values, GQA 8
 ]
 
 
@@ -143,7 +154,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
-    want = [[decode_mma.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6]), True, True] for c in COMPILED]
+    want = [[decode_mma.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1]), True, True] for c in COMPILED]
     assert rows == want, (rows, done.stderr[-2000:])
 
 
