@@ -295,6 +295,11 @@ if gluon is not None:
         return gl.join(lo, hi)
 
     @gluon.jit
+    def _low_half_f16(x):
+        """int32 -> the fp16 whose bits are its low half."""
+        return x.to(gl.int16).to(gl.float16, bitcast=True)
+
+    @gluon.jit
     def _byte_perm(a, b, sel: gl.constexpr):
         """PTX prmt: bytes of {b, a} (a's are 0-3) picked by the nibbles of sel, one instruction
         (shifts and masks of the same take two)."""
@@ -822,9 +827,8 @@ if gluon is not None:
                             bias = mma_v2(z_a + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
                                           gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
                             # The salient channels' scales: each in the low or high half of its copied word.
-                            s_lo, s_hi = gl.split(_halves_f16(buf_ss.index(slot).load(KCOL)))
-                            s_sal = gl.where(js < NSC, gl.where((sal % 2) == 1, gl.convert_layout(s_hi, KCOL),
-                                                                 gl.convert_layout(s_lo, KCOL)), 0.0)
+                            s_word = buf_ss.index(slot).load(KCOL)
+                            s_sal = gl.where(js < NSC, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
                             u_hi = buf_qs.load(B_OP) * s_sal[:, None]
                             c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
                                         gl.zeros([16, 8], gl.float32, layout=MMA))

@@ -10,8 +10,8 @@ scale offsets, splits, masks, online softmax); what it cannot check is the place
 layouts) and Triton's lowering, which the sm_90 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
 Covers exactly the subset of Gluon that `kernels/decode_mma.py` and `kernels/decode_mma_words.py`
-use. The helpers it replaces are the two whose int16 <-> fp16 bitcast has no torch `.to` spelling
-(`_halves_f16`, `_f16_pairs`), whose replacements do the same operations with torch's `.view`, and
+use. The helpers it replaces are the three whose int16 <-> fp16 bitcast has no torch `.to` spelling
+(`_halves_f16`, `_low_half_f16`, `_f16_pairs`), whose replacements do the same operations with torch's `.view`, and
 the seven whose inline PTX it computes with torch (`_pack_halves`, `_byte_perm` and `_byte_perm_by`,
 `_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16 rounding per result, as `mul.rn.f16x2`
 and `cvt.rn.f16x2.f32`; `_transposed_blocks`: movmatrix's cross-lane transpose, as the logical
@@ -224,6 +224,10 @@ def _f16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     return lo | (odd.to(torch.float16).view(torch.int16).to(torch.int32) << 16)
 
 
+def _low_half_f16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int16).view(torch.float16)
+
+
 def _pack_halves(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return (lo.to(torch.int32) & 0xFFFF) | (hi.to(torch.int32) << 16)
 
@@ -262,7 +266,8 @@ def run_split_kernel(module: Any, launch: Any) -> None:
     """Runs `launch.kernel` (a `decode_mma.SplitLaunch`'s: `module`'s split kernel or the word
     kernel of `decode_mma_words`, which shares `module`'s helpers) for every program of `launch`."""
     gl = FakeGluon()
-    env_replaced = {"_halves_f16": _halves_f16, "_f16_pairs": _f16_pairs, "_mul_pairs": _mul_pairs,
+    env_replaced = {"_halves_f16": _halves_f16, "_low_half_f16": _low_half_f16, "_f16_pairs": _f16_pairs,
+                    "_mul_pairs": _mul_pairs,
                     "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_pack_halves": _pack_halves,
                     "_transposed_blocks": _transposed_blocks, "_f16_pairs_rounded": _f16_pairs_rounded,
                     "_value_pairs": _value_pairs}
