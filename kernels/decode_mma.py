@@ -632,6 +632,19 @@ if gluon is not None:
         return acc, acc_z
 
     @gluon.jit
+    def _softmax_values(s0, s1, m, row0, acc, acc_z, l_t, buf_v, buf_sc, buf_ze, sel, mask, D: gl.constexpr,
+                        NVG: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
+                        B_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr,
+                        PAIRS4: gl.constexpr):
+        """A step's probabilities P = 2^(s - m) of its two tiles' scores s0, s1 (rows of the value
+        buffers row0, row0 + 1), their value product into acc, acc_z, and their sums into l_t."""
+        p0 = gl.exp2(s0 - m[None, :])
+        p1 = gl.exp2(s1 - m[None, :])
+        acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, row0, _pt_pairs(p0), _pt_pairs(p1), acc, acc_z, sel, mask, D,
+                                  NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+        return acc, acc_z, l_t + p0 + p1
+
+    @gluon.jit
     def _value_channel(m, GV: gl.constexpr, BV: gl.constexpr):
         """The channel and the code-in-byte index of row m of the values' product (`split5` in
         `_layouts`): m = ((group * codes per byte + code) * words per group + word) * 4 + byte."""
@@ -789,14 +802,6 @@ if gluon is not None:
             off_ss = gl.where(js_cp < NSC, off_ss, -1)
             n_blk = gl.maximum(g_end - g_start, 0) * (G32 // 4)
             b_start = g_start * (G32 // 4)
-            # The tiles of the step before the first (slot 1, tiles 6 and 7): the loop's first value
-            # product reads them with P = 0, so their scales and zeros must be finite (0 x NaN would
-            # be NaN); codes always are.
-            for half in gl.static_range(2):
-                sc_rows.index(14 + half).store(gl.zeros([8 * NVG], gl.int32, layout=gl.BlockedLayout([1], [32], [1],
-                                                                                                      [0])))
-                ze_rows.index(14 + half).store(gl.zeros([8 * NVG], gl.int32, layout=gl.BlockedLayout([1], [32], [1],
-                                                                                                      [0])))
             _issue_block(b_start, n_blk > 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                          buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, ksw_ptr + ks_off // 2,
                          off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
@@ -807,76 +812,69 @@ if gluon is not None:
             c0 = gl.zeros([16, 8], gl.float32, layout=MMA)
             m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
             l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # softmax sums per lane, reduced after the loop
-            x0 = _pt_pairs(gl.zeros([16, 8], gl.float32, layout=MMA))  # P^T pairs of the step before: none
-            x1 = x0
             acc_z = gl.zeros([16, 8], gl.float32, layout=MMA)  # `_value_products`: the zeros' part
-            for i in range(0, n_blk):  # blocks: 128 tokens, 4 steps of 32 (2 tiles of 16) each
+            for i in range(0, n_blk):  # blocks: 128 tokens, 8 tiles of 16
                 blk = b_start + i
                 slot = i % 2
-                for st in gl.static_range(4):
-                    if st == 0:
-                        async_copy.wait_group(0)  # this block's copies have landed ...
-                        _thread_barrier()  # ... for every lane
-                        if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
-                            # u = q x key scale, exactly as before (one fp16 rounding of an exact product);
-                            # the zero point's bias and the planes' constant part c0 as MMAs, sums over the
-                            # channels in fp32 like the scores' own (every row of those tiles is the same).
-                            q_t = buf_q.load(B_OP)
-                            u = q_t * buf_ks.index(slot * 2).load(KCOL)[:, None]
-                            z_a = gl.expand_dims(buf_ks.index(slot * 2 + 1).load(gl.SliceLayout(0, A_OP)), 0)
-                            bias = mma_v2(z_a + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
-                                          gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
-                            # The salient channels' scales: each in the low or high half of its copied word.
-                            s_word = buf_ss.index(slot).load(KCOL)
-                            s_sal = gl.where(js < NSC, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
-                            u_hi = buf_qs.load(B_OP) * s_sal[:, None]
-                            c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
-                                        gl.zeros([16, 8], gl.float32, layout=MMA))
-                            c0 = mma_v2(gl.full([16, NSC_P], -1024.0 * ((1 << NH) - 1), gl.float16, layout=A_OP),
-                                        u_hi, c0)
-                        lw = _block_words(buf_lo, slot * PL_P, B_LOW, RUNS_LO, PAIRS_LO)
-                        hw = _block_words(buf_hi, slot * PH_P, NH, RUNS_HI, PAIRS_HI)
-                        before = (1 - slot) * 8 + 6  # the previous block's last step
-                    else:
-                        before = slot * 8 + 2 * (st - 1)
-                    if st == 1:
-                        _thread_barrier()  # every lane is done with the previous block's slot
-                        _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                                     buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
-                                     ksw_ptr + ks_off // 2, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
-                                     G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
-                    # Both tiles' scores (independent MMA chains), then the value product of the step
-                    # before (its P^T pairs x0, x1): independent work for the scheduler to interleave
-                    # with this step's dependent chains (a warp has few neighbours to hide them: 8 per
-                    # SM). Then one online-softmax update for the 32 tokens.
-                    s0 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, st, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
-                                      A_OP)
-                    s1 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, st, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA,
-                                      A_OP)
-                    acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, before, x0, x1, acc, acc_z, v_sel, v_mask, D,
-                                              NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
-                    m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
-                    alpha = gl.exp2(m_h - m_new)
-                    p0 = gl.exp2(s0 - m_new[None, :])
-                    p1 = gl.exp2(s1 - m_new[None, :])
-                    # Rescaled at every step, not under a branch: alpha is mostly 1, but the branch's
-                    # warp-wide test and its block boundary cost more than the 40 multiplications.
-                    acc = acc * alpha[None, :]
-                    l_t = l_t * alpha[None, :]
-                    # acc_z holds head a in rows a and 8 + a
-                    acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
-                                                      ROW)[:, None]
-                    l_t = l_t + p0 + p1
-                    m_h = m_new
-                    x0 = _pt_pairs(p0)
-                    x1 = _pt_pairs(p1)
+                async_copy.wait_group(0)  # this block's copies have landed ...
+                _thread_barrier()  # ... for every lane, and every lane is done with the previous block's slot
+                _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                             buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
+                             ksw_ptr + ks_off // 2, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
+                             G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
+                    # u = q x key scale, exactly as before (one fp16 rounding of an exact product);
+                    # the zero point's bias and the planes' constant part c0 as MMAs, sums over the
+                    # channels in fp32 like the scores' own (every row of those tiles is the same).
+                    q_t = buf_q.load(B_OP)
+                    u = q_t * buf_ks.index(slot * 2).load(KCOL)[:, None]
+                    z_a = gl.expand_dims(buf_ks.index(slot * 2 + 1).load(gl.SliceLayout(0, A_OP)), 0)
+                    bias = mma_v2(z_a + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
+                                  gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
+                    # The salient channels' scales: each in the low or high half of its copied word.
+                    s_word = buf_ss.index(slot).load(KCOL)
+                    s_sal = gl.where(js < NSC, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
+                    u_hi = buf_qs.load(B_OP) * s_sal[:, None]
+                    c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
+                                gl.zeros([16, 8], gl.float32, layout=MMA))
+                    c0 = mma_v2(gl.full([16, NSC_P], -1024.0 * ((1 << NH) - 1), gl.float16, layout=A_OP),
+                                u_hi, c0)
+                lw = _block_words(buf_lo, slot * PL_P, B_LOW, RUNS_LO, PAIRS_LO)
+                hw = _block_words(buf_hi, slot * PH_P, NH, RUNS_HI, PAIRS_HI)
+                # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
+                # for its 128 tokens, then the value products of its 4 steps.
+                s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s01 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s10 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s11 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s20 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s21 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s30 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s31 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+                s_max = gl.maximum(gl.maximum(gl.maximum(s00, s01), gl.maximum(s10, s11)),
+                                   gl.maximum(gl.maximum(s20, s21), gl.maximum(s30, s31)))
+                m_new = gl.maximum(m_h, gl.max(s_max, axis=0))
+                alpha = gl.exp2(m_h - m_new)
+                acc = acc * alpha[None, :]
+                l_t = l_t * alpha[None, :]
+                # acc_z holds head a in rows a and 8 + a
+                acc_z = acc_z * gl.convert_layout(gl.reshape(gl.permute(gl.join(alpha, alpha), [1, 0]), [16]),
+                                                  ROW)[:, None]
+                m_h = m_new
+                acc, acc_z, l_t = _softmax_values(s00, s01, m_new, slot * 8, acc, acc_z, l_t, buf_v, sc_rows, ze_rows,
+                                                  v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                                  PAIRS4)
+                acc, acc_z, l_t = _softmax_values(s10, s11, m_new, slot * 8 + 2, acc, acc_z, l_t, buf_v, sc_rows,
+                                                  ze_rows, v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                                  VS_WORDS, PAIRS4)
+                acc, acc_z, l_t = _softmax_values(s20, s21, m_new, slot * 8 + 4, acc, acc_z, l_t, buf_v, sc_rows,
+                                                  ze_rows, v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                                  VS_WORDS, PAIRS4)
+                acc, acc_z, l_t = _softmax_values(s30, s31, m_new, slot * 8 + 6, acc, acc_z, l_t, buf_v, sc_rows,
+                                                  ze_rows, v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                                  VS_WORDS, PAIRS4)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
-            # The last step's values (or, for an empty split, the zeroed tiles before the first step).
-            last = ((n_blk + 1) % 2) * 8 + 6
-            acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, last, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG,
-                                      MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             l_h = gl.sum(l_t, axis=0)
-            async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
             acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA)
             m_fin = m_h
