@@ -390,21 +390,21 @@ if gluon is not None:
         q8 = (blk % GB) * 8  # the block's first half-word in a channel's words of the group
         lo = klo + g * (B_LOW * D * G32 * 2) + q8
         for p in gl.static_range(B_LOW):
-            _async_load(buf_lo.index(slot * PL_P + p), lo + p * (D * G32 * 2) + off_lo, mask=(off_lo >= 0) & valid)
+            _async_load(buf_lo.index(p), lo + p * (D * G32 * 2) + off_lo, mask=(off_lo >= 0) & valid)
         if NH > 0:
             if NSC > 0:
                 hi = khi + g * (NH * NSC * G32 * 2) + q8
                 for p in gl.static_range(NH):
-                    _async_load(buf_hi.index(slot * PH_P + p), hi + p * (NSC * G32 * 2) + off_hi, mask=m_hi & valid)
+                    _async_load(buf_hi.index(p), hi + p * (NSC * G32 * 2) + off_hi, mask=m_hi & valid)
         for tile in gl.static_range(8):
             _async_load(buf_v.index(slot * 8 + tile), vp + (blk * 128 + 2 * tile) * NW + off_v,
                         mask=(off_v >= 0) & valid)
         _async_load(buf_sc.index(slot), vsc + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
         _async_load(buf_ze.index(slot), vze + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
         first = (off_k >= 0) & valid & (q8 == 0)
-        _async_load(buf_ks.index(slot * 2), ksc + g * D + off_k, mask=first)
-        _async_load(buf_ks.index(slot * 2 + 1), kze + g * D + off_k, mask=first)
-        _async_load(buf_ss.index(slot), ksw + g * (D // 2) + off_ss, mask=(off_ss >= 0) & valid & (q8 == 0))
+        _async_load(buf_ks.index(0), ksc + g * D + off_k, mask=first)
+        _async_load(buf_ks.index(1), kze + g * D + off_k, mask=first)
+        _async_load(buf_ss.index(0), ksw + g * (D // 2) + off_ss, mask=(off_ss >= 0) & valid & (q8 == 0))
         async_copy.commit_group()
 
     @gluon.jit
@@ -770,8 +770,8 @@ if gluon is not None:
             # at block i's step 0), and waited for at block i + 1's start: three steps of cover, and
             # the words are read from there straight into operand registers, the key planes once
             # per block. Buffers of rows are [slots x rows, row], indexed by one row number.
-            buf_lo = gl.allocate_shared_memory(gl.int16, [2 * PL_P, D, 8], SMEM2)  # (slot, plane): [channel, run]
-            buf_hi = gl.allocate_shared_memory(gl.int16, [2 * PH_P, NSC_P, 8], SMEM2)
+            buf_lo = gl.allocate_shared_memory(gl.int16, [PL_P, D, 8], SMEM2)  # plane: [channel, run]
+            buf_hi = gl.allocate_shared_memory(gl.int16, [PH_P, NSC_P, 8], SMEM2)
             buf_v = gl.allocate_shared_memory(gl.int32, [2 * 8, 16 * NW], SMEM1)  # (slot, tile): [member, pair, word]
             # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member] a
             # tile; copied a block at a time, read a tile (row) at a time
@@ -779,8 +779,8 @@ if gluon is not None:
             buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
             sc_rows = _rows_view(buf_sc, [16, 8 * NVG], SMEM1)
             ze_rows = _rows_view(buf_ze, [16, 8 * NVG], SMEM1)
-            buf_ks = gl.allocate_shared_memory(gl.float16, [2 * 2, D], SMEM1)  # key scale row, zero row
-            buf_ss = gl.allocate_shared_memory(gl.int32, [2, NSC_P], SMEM1)  # the words of the salient scales
+            buf_ks = gl.allocate_shared_memory(gl.float16, [2, D], SMEM1)  # key scale row, zero row
+            buf_ss = gl.allocate_shared_memory(gl.int32, [1, NSC_P], SMEM1)  # the words of the salient scales
             # Element offsets of the copies, from the block's first word / token / row.
             off_lo = _run_offsets(D, G32, CP_KEYS)
             off_hi = _run_offsets(NSC_P, G32, CP_KEYS)
@@ -818,29 +818,30 @@ if gluon is not None:
                 slot = i % 2
                 async_copy.wait_group(0)  # this block's copies have landed ...
                 _thread_barrier()  # ... for every lane, and every lane is done with the previous block's slot
-                _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                             buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
-                             ksw_ptr + ks_off // 2, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
-                             G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
                 if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
                     # u = q x key scale, exactly as before (one fp16 rounding of an exact product);
                     # the zero point's bias and the planes' constant part c0 as MMAs, sums over the
                     # channels in fp32 like the scores' own (every row of those tiles is the same).
                     q_t = buf_q.load(B_OP)
-                    u = q_t * buf_ks.index(slot * 2).load(KCOL)[:, None]
-                    z_a = gl.expand_dims(buf_ks.index(slot * 2 + 1).load(gl.SliceLayout(0, A_OP)), 0)
+                    u = q_t * buf_ks.index(0).load(KCOL)[:, None]
+                    z_a = gl.expand_dims(buf_ks.index(1).load(gl.SliceLayout(0, A_OP)), 0)
                     bias = mma_v2(z_a + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
                                   gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
                     # The salient channels' scales: each in the low or high half of its copied word.
-                    s_word = buf_ss.index(slot).load(KCOL)
+                    s_word = buf_ss.index(0).load(KCOL)
                     s_sal = gl.where(js < NSC, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
                     u_hi = buf_qs.load(B_OP) * s_sal[:, None]
                     c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
                                 gl.zeros([16, 8], gl.float32, layout=MMA))
                     c0 = mma_v2(gl.full([16, NSC_P], -1024.0 * ((1 << NH) - 1), gl.float16, layout=A_OP),
                                 u_hi, c0)
-                lw = _block_words(buf_lo, slot * PL_P, B_LOW, RUNS_LO, PAIRS_LO)
-                hw = _block_words(buf_hi, slot * PH_P, NH, RUNS_HI, PAIRS_HI)
+                lw = _block_words(buf_lo, 0, B_LOW, RUNS_LO, PAIRS_LO)
+                hw = _block_words(buf_hi, 0, NH, RUNS_HI, PAIRS_HI)
+                _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
+                _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                             buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
+                             ksw_ptr + ks_off // 2, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
+                             G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
                 # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
                 # for its 128 tokens, then the value products of its 4 steps.
                 s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
@@ -956,12 +957,19 @@ class SplitLaunch:
     pa: torch.Tensor
 
 
-# Registers per thread the kernel takes uncapped (223-246 measured offline for sm_90; ptxas may use up
-# to 255): with one-warp programs that allows 8 resident programs per SM.
-UNCAPPED_REGISTERS = 255
+# Registers per thread the block kernel takes uncapped (223 measured offline for sm_90 at pnmix-paper's
+# shape): with one-warp programs that allows 9 resident programs per SM. An estimate for planning the
+# waves (`wave_splits`); a config that takes more runs 8 per SM and its last wave may be short.
+UNCAPPED_REGISTERS = 224
 
 
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
+
+
+def _words_module() -> Any:
+    from kernels import decode_mma_words  # imports this module: not at the top
+
+    return decode_mma_words
 
 
 def uses_blocks(group_size: int) -> bool:
@@ -981,18 +989,20 @@ def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
     key_words = next_pow2(b_low) * d  # 16 bytes per (plane, channel); the high planes' only where used
     if b_high > b_low and n_salient:
         key_words += next_pow2(b_high - b_low) * nsc_p
-    per_slot = 16 * key_words + BLOCK_TOKENS * d * value_bits // 8  # key plane words, value words
-    per_slot += 2 * 2 * BLOCK_TOKENS * (d // value_group) + 2 * 2 * d  # value scales and zeros, key scale and zero rows
-    per_slot += 4 * nsc_p  # the words of the salient channels' key scales
-    return 2 * per_slot + 2 * MAX_GQA * (d + nsc_p)  # + the query's channels and salient channels
+    # Value words, scales and zeros: two slots. Key plane words, scale and zero rows and the words of
+    # the salient channels' scales: one (read into registers at a block's start, then refilled).
+    values = BLOCK_TOKENS * d * value_bits // 8 + 2 * 2 * BLOCK_TOKENS * (d // value_group)
+    keys = 16 * key_words + 2 * 2 * d + 4 * nsc_p
+    return 2 * values + keys + 2 * MAX_GQA * (d + nsc_p)  # + the query's channels and salient channels
 
 
-def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int) -> int:
+def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int,
+                      uncapped: int = UNCAPPED_REGISTERS) -> int:
     """One-warp programs of this kernel that fit on the GPU at once: registers, shared memory and
     the 32-block limit of an SM decide."""
     from kernels.decode import _sm_count
 
-    regs = -(-(max_registers or UNCAPPED_REGISTERS) // 8) * 8  # allocated in units of 8 per thread
+    regs = -(-(max_registers or uncapped) // 8) * 8  # allocated in units of 8 per thread
     per_sm = max(1, min(32, 65536 // (32 * regs), SHARED_PER_SM // max(shared_bytes, 1)))
     return per_sm * (_sm_count(device.index or 0) if device.type == "cuda" else 1)
 
@@ -1041,7 +1051,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     if num_splits is None and programs_per_sm is None and ng_cap:
         shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size,
                             cache.group_size)
-        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
+        uncapped = UNCAPPED_REGISTERS if blocks else _words_module().UNCAPPED_REGISTERS
+        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared, uncapped))
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
