@@ -960,19 +960,12 @@ class SplitLaunch:
     pa: torch.Tensor
 
 
-# Registers per thread the block kernel takes uncapped (223 measured offline for sm_90 at pnmix-paper's
-# shape): with one-warp programs that allows 9 resident programs per SM. An estimate for planning the
-# waves (`wave_splits`); a config that takes more runs 8 per SM and its last wave may be short.
-UNCAPPED_REGISTERS = 224
+# Registers per thread the kernels take uncapped (223 for the block kernel, 227 for the word kernel,
+# measured offline for sm_90 and by ncu on the H200), rounded up to the allocation unit of 8.
+UNCAPPED_REGISTERS = 232
 
 
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
-
-
-def _words_module() -> Any:
-    from kernels import decode_mma_words  # imports this module: not at the top
-
-    return decode_mma_words
 
 
 def uses_blocks(group_size: int) -> bool:
@@ -999,14 +992,15 @@ def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
     return 2 * values + keys + 2 * MAX_GQA * (d + nsc_p)  # + the query's channels and salient channels
 
 
-def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int,
-                      uncapped: int = UNCAPPED_REGISTERS) -> int:
+def resident_programs(device: torch.device, max_registers: int | None, shared_bytes: int) -> int:
     """One-warp programs of this kernel that fit on the GPU at once: registers, shared memory and
-    the 32-block limit of an SM decide."""
+    the 32-block limit of an SM decide. An SM's registers are four partitions of 16384, one per
+    warp scheduler, and a warp's come from one of them: at 223 registers a thread that is 2 warps
+    a partition, 8 an SM (ncu: "Block Limit Registers 8"), where 65536 / (32 x 224) would say 9."""
     from kernels.decode import _sm_count
 
-    regs = -(-(max_registers or uncapped) // 8) * 8  # allocated in units of 8 per thread
-    per_sm = max(1, min(32, 65536 // (32 * regs), SHARED_PER_SM // max(shared_bytes, 1)))
+    regs = -(-(max_registers or UNCAPPED_REGISTERS) // 8) * 8  # allocated in units of 8 per thread
+    per_sm = max(1, min(32, 4 * (16384 // (32 * regs)), SHARED_PER_SM // max(shared_bytes, 1)))
     return per_sm * (_sm_count(device.index or 0) if device.type == "cuda" else 1)
 
 
@@ -1054,8 +1048,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     if num_splits is None and programs_per_sm is None and ng_cap:
         shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size,
                             cache.group_size)
-        uncapped = UNCAPPED_REGISTERS if blocks else _words_module().UNCAPPED_REGISTERS
-        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared, uncapped))
+        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
     n_parts = num_splits + 1
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)

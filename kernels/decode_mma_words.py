@@ -36,7 +36,6 @@ if gluon is not None:
 # Word steps (32 tokens) in a program's shared-memory ring. Copies run STAGES - 2 steps ahead: a step
 # reads its own slot (scores) and the slot of the step before (values; see the kernel's loop).
 STAGES = 4
-UNCAPPED_REGISTERS = 232  # 227 measured offline for sm_90, in units of 8: 8 resident programs per SM
 LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "ROWS_LO",
                "ROWS_HI", "PAR_LO", "PAR_HI", "SMEM1", "CP_LO", "CP_HI", "CP_V", "CP_S", "CP_K")
 
