@@ -13,15 +13,21 @@ thread whose `mma.sync` fragment holds it:
 - keys, A operand of S^T[t, h] = codes^T[t, c] @ U^T[c, h] (U = query x key scale, one per group,
   the first 8 heads as the B operand: N = 8, since GQ <= 8, where a [16 heads, tokens] product
   would pad 16 rows; the zero point is a per-head bias): a thread holds channel pairs (c, c+1) of
-  its two token rows. Rows are tokens in the order 2 (m % 8) + m // 8 (`_token_of_row`), so a
-  thread's two rows are adjacent tokens in one byte of the plane words (32 tokens, 8 a byte, LSB
-  first): per bit plane one prmt puts that byte of both channels' words side by side (even channel
-  in the low half) and one masking per row takes each token's bit, ORed into 1024 * 2^p
-  (0x6400 for plane 0): 1024 * 2^p + 2^(p + k) * bit exactly. Every plane of a product adds into
-  one accumulator (one MMA per plane): the low planes of all channels against U, the salient
-  channels' high planes against U[:, salient] * 2^b_low, since code = low + 2^b_low * high. The
-  accumulator starts at minus the planes' constant part (-1024 (2^planes - 1) sum U per head)
-  and each row is scaled by 2^-k. No channel reordering, no gather of packed bytes.
+  its two token rows. The kernel walks blocks of 128 tokens: a channel's 16 bytes of a plane,
+  eight 16-token runs of 16 bits. One ldmatrix.trans per 8 channels gives each row group of
+  lanes one run of both channels of its pairs in one register (even channel in the low half,
+  `_block_words`): every byte is read once, where words of 32 tokens were read by all 8 row
+  groups (the L1 data pipe's limit; RESULTS.md). A tile's row r is a token of run r, row 8 + r
+  the next one (`_token_of_row`): tile h of step s (8 tiles a block) takes bits 4 s + 2 h and the
+  next of every run, one masking per row where the bit lies (bits 8-15 shifted down once per
+  block), ORed into 1024 * 2^p (0x6400 for plane 0): 1024 * 2^p + 2^(p + k) * bit exactly.
+  Every plane of a tile adds into one accumulator (one MMA per plane): the low planes of all
+  channels against U, the salient channels' high planes against U[:, salient] * 2^b_low, since
+  code = low + 2^b_low * high. The accumulator starts at minus the planes' constant part
+  (-1024 (2^planes - 1) sum U per head, itself an MMA) and each row is scaled by 2^-k. No
+  channel reordering, no gather of packed bytes. G must be a multiple of 128 (a tile's rows span
+  the block, so its tokens must share a group's U); groups of 32 or 64 tokens run the word-step
+  kernel of `decode_mma_words`, which shares everything below.
 - values, A operand of acc^T[c, h] += V^T[c, t] @ (P^T x scale)[t, h]: a thread holds token pairs
   of one channel. One prmt puts its channel's byte of both tokens' words in the two halves, one
   `and` masks the code in place (bit k = (c % codes per byte) * b_V, a function of the register):
@@ -40,27 +46,24 @@ thread whose `mma.sync` fragment holds it:
   stored by channel.
 
 One warp per program, program (b * H_kv + h, split): each warp owns a slice of the packed groups
-and keeps its own online softmax. It walks its slice in steps of 32 tokens (one word of every bit
-plane). The bytes of a step (plane words, value words, value scales and zeros, and at a group's
-first step the key scale and zero rows) reach a ring of STAGES slots in shared memory by
-asynchronous copies (cp.async) issued STAGES - 2 steps ahead, so the warp never waits on global
-memory; the codes are read from there straight into operand registers. Without the ring the
-kernel was 1.3x slower (each step stalled on its own loads; RESULTS.md). The L1 data pipe, which
-carries both the copies and the shared-memory reads, is the busiest unit (ncu), so the ring is laid
-out for it: copies read whole cache lines where they can (`_issue_step`) and no load or copy has a
-bank conflict (`_value_codes`, `slot_rows` in `_layouts`). The loop is software
-pipelined: a step computes its scores and softmax and, between them, the value product of the
-step before (whose P^T pairs it kept), so that a warp always has independent work for the
-scheduler (8 warps per SM leave little to hide latency with; 1.13x at 32 x 32K). The
-accumulators are rescaled at every step (no warp-wide test). Split 0 handles the sinks and the
-residual (fp16 MMA on the raw tokens); the splits of the packed region are sized so that their
-programs fill whole waves of the GPU (`wave_splits`). Partials go to `decode.combine_partials`.
+and keeps its own online softmax. It walks its slice in blocks of 128 tokens. The bytes of a block
+(plane words, value words, value scales and zeros, and at a group's first block the key scale and
+zero rows and the words of the salient channels' scales) reach shared memory by asynchronous
+copies (cp.async) issued a whole block ahead, so the warp never waits on global memory: the values
+have two slots, the keys one (read into registers at the block's start, then refilled). The codes
+go from shared memory straight into operand registers. A block computes its 8 tiles' scores (16
+independent MMA chains), one online-softmax update for its 128 tokens, then its 4 steps' value
+products. The kernel is bound by instruction issue (ncu: 2 instructions a cycle per SM of 4, the
+L1 data pipe at 60%, 8 warps per SM by registers): fewer instructions make it faster, not fewer
+bytes. Split 0 handles the sinks and the residual (fp16 MMA on the raw tokens); the splits of the
+packed region are sized so that their programs fill whole waves of the GPU (`wave_splits`).
+Partials go to `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
-Triton with Gluon, group size G a multiple of 32, head dim a multiple of 16, at most 8 query heads
-per KV head, value groups spanning whole 32-bit words (G_V * b_V >= 32), whole MMA tiles (G_V a
-multiple of 16) and 2 to 8 value groups per head (scales are read as words of two groups; the
-zeros' sums have 8 columns).
+Triton with Gluon, group size G a multiple of 32 (128 for this module's kernel), head dim a
+multiple of 16, at most 8 query heads per KV head, value groups spanning whole 32-bit words
+(G_V * b_V >= 32), whole MMA tiles (G_V a multiple of 16) and 2 to 8 value groups per head (scales
+are read as words of two groups; the zeros' sums have 8 columns).
 
 CI runs this source through a CPU emulator (`tests/gluon_emu.py`) against the fp32 reference and
 compiles it offline for sm_90 (`compile_offline`); `benchmarks/bench_decode.py` checks and times

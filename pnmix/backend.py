@@ -12,8 +12,9 @@ Which fused decode kernel the Triton path runs:
     PNMIX_DECODE_KERNEL=auto    (default) `kernels/decode_mma.py` (Gluon: dequantization in the
                                 tensor cores' operand registers, loads through a cp.async ring) on
                                 CUDA where its limits admit the shape, else `kernels/decode.py`.
-                                On an H200 the Gluon kernel is 2.1-2.4x faster than the Triton one
-                                and 1.16-1.24x faster than bf16 SDPA (benchmarks/RESULTS.md, Kernels).
+                                On an H200 the Gluon kernel is 1.6-2.9x faster than bf16 SDPA
+                                (groups of 32 or 64 tokens: 1.6-2.3x, `decode_mma_words`; both
+                                several times faster than the Triton one; benchmarks/RESULTS.md, Kernels).
     PNMIX_DECODE_KERNEL=triton  always `kernels/decode.py` (Triton; what CI runs under the interpreter)
     PNMIX_DECODE_KERNEL=mma     always the Gluon kernel; a shape or device it cannot run is an error
 
