@@ -17,6 +17,7 @@ from typing import Any
 
 from kernels.decode_mma import (  # noqa: F401 - the shared jit helpers (the emulator reads them here too)
     _first_heads,
+    _fp16_tail,
     _halves_f16,
     _Layouts,
     _layouts,
@@ -24,7 +25,9 @@ from kernels.decode_mma import (  # noqa: F401 - the shared jit helpers (the emu
     _plane_operand,
     _pt_pairs,
     _step_values,
+    _store_partials,
     _value_channel,
+    _value_selectors,
     _values_finished,
     gluon,
 )
@@ -288,16 +291,7 @@ if gluon is not None:
             sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
             q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
                              other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
-            # Values (`_value_codes`): per byte of a word (b) and code in the byte (j), the byte
-            # permutation, the code's mask and its 2^-k.
-            CPB: gl.constexpr = 8 // BV
-            bv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, gl.SliceLayout(4,
-                                                                                                          V5)))))
-            v_sel = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bv | ((bv + 4) << 8), 0), 0), 3), 4)
-            jv = gl.arange(0, CPB, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4,
-                                                                                                          V5)))))
-            v_mask = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-                (((1 << BV) - 1) * 0x10001) << (jv * BV), 0), 0), 0), 4)
+            v_sel, v_mask = _value_selectors(BV, V5)  # `_value_codes`
             # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
             # copies STAGES - 2 steps ahead: the loads of a step are in flight while earlier steps
             # compute, instead of stalling the warp that needs them (and no registers hold them).
@@ -407,45 +401,8 @@ if gluon is not None:
             m_fin = m_h
             l_fin = l_h
         else:
-            m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
-            l_i = gl.zeros([16], gl.float32, layout=ROW)
-            u0 = gl.convert_layout(q16, A_OP)
-            t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
-            c_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
-            t_a = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, A_OP))  # value tokens (columns of V^T)
-            c_a = gl.arange(0, D, layout=gl.SliceLayout(1, A_OP))
-            tcol = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, MMA))
-            for region in gl.static_range(2):
-                if region == 0:
-                    n_tok = gl.load(sink_len_ptr + b)
-                    off = b.to(gl.int64) * stride_sb + h * stride_sh
-                    k_base = ks_ptr + off
-                    v_base = vs_ptr + off
-                    stride_t = stride_st
-                else:
-                    n_tok = gl.load(res_len_ptr + b)
-                    off = b.to(gl.int64) * stride_rb + h * stride_rh
-                    k_base = kr_ptr + off
-                    v_base = vr_ptr + off
-                    stride_t = stride_rt
-                for t0 in range(0, n_tok, BLOCK_R):
-                    kt = gl.load(k_base + (t0 + t_b)[None, :] * stride_t + c_b[:, None],
-                                 mask=(t0 + t_b < n_tok)[None, :], other=0.0).to(gl.float16)
-                    scores = mma_v2(u0, kt, gl.zeros([16, BLOCK_R], gl.float32, layout=MMA))
-                    scores = gl.where((t0 + tcol < n_tok)[None, :], scores, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-                    alpha = gl.exp2(m_i - m_new)
-                    p = gl.exp2(scores - m_new[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
-                    vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
-                                 mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
-                    acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
-            c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))  # rows are channels here
-            m_fin = _first_heads(m_i, HEADS)
-            l_fin = _first_heads(l_i, HEADS)
-        h_c = gl.arange(0, 8, layout=HEADS)
-        # Rows past the GQ query heads are padding: not written (the combine step does not read them).
-        gl.store(pa_ptr + (part * 8 + h_c[None, :]) * D + c_r[:, None], acc, mask=(h_c < GQ)[None, :])
-        gl.store(pm_ptr + part * 8 + h_c, m_fin, mask=h_c < GQ)
-        gl.store(pl_ptr + part * 8 + h_c, l_fin, mask=h_c < GQ)
+            acc, c_r, m_fin, l_fin = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
+                                                stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
+                                                sink_len_ptr, res_len_ptr, b, h, qk_scale, GQ, D, BLOCK_R, MMA, A_OP,
+                                                B_OP)
+        _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ, D, MMA)
