@@ -152,7 +152,7 @@ class _Layouts:
     runs_lo: Any
     runs_hi: Any
     # Shared memory: rank 1 for buffers of [rows, row] indexed by row; rank 2 for the key planes
-    # [slots x planes, channels, 8 runs] and the value scales and zeros [slots, 8 tiles, row].
+    # [planes, channels, 8 runs] and the value scales and zeros [slots, 8 tiles, row].
     smem1: Any
     smem2: Any
     # The asynchronous copies, 4 bytes a lane where the source is contiguous (a 4-byte copy costs
@@ -180,7 +180,7 @@ LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "P
 
 @functools.cache
 def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts:
-    """Layouts for head dim d, values of b_V bits in groups of G_V channels (16 tokens a step), and
+    """Layouts for head dim d, values of b_V bits in groups of G_V channels (16 tokens a tile), and
     n_sc_p (padded) salient channels.
 
     Per warp, mma.sync m16n8k16 operands have (Gluon's `to_linear_layout`): A [M, K]: register
@@ -382,12 +382,12 @@ if gluon is not None:
                      ksc, kze, ksw, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss, G32: gl.constexpr,
                      B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr,
                      NVG: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
-        """Starts the asynchronous copies of block `blk` (128 tokens) into ring slot `slot`: its 16
-        bytes of every channel's (low) and salient channel's (high) plane words, the value words of
-        its 8 tiles, its value scales and zeros, and at a group's first block the group's key scale
-        and zero rows and the words holding its salient channels' scales (ksw: the scales as int32);
-        then commits them as one group. `valid` False (past the split's end) copies nothing. klo and
-        khi count int16 halves of the plane words."""
+        """Starts the asynchronous copies of block `blk` (128 tokens): into the one-slot key buffers
+        its 16 bytes of every channel's (low) and salient channel's (high) plane words, and at a
+        group's first block the group's key scale and zero rows and the words holding its salient
+        channels' scales (ksw: the scales as int32); into value slot `slot` the value words of its
+        8 tiles and its value scales and zeros. Then commits them as one group. `valid` False (past
+        the split's end) copies nothing. klo and khi count int16 halves of the plane words."""
         GB: gl.constexpr = G32 // 4  # blocks per group
         g = blk // GB
         q8 = (blk % GB) * 8  # the block's first half-word in a channel's words of the group
@@ -834,11 +834,11 @@ if gluon is not None:
             buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
             buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
             v_sel, v_mask = _value_selectors(BV, V5)  # `_value_codes`
-            # A ring of two block slots (128 tokens each) in shared memory. Block i + 1's copies are
-            # issued at step 1 of block i, into the slot block i - 1 used (its last value product runs
-            # at block i's step 0), and waited for at block i + 1's start: three steps of cover, and
-            # the words are read from there straight into operand registers, the key planes once
-            # per block. Buffers of rows are [slots x rows, row], indexed by one row number.
+            # Shared memory for blocks of 128 tokens. Block i + 1's copies are issued at block i's
+            # start, once its key words, key scale rows and salient scale words are in registers
+            # (those buffers have one slot), and waited for at block i + 1's start: a whole block of
+            # cover. The value buffers have two slots (block i's value products read one while the
+            # copies fill the other). Buffers of rows are [slots x rows, row], indexed by one row.
             buf_lo = gl.allocate_shared_memory(gl.int16, [PL_P, D, 8], SMEM2)  # plane: [channel, run]
             buf_hi = gl.allocate_shared_memory(gl.int16, [PH_P, NSC_P, 8], SMEM2)
             buf_v = gl.allocate_shared_memory(gl.int32, [2 * 8, 16 * NW], SMEM1)  # (slot, tile): [member, pair, word]
@@ -1001,7 +1001,7 @@ def uses_blocks(group_size: int) -> bool:
 
 def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
                group_size: int = BLOCK_TOKENS) -> int:
-    """Shared memory of one program: its ring of two block slots and the query (see the kernel's
+    """Shared memory of one program: its block buffers and the query (see the kernel's
     buffers), or the word kernel's ring (`decode_mma_words.ring_bytes`)."""
     if not uses_blocks(group_size):
         from kernels import decode_mma_words
