@@ -1,12 +1,13 @@
-"""The Gluon decode kernel (`kernels/decode_mma.py`) without a GPU.
+"""The Gluon decode kernels without a GPU: `kernels/decode_mma.py`'s block kernel (G a multiple of
+128) and `kernels/decode_mma_words.py`'s word kernel (G 32 or 64), which `split_launch` picks.
 
-1. Its source, run by the CPU emulator (`gluon_emu.py`), against dequantize-then-attend in fp32 on
-   the cases of `test_kernels_decode.py` that the kernel's limits admit (fresh random inputs, the
-   output poisoned): the arithmetic and the indexing of the kernel are what it checks.
+1. Their source, run by the CPU emulator (`gluon_emu.py`), against dequantize-then-attend in fp32
+   on the cases of `test_kernels_decode.py` that the kernels' limits admit (fresh random inputs, the
+   output poisoned): the arithmetic and the indexing of the kernels are what it checks.
 2. Garbage past each sequence's lengths does not change the output.
 3. The kernel compiles for sm_90 (offline, no GPU needed) for configs covering every branch: the
    layouts it declares are the ones the tensor cores use (`assert_trivial` conversions would not
-   compile otherwise) and its shared memory is the ring `ring_bytes` counts.
+   compile otherwise) and its shared memory is what `ring_bytes` counts.
 4. The emulator's models of the kernel's cross-lane inline PTX (prmt, movmatrix) agree with the
    instructions' documented semantics, computed lane by lane.
 """
