@@ -100,6 +100,7 @@ LOG2E = 1.4426950408889634
 # immediate), per pair of codes.
 FP16_PAIR_1024 = 0x64006400
 BLOCK_TOKENS = 128  # tokens of a key plane's 16 bytes per channel: the ring's unit; G must be a multiple
+TAIL_TOKENS = 32  # sink and residual tokens per chunk of the fp16 tail (`_fp16_tail`)
 MAX_GQA = 8  # query heads per KV head: the value product's N; partials hold this many rows
 
 
@@ -310,6 +311,15 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
+    def _launch_dependents(x):
+        """PTX griddepcontrol.launch_dependents: the combine step, a programmatic dependent launch
+        (`decode.combine_partials`), may start once every program of this grid has run it, so its
+        launch overlaps this grid's last programs; it waits for the grid's end before it reads the
+        partials. x: any tensor (the asm takes an operand); calls past a program's first do nothing."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _token_of_row(m):
         """The token of row m of a tile's score and value products, from the tile's first token: row
         r < 8 is the tile's token in run r (tokens 16 r to 16 r + 15 of the block), row 8 + r the one
@@ -378,16 +388,15 @@ if gluon is not None:
         return acc * inv_pos[(S % 2) * 2 + H][:, None] + bias
 
     @gluon.jit
-    def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, buf_ss, klo, khi, vp, vsc, vze,
-                     ksc, kze, ksw, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss, G32: gl.constexpr,
+    def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze,
+                     ksc, kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr,
                      B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr,
                      NVG: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
         """Starts the asynchronous copies of block `blk` (128 tokens): into the one-slot key buffers
         its 16 bytes of every channel's (low) and salient channel's (high) plane words, and at a
-        group's first block the group's key scale and zero rows and the words holding its salient
-        channels' scales (ksw: the scales as int32); into value slot `slot` the value words of its
-        8 tiles and its value scales and zeros. Then commits them as one group. `valid` False (past
-        the split's end) copies nothing. klo and khi count int16 halves of the plane words."""
+        group's first block the group's key scale and zero rows; into value slot `slot` the value
+        words of its 8 tiles and its value scales and zeros. `valid` False (past the split's end)
+        copies nothing. klo and khi count int16 halves of the plane words. The caller commits."""
         GB: gl.constexpr = G32 // 4  # blocks per group
         g = blk // GB
         q8 = (blk % GB) * 8  # the block's first half-word in a channel's words of the group
@@ -407,8 +416,14 @@ if gluon is not None:
         first = (off_k >= 0) & valid & (q8 == 0)
         _async_load(buf_ks.index(0), ksc + g * D + off_k, mask=first)
         _async_load(buf_ks.index(1), kze + g * D + off_k, mask=first)
-        _async_load(buf_ss.index(0), ksw + g * (D // 2) + off_ss, mask=(off_ss >= 0) & valid & (q8 == 0))
-        async_copy.commit_group()
+
+    @gluon.jit
+    def _issue_salient_scales(blk, valid, buf_ss, ksw, off_ss, G32: gl.constexpr, D: gl.constexpr):
+        """At a group's first block, the copy of the words holding its salient channels' key scales
+        (ksw: the scales as int32; off_ss -1 for padding). The caller commits."""
+        GB: gl.constexpr = G32 // 4  # blocks per group
+        _async_load(buf_ss.index(0), ksw + (blk // GB) * (D // 2) + off_ss,
+                    mask=(off_ss >= 0) & valid & (blk % GB == 0))
 
     @gluon.jit
     def _run_offsets(C: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
@@ -702,11 +717,14 @@ if gluon is not None:
 
     @gluon.jit
     def _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st, kr_ptr, vr_ptr,
-                   stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h, qk_scale, GQ: gl.constexpr,
-                   D: gl.constexpr, BLOCK_R: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
-                   B_OP: gl.constexpr):
-        """Split 0: the sinks and the residual, fp16 MMAs on the raw tokens. Returns acc^T [D, 8],
-        its rows' channels (in order) and the softmax max and sum per head."""
+                   stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h, t, n_tail, qk_scale,
+                   GQ: gl.constexpr, D: gl.constexpr, BLOCK_R: gl.constexpr, MMA: gl.constexpr,
+                   A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """Tail program t of n_tail: its chunks of BLOCK_R tokens of the sinks and the residual, fp16
+        MMAs on the raw tokens. Chunk j of the sinks goes to program j % n_tail, chunk j of the
+        residual to program (j + 1) % n_tail (the sinks are usually one chunk: program 0 then
+        gets the residual's last). Returns acc^T [D, 8], its rows' channels (in order) and the
+        softmax max and sum per head (-inf and 0 for a program with no token)."""
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
@@ -737,9 +755,13 @@ if gluon is not None:
                 k_base = kr_ptr + off
                 v_base = vr_ptr + off
                 stride_t = stride_rt
-            for t0 in range(0, n_tok, BLOCK_R):
+            first = (t + region * (n_tail - 1)) % n_tail  # this program's first chunk of the region
+            for t0 in range(first * BLOCK_R, n_tok, n_tail * BLOCK_R):
                 kt = gl.load(k_base + (t0 + t_b)[None, :] * stride_t + c_b[:, None],
                              mask=(t0 + t_b < n_tok)[None, :], other=0.0).to(gl.float16)
+                # The values' load issued with the keys': one round trip to memory per chunk, not two.
+                vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
+                             mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
                 scores = mma_v2(u0, kt, gl.zeros([16, BLOCK_R], gl.float32, layout=MMA))
                 scores = gl.where((t0 + tcol < n_tok)[None, :], scores, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(scores, axis=1))
@@ -747,8 +769,6 @@ if gluon is not None:
                 p = gl.exp2(scores - m_new[:, None])
                 l_i = l_i * alpha + gl.sum(p, axis=1)
                 m_i = m_new
-                vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
-                             mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
                 acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
         c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))  # rows are channels here
         return acc, c_r, _first_heads(m_i, HEADS), _first_heads(l_i, HEADS)
@@ -776,7 +796,7 @@ if gluon is not None:
         order_ptr, stride_ob, stride_oh,
         sink_len_ptr, n_groups_ptr, res_len_ptr,
         pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
-        qk_scale, groups_per_split, n_split, magic,
+        qk_scale, groups_per_split, n_parts, n_tail, magic,
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -800,12 +820,10 @@ if gluon is not None:
         NVG: gl.constexpr = D // GV
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
-        part = bh.to(gl.int64) * (n_split + 1) + split
+        _launch_dependents(gl.arange(0, 16, layout=ROW))  # the combine's launch may begin
+        part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
-        if split > 0:  # split 0 is the fp16 tail: launched first, the short programs fill the last wave
-            n_groups = gl.load(n_groups_ptr + b)
-            g_start = (split - 1) * groups_per_split
-            g_end = gl.minimum(g_start + groups_per_split, n_groups)
+        if split >= n_tail:  # splits below n_tail are the fp16 tail's: launched first, short programs
             ks_off = b.to(gl.int64) * stride_ksb + h * stride_ksh
             klo = klo_ptr + b.to(gl.int64) * stride_lob + h * stride_loh
             khi = khi_ptr + b.to(gl.int64) * stride_hib + h * stride_hih
@@ -815,24 +833,6 @@ if gluon is not None:
             t_s = gl.arange(0, 16, layout=ROW)
             inv0 = gl.exp2(-(t_s // 8).to(gl.float32))  # 2^-k: the scores' per-row factor (`_plane_pairs`)
             inv_pos = (inv0, inv0 * 0.25, inv0 * 0.0625, inv0 * 0.015625)  # K = 0, 2, 4, 6
-            # The query as the key product's B operand, q^T [D, 8 heads] (padded heads zero), and its
-            # salient channels' [NSC_P, 8]; kept in fp16 (half the registers of fp32): q * softmax
-            # scale * log2 e is well inside its range.
-            KCOL: gl.constexpr = gl.SliceLayout(1, B_OP)  # the channels (rows) of a B operand
-            q_heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
-            q_rows = q_ptr + b.to(gl.int64) * stride_qb + (h * GQ + q_heads) * stride_qh
-            q_c = gl.arange(0, D, layout=KCOL)
-            q_t = (gl.load(q_rows[None, :] + q_c[:, None], mask=(q_heads < GQ)[None, :],
-                           other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-            js = gl.arange(0, NSC_P, layout=KCOL)
-            order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
-            sal = gl.load(order + (D - NSC) + js, mask=js < NSC, other=0)
-            q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & (js < NSC)[:, None],
-                             other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
-            # In shared memory, not registers: they are read once per group, and the loop's registers
-            # decide how many programs an SM holds.
-            buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
-            buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
             v_sel, v_mask = _value_selectors(BV, V5)  # `_value_codes`
             # Shared memory for blocks of 128 tokens. Block i + 1's copies are issued at block i's
             # start, once its key words, key scale rows and salient scale words are in registers
@@ -866,15 +866,42 @@ if gluon is not None:
             off_s = ((2 * tile_s[:, None] + _token_of_row((n_s[None, :] // NVG) * 2 + n_s[None, :] % 2)) * (NVG // 2)
                      + (n_s[None, :] // 2) % (NVG // 2))
             off_k = gl.arange(0, D, layout=CP_K)
+            # Block 0's copies first, before the lengths and the query are read: they overlap those
+            # round trips to memory. Every split's first block lies within the capacity, so the copy
+            # is safe before the length says whether the block is held (when not, the loop skips it).
+            g_start = (split - n_tail) * groups_per_split
+            b_start = g_start * (G32 // 4)
+            _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
+                         vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
+                         G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+            async_copy.commit_group()
+            n_groups = gl.load(n_groups_ptr + b)
+            g_end = gl.minimum(g_start + groups_per_split, n_groups)
+            n_blk = gl.maximum(g_end - g_start, 0) * (G32 // 4)
+            # The query as the key product's B operand, q^T [D, 8 heads] (padded heads zero), and its
+            # salient channels' [NSC_P, 8]; kept in fp16 (half the registers of fp32): q * softmax
+            # scale * log2 e is well inside its range.
+            KCOL: gl.constexpr = gl.SliceLayout(1, B_OP)  # the channels (rows) of a B operand
+            q_heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+            q_rows = q_ptr + b.to(gl.int64) * stride_qb + (h * GQ + q_heads) * stride_qh
+            q_c = gl.arange(0, D, layout=KCOL)
+            q_t = (gl.load(q_rows[None, :] + q_c[:, None], mask=(q_heads < GQ)[None, :],
+                           other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+            js = gl.arange(0, NSC_P, layout=KCOL)
+            order = order_ptr + b.to(gl.int64) * stride_ob + h * stride_oh
+            sal = gl.load(order + (D - NSC) + js, mask=js < NSC, other=0)
+            q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & (js < NSC)[:, None],
+                             other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
+            # In shared memory, not registers: they are read once per group, and the loop's registers
+            # decide how many programs an SM holds.
+            buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
+            buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
             js_cp = gl.arange(0, NSC_P, layout=CP_SAL)
             off_ss = gl.load(order + (D - NSC) + js_cp, mask=js_cp < NSC, other=0) // 2
             off_ss = gl.where(js_cp < NSC, off_ss, -1)
-            n_blk = gl.maximum(g_end - g_start, 0) * (G32 // 4)
-            b_start = g_start * (G32 // 4)
-            _issue_block(b_start, n_blk > 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                         buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, ksw_ptr + ks_off // 2,
-                         off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
-                         G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+            # The words of the salient channels' scales need the channel order: their own copy group.
+            _issue_salient_scales(b_start, n_blk > 0, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
+            async_copy.commit_group()
             u = gl.zeros([D, 8], gl.float16, layout=B_OP)  # u^T, u_hi^T: the first 8 heads
             u_hi = gl.zeros([NSC_P, 8], gl.float16, layout=B_OP)
             bias = gl.zeros([16, 8], gl.float32, layout=MMA)  # per head, the same in every row
@@ -910,10 +937,11 @@ if gluon is not None:
                 lw = (lw, (lw[0] >> 8, lw[1] >> 8, lw[2] >> 8, lw[3] >> 8))
                 hw = (hw, (hw[0] >> 8, hw[1] >> 8, hw[2] >> 8, hw[3] >> 8))
                 _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
-                _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                             buf_ss, klo, khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off,
-                             ksw_ptr + ks_off // 2, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_ss,
-                             G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo,
+                             khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v,
+                             off_s, off_k, G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
+                async_copy.commit_group()
                 # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
                 # for its 128 tokens, then the value products of its 4 steps.
                 s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
@@ -955,8 +983,8 @@ if gluon is not None:
         else:
             acc, c_r, m_fin, l_fin = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
                                                 stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                                sink_len_ptr, res_len_ptr, b, h, qk_scale, GQ, D, BLOCK_R, MMA, A_OP,
-                                                B_OP)
+                                                sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
+                                                BLOCK_R, MMA, A_OP, B_OP)
         _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ, D, MMA)
 
 
@@ -1054,14 +1082,26 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
     return best
 
 
+def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> int:
+    """Programs per (b, h_kv) for the fp16 tail (sinks and residual, `n_chunks` chunks of BLOCK_R
+    tokens by capacity): as many as the slots the packed splits leave free in a single wave, at
+    most one a chunk. One program reads its chunks one after another, a round trip to memory
+    each: at batch 1 (a wave of 2-block splits) that program was the launch's long pole (19 of
+    24 us with nothing else to do, RESULTS.md). When the packed splits fill a wave or more, the
+    tail is short next to them and stays one program."""
+    free = resident // max(n_bh, 1) - num_splits
+    return max(1, min(n_chunks, free))
+
+
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
-                 programs_per_sm: int | None = None, max_registers: int | None = None) -> SplitLaunch:
+                 programs_per_sm: int | None = None, max_registers: int | None = None,
+                 n_tail: int | None = None) -> SplitLaunch:
     """The split kernel's grid, arguments and compile-time constants.
 
     Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
     (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
-    `max_registers`. Program (bh, 0) handles the sinks and the residual, (bh, 1 + i)
-    split i.
+    `max_registers`. Programs (bh, 0 .. n_tail - 1) handle the sinks and the residual
+    (`tail_programs` unless `n_tail` is given), (bh, n_tail + i) split i.
     """
     from kernels.decode import cache_operands, check_operands, split_plan
 
@@ -1071,12 +1111,16 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     n_sc = cache.n_salient_channels
     ng_cap = cache.k_low.shape[2]
     blocks = uses_blocks(cache.group_size)
+    shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size,
+                        cache.group_size)
+    resident = resident_programs(q.device, max_registers, shared)
     if num_splits is None and programs_per_sm is None and ng_cap:
-        shared = ring_bytes(d, cache.b_low, cache.b_high, n_sc, cache.value_bits, cache.value_group_size,
-                            cache.group_size)
-        num_splits = wave_splits(bsz * hkv, ng_cap, resident_programs(q.device, max_registers, shared))
+        num_splits = wave_splits(bsz * hkv, ng_cap, resident)
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
-    n_parts = num_splits + 1
+    if n_tail is None:
+        chunks = -(-cache.k_sink.shape[2] // TAIL_TOKENS) + -(-cache.k_res.shape[2] // TAIL_TOKENS)
+        n_tail = tail_programs(bsz * hkv, num_splits, resident, chunks)
+    n_parts = num_splits + n_tail
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)
@@ -1087,7 +1131,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     args = (
         *cache_operands(q, scale_words, planes(cache.k_low), planes(cache.k_high), _words(cache.v_packed)),
         pm, pl, pa, _words(cache.k_scale),
-        scale * LOG2E, groups_per_split, num_splits, FP16_PAIR_1024,
+        scale * LOG2E, groups_per_split, n_parts, n_tail, FP16_PAIR_1024,
     )
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high, n_sc,
                                   cache.value_bits, cache.value_group_size)
@@ -1100,7 +1144,7 @@ def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_
                      value_bits: int, value_group: int) -> dict:
     """The split kernel's compile-time constants (besides its layouts)."""
     out = dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
-               NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=32,
+               NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
                PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)))
     if not uses_blocks(group_size):
         from kernels import decode_mma_words
@@ -1126,17 +1170,18 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
                          programs_per_sm: int | None = None, max_registers: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, n_tail: int | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
 
     num_splits, programs_per_sm: splits of the packed region per (b, h_kv), as `split_launch`
     (by default balanced over whole waves). max_registers caps registers per thread (ptxas
-    maxnreg; uncapped the kernel takes about 225, which allows 8 warps per SM).
+    maxnreg; uncapped the kernel takes about 225, which allows 8 warps per SM). n_tail: programs
+    per (b, h_kv) for the sinks and the residual (by default `tail_programs`).
     """
     from kernels.decode import output_for
 
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers)
+    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers, n_tail)
     launch.kernel[launch.grid](
         *launch.args, **launch.constexprs, **launch.layouts, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}),

@@ -35,8 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(decode_mma.gluon is None, reason="this Triton has no Gluon")
 
 
-def emulated(q: torch.Tensor, cache, scale: float, splits: int) -> torch.Tensor:
-    launch = decode_mma.split_launch(q, cache, scale, splits)
+def emulated(q: torch.Tensor, cache, scale: float, splits: int, n_tail: int | None = None) -> torch.Tensor:
+    launch = decode_mma.split_launch(q, cache, scale, splits, n_tail=n_tail)
+    n_parts, planned_tail = launch.args[-3:-1]
+    assert launch.grid[1] == n_parts and planned_tail == (n_tail or planned_tail)
     for t in (launch.pm, launch.pl, launch.pa):
         t.fill_(float("nan"))  # poisoned: a partial the kernel does not write fails the check
     run_split_kernel(decode_mma, launch)
@@ -60,10 +62,10 @@ def test_the_cases_cover_the_kernel_branches():
     assert {c.group_size for c in MMA_CASES} == {32, 64, 128} and {c.gqa for c in MMA_CASES} == {1, 3, 4}
 
 
-def assert_emulated_matches_reference(q, cache, scale, splits):
+def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None):
     """Runs the emulated kernel; asserts every output finite and within 1e-2 relative error of the
     fp32 dequantize-then-attend reference. Returns both outputs."""
-    out = emulated(q, cache, scale, splits)
+    out = emulated(q, cache, scale, splits, n_tail)
     assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
     want = decode_reference(q, cache, scale)
     err = ((out.float() - want).norm() / want.norm()).item()
@@ -106,6 +108,29 @@ def test_emulated_block_kernel_with_two_blocks_per_group():
     q, cache = build(case, fresh_generator())
     assert decode_mma.uses_blocks(cache.group_size) and cache.k_low.shape[2] >= 2
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
+
+
+@pytest.mark.parametrize("case,n_tail", [
+    # sinks (one chunk, 7 tokens in sequence 2) and a full residual of two chunks: one chunk a program
+    (Case(residual="full", gqa=3, splits=2), 3),
+    # more programs than chunks (some hold no token) and uneven partial residuals (16, 1, 5 tokens)
+    (Case(group_size=64, residual="partial", value_group=16, splits=1), 5),
+    # the block kernel: 1 + 8 chunks over 4 programs (program 0: the sinks and the residual's last)
+    (Case(b_low=1, b_high=3, group_size=128, residual="full", head_dim=128, dtype=torch.bfloat16, splits=2), 4),
+], ids=["words-3", "words-5-partial", "blocks-4"])
+def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail):
+    q, cache = build(case, fresh_generator())
+    assert decode_mma.shape_supported(cache, q)
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits, n_tail)
+
+
+def test_tail_programs_take_the_slots_a_wave_leaves_free():
+    # batch 1 at 32K tokens on 132 SMs x 8 programs: 128 splits of 2 groups leave 4 slots per KV
+    # head of 8 in the wave; a launch of many waves keeps one tail program.
+    assert decode_mma.tail_programs(8, 128, 1056, 5) == 4
+    assert decode_mma.tail_programs(8, 64, 1056, 5) == 5
+    assert decode_mma.tail_programs(256, 16, 1056, 5) == 1
+    assert decode_mma.tail_programs(1, 1, 1, 5) == 1
 
 
 def test_emulated_kernel_reads_only_held_tokens():
