@@ -23,7 +23,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kernels.layout import DecodeCache, next_pow2
 
@@ -359,7 +358,7 @@ def _decode_split_kernel(
 def _combine_kernel(
     pm_ptr, pl_ptr, pa_ptr, out_ptr, stride_ob, stride_oh, n_parts,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
-    S_MAX: tl.constexpr, S_BLK: tl.constexpr, PDL: tl.constexpr = False,
+    S_MAX: tl.constexpr, S_BLK: tl.constexpr,
 ):
     """Program (b * HKV + h, channel block): merges the n_parts partials (max-rescaled sums) into
     out[b, h*GQ : (h+1)*GQ, DC channels].
@@ -368,8 +367,6 @@ def _combine_kernel(
     Partials are read many splits at a time (S_MAX maxima, then S_BLK values): each pass is a few
     load round trips. A loop of one dependent load per split was latency-bound (235 us for 256
     splits at batch 1 on an H200, five times the split kernel; RESULTS.md, Kernels).
-    PDL: launched as a programmatic dependent of the split kernel (`combine_partials`); waits for
-    that grid to finish, its partials visible, before the first load.
     """
     bh = tl.program_id(0)
     b = bh // HKV
@@ -377,8 +374,6 @@ def _combine_kernel(
     rows = tl.arange(0, M_P)
     c = tl.program_id(1) * DC + tl.arange(0, DC)
     base = bh.to(tl.int64) * n_parts
-    if PDL:
-        gdc_wait()
     m_all = tl.full([M_P], float("-inf"), tl.float32)
     sm = tl.arange(0, S_MAX)
     real = (rows < GQ)[None, :]  # rows past the query heads are padding: not read
@@ -416,14 +411,10 @@ def combine_partials(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, out: 
     # to memory, and at batch 1 (130 splits) four of them made the combine 8.5 us, a quarter of the
     # call (ncu, H200). Sized to the parts there are, so small splits read no masked-off rows.
     parts_p = next_pow2(n_parts)
-    # On Hopper and later, a programmatic dependent launch: the grid starts while the split kernel's
-    # last programs run (the Gluon split kernels signal it at their start) and waits in the kernel.
-    pdl = pa.is_cuda and torch.cuda.get_device_capability(pa.device)[0] >= 9
     _combine_kernel[(n_bh, d // dc)](
         pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
         HKV=hkv, GQ=out.shape[1] // hkv, M_P=m_p, D=d, DC=dc, S_MAX=min(2048 // m_p, parts_p),
         S_BLK=max(1, min(8192 // (m_p * dc), parts_p)), num_warps=4,
-        **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
     return out
 

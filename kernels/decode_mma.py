@@ -311,15 +311,6 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _launch_dependents(x):
-        """PTX griddepcontrol.launch_dependents: the combine step, a programmatic dependent launch
-        (`decode.combine_partials`), may start once every program of this grid has run it, so its
-        launch overlaps this grid's last programs; it waits for the grid's end before it reads the
-        partials. x: any tensor (the asm takes an operand); calls past a program's first do nothing."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def _token_of_row(m):
         """The token of row m of a tile's score and value products, from the tile's first token: row
         r < 8 is the tile's token in run r (tokens 16 r to 16 r + 15 of the block), row 8 + r the one
@@ -820,7 +811,6 @@ if gluon is not None:
         NVG: gl.constexpr = D // GV
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
-        _launch_dependents(gl.arange(0, 16, layout=ROW))  # the combine's launch may begin
         part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
         if split >= n_tail:  # splits below n_tail are the fp16 tail's: launched first, short programs

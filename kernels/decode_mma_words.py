@@ -19,7 +19,6 @@ from kernels.decode_mma import (  # noqa: F401 - the shared jit helpers (the emu
     _first_heads,
     _fp16_tail,
     _halves_f16,
-    _launch_dependents,
     _Layouts,
     _layouts,
     _p_operand,
@@ -265,7 +264,6 @@ if gluon is not None:
         q16 = (gl.load(q_base[:, None] + cols_a[None, :], mask=(rows_a < GQ)[:, None],
                        other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
-        _launch_dependents(gl.arange(0, 16, layout=ROW))  # the combine's launch may begin
         part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
         if split >= n_tail:  # splits below n_tail are the fp16 tail's: launched first, short programs

@@ -270,7 +270,7 @@ def run_split_kernel(module: Any, launch: Any) -> None:
                     "_mul_pairs": _mul_pairs,
                     "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_pack_halves": _pack_halves,
                     "_transposed_blocks": _transposed_blocks, "_f16_pairs_rounded": _f16_pairs_rounded,
-                    "_value_pairs": _value_pairs, "_launch_dependents": lambda x: None}
+                    "_value_pairs": _value_pairs}
     kernel_module = sys.modules[launch.kernel.fn.__module__]
     env = {**module.__dict__, **kernel_module.__dict__}
     env.update(gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
