@@ -358,7 +358,7 @@ def _decode_split_kernel(
 def _combine_kernel(
     pm_ptr, pl_ptr, pa_ptr, out_ptr, stride_ob, stride_oh, n_parts,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
-    S_MAX: tl.constexpr, S_BLK: tl.constexpr,
+    S_MAX: tl.constexpr, S_BLK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Program (b * HKV + h, channel block): merges the n_parts partials (max-rescaled sums) into
     out[b, h*GQ : (h+1)*GQ, DC channels].
@@ -367,6 +367,7 @@ def _combine_kernel(
     Partials are read many splits at a time (S_MAX maxima, then S_BLK values): each pass is a few
     load round trips. A loop of one dependent load per split was latency-bound (235 us for 256
     splits at batch 1 on an H200, five times the split kernel; RESULTS.md, Kernels).
+    ONE_PASS (all parts fit one pass of S_BLK): every load issued at once, one round trip.
     """
     bh = tl.program_id(0)
     b = bh // HKV
@@ -374,24 +375,36 @@ def _combine_kernel(
     rows = tl.arange(0, M_P)
     c = tl.program_id(1) * DC + tl.arange(0, DC)
     base = bh.to(tl.int64) * n_parts
-    m_all = tl.full([M_P], float("-inf"), tl.float32)
-    sm = tl.arange(0, S_MAX)
     real = (rows < GQ)[None, :]  # rows past the query heads are padding: not read
-    for s0 in range(0, n_parts, S_MAX):
-        valid = (s0 + sm < n_parts)[:, None] & real
-        m = tl.load(pm_ptr + (base + s0 + sm)[:, None] * M_P + rows[None, :], mask=valid, other=float("-inf"))
-        m_all = tl.maximum(m_all, tl.max(m, axis=0))
     s = tl.arange(0, S_BLK)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row with no token at all stays 0
-    l_all = tl.zeros([M_P], tl.float32)
-    o = tl.zeros([M_P, DC], tl.float32)
-    for s0 in range(0, n_parts, S_BLK):
-        valid = (s0 + s < n_parts)[:, None] & real
-        part = (base + s0 + s)[:, None] * M_P + rows[None, :]  # [S_BLK, M_P]
-        w = tl.math.exp2(tl.load(pm_ptr + part, mask=valid, other=float("-inf")) - m_all[None, :])
-        l_all += tl.sum(w * tl.load(pl_ptr + part, mask=valid, other=0.0), axis=0)
+    if ONE_PASS:  # every partial in one pass: all loads issued before the first is used, one round trip
+        valid = (s < n_parts)[:, None] & real
+        part = (base + s)[:, None] * M_P + rows[None, :]  # [S_BLK, M_P]
+        m = tl.load(pm_ptr + part, mask=valid, other=float("-inf"))
+        lw = tl.load(pl_ptr + part, mask=valid, other=0.0)
         a = tl.load(pa_ptr + part[:, :, None] * D + c[None, None, :], mask=valid[:, :, None], other=0.0)
-        o += tl.sum(w[:, :, None] * a, axis=0)
+        m_all = tl.max(m, axis=0)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row with no token at all stays 0
+        w = tl.math.exp2(m - m_all[None, :])
+        l_all = tl.sum(w * lw, axis=0)
+        o = tl.sum(w[:, :, None] * a, axis=0)
+    else:
+        m_all = tl.full([M_P], float("-inf"), tl.float32)
+        sm = tl.arange(0, S_MAX)
+        for s0 in range(0, n_parts, S_MAX):
+            valid = (s0 + sm < n_parts)[:, None] & real
+            m = tl.load(pm_ptr + (base + s0 + sm)[:, None] * M_P + rows[None, :], mask=valid, other=float("-inf"))
+            m_all = tl.maximum(m_all, tl.max(m, axis=0))
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row with no token at all stays 0
+        l_all = tl.zeros([M_P], tl.float32)
+        o = tl.zeros([M_P, DC], tl.float32)
+        for s0 in range(0, n_parts, S_BLK):
+            valid = (s0 + s < n_parts)[:, None] & real
+            part = (base + s0 + s)[:, None] * M_P + rows[None, :]  # [S_BLK, M_P]
+            w = tl.math.exp2(tl.load(pm_ptr + part, mask=valid, other=float("-inf")) - m_all[None, :])
+            l_all += tl.sum(w * tl.load(pl_ptr + part, mask=valid, other=0.0), axis=0)
+            a = tl.load(pa_ptr + part[:, :, None] * D + c[None, None, :], mask=valid[:, :, None], other=0.0)
+            o += tl.sum(w[:, :, None] * a, axis=0)
     o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]
     out = out_ptr + b.to(tl.int64) * stride_ob + (h * GQ + rows)[:, None] * stride_oh + c[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=(rows < GQ)[:, None])
@@ -411,10 +424,11 @@ def combine_partials(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, out: 
     # to memory, and at batch 1 (130 splits) four of them made the combine 8.5 us, a quarter of the
     # call (ncu, H200). Sized to the parts there are, so small splits read no masked-off rows.
     parts_p = next_pow2(n_parts)
+    s_blk = max(1, min(8192 // (m_p * dc), parts_p))
     _combine_kernel[(n_bh, d // dc)](
         pm, pl, pa, out, out.stride(0), out.stride(1), n_parts,
         HKV=hkv, GQ=out.shape[1] // hkv, M_P=m_p, D=d, DC=dc, S_MAX=min(2048 // m_p, parts_p),
-        S_BLK=max(1, min(8192 // (m_p * dc), parts_p)), num_warps=4,
+        S_BLK=s_blk, ONE_PASS=s_blk >= n_parts, num_warps=4,
     )
     return out
 

@@ -29,7 +29,8 @@ def reference(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, gq: int) -> 
 
 
 @pytest.mark.parametrize("n_parts,m_p,gq,d",
-                         [(1, 8, 4, 64), (33, 16, 3, 128), (70, 8, 8, 128), (300, 8, 2, 64), (140, 16, 1, 64)])
+                         [(1, 8, 4, 64), (50, 8, 3, 64), (33, 16, 3, 128), (70, 8, 8, 128), (300, 8, 2, 64),
+                          (140, 16, 1, 64)])
 def test_combine_matches_reference(n_parts, m_p, gq, d):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     bsz, hkv = 2, 3
