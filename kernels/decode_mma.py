@@ -165,10 +165,6 @@ class _Layouts:
     cp_s: Any
     cp_k: Any
     cp_sal: Any  # the words of the salient channels' key scales [n_sc_p]
-    # A block's value zeros [8 tiles, 16 rows, groups // 2 words] (`_zero_offsets`): a token's words
-    # in one copy, the 32 lanes on 16 consecutive tokens of two runs; and the zeros' buffer (rank 3).
-    cp_z: Any
-    smem3: Any
 
     def constexprs(self) -> dict:
         """The kernel's layout arguments."""
@@ -176,11 +172,11 @@ class _Layouts:
                     VS_WORDS=self.scale_words, PAIRS4=self.pairs4, PAIRS_LO=self.pairs_lo, PAIRS_HI=self.pairs_hi,
                     RUNS_LO=self.runs_lo, RUNS_HI=self.runs_hi, SMEM1=self.smem1, SMEM2=self.smem2,
                     CP_KEYS=self.cp_keys, CP_V=self.cp_v, CP_S=self.cp_s, CP_K=self.cp_k,
-                    CP_SAL=self.cp_sal, CP_Z=self.cp_z, SMEM3=self.smem3)
+                    CP_SAL=self.cp_sal)
 
 
 LAYOUT_ARGS = ("MMA", "A_OP", "B_OP", "V5", "VWP_LOAD", "VS_WORDS", "PAIRS4", "PAIRS_LO", "PAIRS_HI", "RUNS_LO",
-               "RUNS_HI", "SMEM1", "SMEM2", "CP_KEYS", "CP_V", "CP_S", "CP_K", "CP_SAL", "CP_Z", "SMEM3")
+               "RUNS_HI", "SMEM1", "SMEM2", "CP_KEYS", "CP_V", "CP_S", "CP_K", "CP_SAL")
 
 
 @functools.cache
@@ -285,19 +281,12 @@ def _layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> _Layouts
     s_bits = ([[0, 2 << j] for j in range(wsb)] + [[0, 8 << wsb], [1, 0], [2, 0], [4, 0], [0, 1], [0, 2 << wsb],
                                                    [0, 4 << wsb]])
     cp_s = layout(s_bits[5:], s_bits[:5], [8, 8 * nvg])
-    # Zeros [8 tiles, 16 rows, zw words]: a token's words contiguous in registers (one copy), then
-    # lanes on row bit 3 (the next token) and the tile bits (tokens 2 h), then rows 16 tokens apart.
-    zw = nvg // 2
-    z_words = [[0, 0, 1 << j] for j in range(zw.bit_length() - 1)]
-    z_rest = [[0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
-    cp_z = layout(z_words + z_rest[5:], z_rest[:5], [8, 16, zw])
 
     return _Layouts(mma, a_op, b_op, layout(v_regs, v_lanes, shape5), words_pairs, scale_words, pairs4,
                     pairs(d), pairs(n_sc_p), runs(d), runs(n_sc_p),
                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
-                    gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]), flat(4), cp_s, flat(8), flat(1), cp_z,
-                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+                    gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]), flat(4), cp_s, flat(8), flat(1))
 
 
 if gluon is not None:
@@ -391,13 +380,13 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze,
-                     ksc, kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, off_z, G32: gl.constexpr,
+                     ksc, kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr,
                      B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr,
                      NVG: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
         """Starts the asynchronous copies of block `blk` (128 tokens): into the one-slot key buffers
         its 16 bytes of every channel's (low) and salient channel's (high) plane words, and at a
         group's first block the group's key scale and zero rows; into value slot `slot` the value
-        words of its 8 tiles and its value scales and zeros (`_zero_offsets`). `valid` False (past the split's end)
+        words of its 8 tiles and its value scales and zeros. `valid` False (past the split's end)
         copies nothing. klo and khi count int16 halves of the plane words. The caller commits."""
         GB: gl.constexpr = G32 // 4  # blocks per group
         g = blk // GB
@@ -414,7 +403,7 @@ if gluon is not None:
             _async_load(buf_v.index(slot * 8 + tile), vp + (blk * 128 + 2 * tile) * NW + off_v,
                         mask=(off_v >= 0) & valid)
         _async_load(buf_sc.index(slot), vsc + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
-        _async_load(buf_ze.index(slot).slice(0, NVG // 2, 2), vze + blk * (128 * (NVG // 2)) + off_z, mask=valid)
+        _async_load(buf_ze.index(slot), vze + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
         first = (off_k >= 0) & valid & (q8 == 0)
         _async_load(buf_ks.index(0), ksc + g * D + off_k, mask=first)
         _async_load(buf_ks.index(1), kze + g * D + off_k, mask=first)
@@ -426,25 +415,6 @@ if gluon is not None:
         GB: gl.constexpr = G32 // 4  # blocks per group
         _async_load(buf_ss.index(0), ksw + (blk // GB) * (D // 2) + off_ss,
                     mask=(off_ss >= 0) & valid & (blk % GB == 0))
-
-    @gluon.jit
-    def _zero_offsets(ZW: gl.constexpr, CP_Z: gl.constexpr):
-        """[8 tiles, 16 rows, ZW] -> the offset of the zeros' word, from the block's first: row k of
-        tile h is token 2 h + `_token_of_row`(k) of the block, ZW = groups // 2 words a token."""
-        t = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP_Z)))
-        k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP_Z)))
-        w = gl.arange(0, ZW, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP_Z)))
-        tok = 2 * t[:, None] + _token_of_row(k)[None, :]
-        return tok[:, :, None] * ZW + w[None, None, :]
-
-    @gluon.jit
-    def _view_as(buf, DTYPE: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
-        """The same shared memory as SHAPE of DTYPE."""
-        if _REINTERPRET_IS_PUBLIC:
-            view = buf.reinterpret(DTYPE, SHAPE, LAYOUT)
-        else:
-            view = buf._reinterpret(DTYPE, SHAPE, LAYOUT)
-        return view
 
     @gluon.jit
     def _run_offsets(C: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
@@ -587,7 +557,7 @@ if gluon is not None:
 
     @gluon.jit
     def _value_products(codes, xs, xz, acc, acc_z, pair: gl.constexpr, NVG: gl.constexpr, MMA: gl.constexpr,
-                        A_OP: gl.constexpr, B_OP: gl.constexpr, ZEROS: gl.constexpr):
+                        A_OP: gl.constexpr, B_OP: gl.constexpr):
         """acc^T += codes @ (P^T x scale), value group by value group, and the zeros' part
         acc_z += 1024 * sum_t P^T x zero per head and group (`_values_finished` reads it).
 
@@ -598,8 +568,7 @@ if gluon is not None:
         every step, and the tensor cores' accumulation truncates; 2e-2 relative error after 8K
         tokens on the H200, benchmarks/RESULTS.md.) Groups are split off two at a time (register
         renames; recursing on NG). For a pair, the zeros' sums take one MMA: both groups' registers
-        as one A operand (`_pair_rows`) against `_column_sums`. ZEROS False: no zeros' part (xz is
-        not read; the block kernel sums the zeros with `_zero_sums`).
+        as one A operand (`_pair_rows`) against `_column_sums`.
         """
         NG: gl.constexpr = xs.shape[3]
         c0, c1 = _row_halves(codes)
@@ -610,18 +579,14 @@ if gluon is not None:
             s0, s1 = gl.split(xs)
             a0 = mma_v2(gl.convert_layout(c0, A_OP, assert_trivial=True), _pairs_operand(s0, B_OP), a0)
             a1 = mma_v2(gl.convert_layout(c1, A_OP, assert_trivial=True), _pairs_operand(s1, B_OP), a1)
-            if ZEROS:
-                acc_z = mma_v2(_pair_rows(xz, A_OP), _column_sums(pair, NVG, B_OP), acc_z)
+            acc_z = mma_v2(_pair_rows(xz, A_OP), _column_sums(pair, NVG, B_OP), acc_z)
         else:
             s0, s1 = gl.split(gl.permute(gl.reshape(xs, [2, 8, 4, 2, NG // 2]), [0, 1, 2, 4, 3]))
-            z0 = s0
-            z1 = s1
-            if ZEROS:
-                z0, z1 = gl.split(gl.permute(gl.reshape(xz, [2, 8, 4, 2, NG // 2]), [0, 1, 2, 4, 3]))
+            z0, z1 = gl.split(gl.permute(gl.reshape(xz, [2, 8, 4, 2, NG // 2]), [0, 1, 2, 4, 3]))
             a0, acc_z = _value_products(gl.convert_layout(c0, A_OP, assert_trivial=True), s0, z0, a0, acc_z, pair,
-                                        NVG, MMA, A_OP, B_OP, ZEROS)
+                                        NVG, MMA, A_OP, B_OP)
             a1, acc_z = _value_products(gl.convert_layout(c1, A_OP, assert_trivial=True), s1, z1, a1, acc_z,
-                                        pair + NG // 4, NVG, MMA, A_OP, B_OP, ZEROS)
+                                        pair + NG // 4, NVG, MMA, A_OP, B_OP)
         return _rows_joined(a0, a1, MMA), acc_z
 
     @gluon.jit
@@ -672,37 +637,7 @@ if gluon is not None:
             xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, VS_WORDS, PAIRS4))
             xz = _mul_pairs(x, _value_scale_pairs(buf_ze, row, NVG, VS_WORDS, PAIRS4))
             codes = _value_codes(buf_v, row, sel, mask, D, NVG, WPG, A_OP, V5, VWP_LOAD)
-            acc, acc_z = _value_products(codes, xs, xz, acc, acc_z, 0, NVG, MMA, A_OP, B_OP, True)
-        return acc, acc_z
-
-    @gluon.jit
-    def _heads_operand(x, A_OP: gl.constexpr):
-        """P^T-pairs [16, 4] (`_pt_pairs`) -> P as the A operand [16, 16 tokens]: row a < 8 is head a,
-        rows 8-15 are zero. The B operand's registers of P^T are the A operand's of P (row a, token
-        pair) with zero registers for the rows 8 + a: no data moves (asserted)."""
-        y = _halves_f16(gl.join(x, gl.zeros_like(x)))  # [8 j + a, b, zero half, e] = P[8 j + 2 b + e, a]
-        y = gl.permute(gl.reshape(y, [2, 8, 4, 2, 2]), [3, 1, 0, 2, 4])  # (zero half, a, j, b, e)
-        return gl.convert_layout(gl.reshape(y, [16, 16]), A_OP, assert_trivial=True)
-
-    @gluon.jit
-    def _block_step_values(buf_v, buf_sc, zero_rows, row0, x0, x1, acc, acc_z, sel, mask, D: gl.constexpr,
-                           NVG: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
-                           B_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr,
-                           PAIRS4: gl.constexpr):
-        """`_step_values` of the block kernel: the zeros' part of a tile is one MMA, P (`_heads_operand`)
-        against the tile's zeros [16 tokens, 8] fp16 as stored, read by ldmatrix.trans from
-        `zero_rows` (the tile's row of the zeros' buffer, group g in column g, the columns past the
-        groups zero): acc_z[a, g] += sum_t P[t, a] z[t, g], exact products summed in fp32, where
-        the word kernel pairs the zeros of two tokens (prmt) and multiplies them into P^T (HMUL2)."""
-        for half in gl.static_range(2):
-            row = row0 + half
-            x = x0 if half == 0 else x1
-            acc_z = mma_v2(_heads_operand(x, A_OP), zero_rows.index(row).load(B_OP), acc_z)
-            x = gl.expand_dims(gl.convert_layout(gl.reshape(x, [2, 8, 4]), gl.SliceLayout(3, PAIRS4),
-                                                 assert_trivial=True), 3)
-            xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, VS_WORDS, PAIRS4))
-            codes = _value_codes(buf_v, row, sel, mask, D, NVG, WPG, A_OP, V5, VWP_LOAD)
-            acc, acc_z = _value_products(codes, xs, xs, acc, acc_z, 0, NVG, MMA, A_OP, B_OP, False)
+            acc, acc_z = _value_products(codes, xs, xz, acc, acc_z, 0, NVG, MMA, A_OP, B_OP)
         return acc, acc_z
 
     @gluon.jit
@@ -714,8 +649,8 @@ if gluon is not None:
         buffers row0, row0 + 1), their value product into acc, acc_z, and their sums into l_t."""
         p0 = gl.exp2(s0 - m[None, :])
         p1 = gl.exp2(s1 - m[None, :])
-        acc, acc_z = _block_step_values(buf_v, buf_sc, buf_ze, row0, _pt_pairs(p0), _pt_pairs(p1), acc, acc_z, sel,
-                                        mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+        acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, row0, _pt_pairs(p0), _pt_pairs(p1), acc, acc_z, sel, mask, D,
+                                  NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
         return acc, acc_z, l_t + p0 + p1
 
     @gluon.jit
@@ -728,14 +663,12 @@ if gluon is not None:
         return (m // GV) * GV + ((m // 4) % WPG) * (32 // BV) + (m % 4) * CPB + code, code
 
     @gluon.jit
-    def _values_finished(acc, acc_z, code, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr,
-                         Z_BY_GROUP: gl.constexpr):
+    def _values_finished(acc, acc_z, code, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr, MMA: gl.constexpr):
         """acc^T [D, 8] of the codes' form (`_value_products`) -> the values' weighted sum: row m
         (group g = m // G_V) becomes acc * 2^(24 - k) + Z_g / 1024, k = code-in-byte * b_V of its
         channel (`code`, from `_value_channel`; rows stay in that order), where Z_g is the
         column `_column_sums` gave group g in acc_z, summed over both token halves (rows a and
-        8 + a of head a). Once per program; the broadcast over each group's channels is a one-hot sum.
-        Z_BY_GROUP (the block kernel, `_block_step_values`): acc_z holds Z_g itself in column g."""
+        8 + a of head a). Once per program; the broadcast over each group's channels is a one-hot sum."""
         NVG: gl.constexpr = D // GV
         C: gl.constexpr = 16 // NVG
         L3: gl.constexpr = gl.BlockedLayout([1, 8, 1], [4, 1, 8], [1, 1, 1], [2, 1, 0])  # [D, 8 columns, 8 heads]
@@ -743,16 +676,11 @@ if gluon is not None:
         c = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
         g = c // GV
-        if Z_BY_GROUP:
-            own = (g[:, None] == n[None, :])[:, :, None]  # [D, 8, 1]
-            z_unit = 1.0
-        else:
-            own = (((g // 2) * C + (g % 2) * (C // 2))[:, None] == n[None, :])[:, :, None]
-            z_unit = 1.0 / 1024.0
+        own = (((g // 2) * C + (g % 2) * (C // 2))[:, None] == n[None, :])[:, :, None]  # [D, 8, 1]
         z_c = gl.sum(gl.where(own, gl.convert_layout(gl.permute(z_top + z_bottom, [1, 0]),
                                                      gl.SliceLayout(0, L3))[None, :, :], 0.0), axis=1)
         k = code * BV
-        return acc * gl.exp2(24.0 - k.to(gl.float32))[:, None] + gl.convert_layout(z_c, MMA) * z_unit
+        return acc * gl.exp2(24.0 - k.to(gl.float32))[:, None] + gl.convert_layout(z_c, MMA) * (1.0 / 1024.0)
 
     @gluon.jit
     def _f16_pairs_rounded(even, odd):
@@ -867,8 +795,7 @@ if gluon is not None:
         VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
         PAIRS_HI: gl.constexpr, RUNS_LO: gl.constexpr, RUNS_HI: gl.constexpr,
         PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, SMEM2: gl.constexpr, CP_KEYS: gl.constexpr,
-        CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr, CP_SAL: gl.constexpr, CP_Z: gl.constexpr,
-        SMEM3: gl.constexpr,
+        CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr, CP_SAL: gl.constexpr,
     ):
         """Operands as in `decode._decode_split_kernel`, except: klo and khi are int16 views of the
         packed bytes, vp, vsc and vze int32 views (strides in those units), and partials hold
@@ -908,13 +835,9 @@ if gluon is not None:
             # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member] a
             # tile; copied a block at a time, read a tile (row) at a time
             buf_sc = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
-            # value zeros: [tile, 16 tokens in row order, 4 words], the groups' fp16 in a token's first
-            # NVG // 2 words, the rest zero (never copied): read a tile as [16, 8] fp16 by ldmatrix
-            buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, 16, 4], SMEM3)
-            buf_ze.index(0).store(gl.zeros([8, 16, 4], gl.int32, layout=CP_Z))
-            buf_ze.index(1).store(gl.zeros([8, 16, 4], gl.int32, layout=CP_Z))
+            buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
             sc_rows = _rows_view(buf_sc, [16, 8 * NVG], SMEM1)
-            ze_rows = _view_as(buf_ze, gl.float16, [2 * 8, 16, 8], SMEM2)
+            ze_rows = _rows_view(buf_ze, [16, 8 * NVG], SMEM1)
             buf_ks = gl.allocate_shared_memory(gl.float16, [2, D], SMEM1)  # key scale row, zero row
             buf_ss = gl.allocate_shared_memory(gl.int32, [1, NSC_P], SMEM1)  # the words of the salient scales
             # Element offsets of the copies, from the block's first word / token / row.
@@ -933,7 +856,6 @@ if gluon is not None:
             off_s = ((2 * tile_s[:, None] + _token_of_row((n_s[None, :] // NVG) * 2 + n_s[None, :] % 2)) * (NVG // 2)
                      + (n_s[None, :] // 2) % (NVG // 2))
             off_k = gl.arange(0, D, layout=CP_K)
-            off_z = _zero_offsets(NVG // 2, CP_Z)
             # Block 0's copies first, before the lengths and the query are read: they overlap those
             # round trips to memory. Every split's first block lies within the capacity, so the copy
             # is safe before the length says whether the block is held (when not, the loop skips it).
@@ -941,7 +863,7 @@ if gluon is not None:
             b_start = g_start * (G32 // 4)
             _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
                          vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                         off_z, G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                         G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
             async_copy.commit_group()
             n_groups = gl.load(n_groups_ptr + b)
             g_end = gl.minimum(g_start + groups_per_split, n_groups)
@@ -1007,7 +929,7 @@ if gluon is not None:
                 _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
                 _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo,
                              khi, vp, vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v,
-                             off_s, off_k, off_z, G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                             off_s, off_k, G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
                 _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
                 async_copy.commit_group()
                 # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
@@ -1045,7 +967,7 @@ if gluon is not None:
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             l_h = gl.sum(l_t, axis=0)
             c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
-            acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA, True)
+            acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA)
             m_fin = m_h
             l_fin = l_h
         else:
@@ -1109,8 +1031,7 @@ def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
         key_words += next_pow2(b_high - b_low) * nsc_p
     # Value words, scales and zeros: two slots. Key plane words, scale and zero rows and the words of
     # the salient channels' scales: one (read into registers at a block's start, then refilled).
-    # (the zeros' rows are 16 bytes a token, padded for ldmatrix)
-    values = BLOCK_TOKENS * d * value_bits // 8 + 2 * BLOCK_TOKENS * (d // value_group) + 16 * BLOCK_TOKENS
+    values = BLOCK_TOKENS * d * value_bits // 8 + 2 * 2 * BLOCK_TOKENS * (d // value_group)
     keys = 16 * key_words + 2 * 2 * d + 4 * nsc_p
     return 2 * values + keys + 2 * MAX_GQA * (d + nsc_p)  # + the query's channels and salient channels
 

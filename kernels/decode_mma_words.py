@@ -397,7 +397,7 @@ if gluon is not None:
             l_h = gl.sum(l_t, axis=0)
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
-            acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA, False)
+            acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA)
             m_fin = m_h
             l_fin = l_h
         else:

@@ -60,9 +60,6 @@ class Smem:
     def reshape(self, shape: list[int]) -> Smem:
         return Smem(self.t.view(shape))
 
-    def slice(self, start: int, length: int, dim: int = 0) -> Smem:
-        return Smem(self.t.narrow(dim, int(start), length))
-
     def permute(self, order: list[int]) -> Smem:
         return Smem(self.t.permute(*order))
 
@@ -143,10 +140,6 @@ class FakeGluon:
     @staticmethod
     def zeros(shape: list[int], dtype: torch.dtype, layout: Any = None) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
-
-    @staticmethod
-    def zeros_like(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(x)
 
     @staticmethod
     def load(ptr: Ptr, mask: Any = None, other: Any = None) -> torch.Tensor:
