@@ -67,6 +67,11 @@ def main() -> None:
         decode_mma_prev = None
     if decode_mma_prev is not None:
         record("call, previous module", lambda: decode_mma_prev.decode_attention_mma(q, cache, scale, out=out))
+    for k in (1, 2, 5):
+        record(f"call, {k} tail programs", lambda k=k: decode_mma.decode_attention_mma(q, cache, scale, out=out, n_tail=k))
+        if decode_mma_prev is not None:
+            record(f"call, {k} tail programs, previous module",
+                   lambda k=k: decode_mma_prev.decode_attention_mma(q, cache, scale, out=out, n_tail=k))
     record("split kernel", lambda: launch_split(default))
     record("combine", lambda: decode_mma.combine(default, out))
     for name, changes in (("split kernel, no sinks/residual", dict(sink_len=zero, res_len=zero)),
@@ -78,6 +83,8 @@ def main() -> None:
         if splits >= 1:
             record(f"call, {splits} splits",
                    lambda s=splits: decode_mma.decode_attention_mma(q, cache, scale, num_splits=s, out=out))
+    tiny = torch.zeros(1, device="cuda")
+    record("graph of one one-element kernel (the floor)", lambda: tiny.add_(1.0))
     floor = do_bench(lambda: None, warmup=25, rep=200, return_mode="median") * 1e3
     log(f"  do_bench of a no-op (host floor, not graph): {floor:.1f} us", fh)
     line = json.dumps({"shape": [bsz, ctx], "grid": list(default.grid), "us": rows})

@@ -92,6 +92,14 @@ def test_emulated_kernel_with_eight_value_groups_per_head():
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
+def test_emulated_block_kernel_with_eight_value_groups_per_head():
+    # 16-channel value groups at d 128 in the block kernel (the shared CASES reach 4 groups there).
+    case = Case(b_low=2, b_high=4, group_size=128, head_dim=128, value_bits=4, value_group=16, gqa=2, splits=2)
+    q, cache = build(case, fresh_generator())
+    assert decode_mma.uses_blocks(cache.group_size) and cache.v_zero.shape[-1] == 8
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
+
+
 def test_emulated_kernel_with_at_most_16_salient_channels():
     # 16 salient channels are 8 high-plane channel pairs, one MMA tile, and a ring slot's rows too
     # short to swizzle (`slot_rows`); the shared CASES have 32 or more whenever there are high planes.
@@ -160,6 +168,7 @@ COMPILED = [
     (64, 32, 1, 3, 16, 2, 32, 4, "*bf16"),  # 16 salient channels: one tile of high-plane pairs
     (64, 256, 2, 4, 16, 4, 16, 2, "*fp16"),  # two blocks per group, 16 salient channels
     (128, 128, 3, 3, 0, 1, 64, 8, "*bf16"),  # no high planes, 1-bit values, GQA 8
+    (128, 128, 2, 4, 32, 4, 16, 2, "*fp16"),  # the block kernel with 8 value groups per head
 ]
 
 
