@@ -68,7 +68,8 @@ def main() -> None:
     if decode_mma_prev is not None:
         record("call, previous module", lambda: decode_mma_prev.decode_attention_mma(q, cache, scale, out=out))
     for k in (1, 2, 5):
-        record(f"call, {k} tail programs", lambda k=k: decode_mma.decode_attention_mma(q, cache, scale, out=out, n_tail=k))
+        record(f"call, {k} tail programs",
+               lambda k=k: decode_mma.decode_attention_mma(q, cache, scale, out=out, n_tail=k))
         if decode_mma_prev is not None:
             record(f"call, {k} tail programs, previous module",
                    lambda k=k: decode_mma_prev.decode_attention_mma(q, cache, scale, out=out, n_tail=k))
