@@ -7,8 +7,11 @@ Times, as CUDA graph replays (do_bench median, L2 flushed; as `bench_decode.py`)
 - the whole call (split kernel + combine) for the default plan and for other split counts;
 - the split kernel alone and the combine alone;
 - the split kernel with parts of the work removed through the device lengths (same grid): no
-  sinks and residual (split 0 has nothing to do), no packed groups (only split 0 works), neither
-  (launch, prologue and partial stores only).
+  sinks and residual (the tail programs have nothing to do), no packed groups (only the tail
+  programs work), neither (launch, prologue, the first block's copies and the partial stores);
+- the call with 1, 2 and 5 tail programs, and a graph of one tiny kernel (the timing's floor);
+- `kernels/decode_mma_prev.py` if present (an earlier version staged by hand, untracked): an A/B
+  in one run.
 The differences say which program is the long pole. Prints a table and one JSON line.
 """
 

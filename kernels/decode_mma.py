@@ -55,9 +55,11 @@ go from shared memory straight into operand registers. A block computes its 8 ti
 independent MMA chains), one online-softmax update for its 128 tokens, then its 4 steps' value
 products. The kernel is bound by instruction issue (ncu: 2 instructions a cycle per SM of 4, the
 L1 data pipe at 60%, 8 warps per SM by registers): fewer instructions make it faster, not fewer
-bytes. Split 0 handles the sinks and the residual (fp16 MMA on the raw tokens); the splits of the
-packed region are sized so that their programs fill whole waves of the GPU (`wave_splits`).
-Partials go to `decode.combine_partials`.
+bytes. The first n_tail splits of each (b, h_kv) handle the sinks and the residual (fp16 MMA on the
+raw tokens, chunks of 32 tokens dealt out among them, `tail_programs`: one, or at batch 1 the slots
+the packed splits leave free in their wave); the splits of the packed region are sized so that
+their programs fill whole waves of the GPU (`wave_splits`). A packed split issues its first block's
+copies before it reads the lengths and the query. Partials go to `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
 Triton with Gluon, group size G a multiple of 32 (128 for this module's kernel), head dim a
