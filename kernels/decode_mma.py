@@ -53,9 +53,10 @@ copies (cp.async) issued a whole block ahead, so the warp never waits on global 
 have two slots, the keys one (read into registers at the block's start, then refilled). The codes
 go from shared memory straight into operand registers. A block computes its 8 tiles' scores (16
 independent MMA chains), one online-softmax update for its 128 tokens, then its 4 steps' value
-products. The kernel is bound by instruction issue (ncu: 2 instructions a cycle per SM of 4, the
-L1 data pipe at 60%, 8 warps per SM by registers): fewer instructions make it faster, not fewer
-bytes. The first n_tail splits of each (b, h_kv) handle the sinks and the residual (fp16 MMA on the
+products. The kernel is bound by instruction issue and each warp's latency (ncu: 2 instructions a
+cycle per SM of 4, the L1 data pipe at 60%, 8 warps per SM by registers, 2 a scheduler): fewer
+bytes do not make it faster, and fewer instructions only partly (6.7% fewer bought 1.3% at 32 x
+32K, RESULTS.md); more warps would need under 170 registers. The first n_tail splits of each (b, h_kv) handle the sinks and the residual (fp16 MMA on the
 raw tokens, chunks of 32 tokens dealt out among them, `tail_programs`: one, or at batch 1 the slots
 the packed splits leave free in their wave); the splits of the packed region are sized so that
 their programs fill whole waves of the GPU (`wave_splits`). A packed split issues its first block's
