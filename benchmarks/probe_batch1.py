@@ -63,7 +63,6 @@ def main() -> None:
         log(f"  {name:<40} {t:8.1f} us", fh)
 
     record("call, default plan", lambda: decode_mma.decode_attention_mma(q, cache, scale, out=out))
-    record("call, one tail program", lambda: decode_mma.decode_attention_mma(q, cache, scale, n_tail=1, out=out))
     try:  # an earlier version of the module, staged by hand as an untracked file for an A/B in one run
         from kernels import decode_mma_prev
     except ImportError:

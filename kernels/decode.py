@@ -355,6 +355,19 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _load_partials(pm_ptr, pl_ptr, pa_ptr, base, parts, rows, c, n_parts, real, M_P: tl.constexpr, D: tl.constexpr):
+    """The maxima, sums [len(parts), M_P] and channels c of the sums of values [.., M_P, len(c)] of
+    partials `parts` of the (b, h_kv) whose first partial is `base`; past n_parts and in padding
+    rows (`real` False): -inf, 0, 0."""
+    valid = (parts < n_parts)[:, None] & real
+    part = (base + parts)[:, None] * M_P + rows[None, :]
+    m = tl.load(pm_ptr + part, mask=valid, other=float("-inf"))
+    lw = tl.load(pl_ptr + part, mask=valid, other=0.0)
+    a = tl.load(pa_ptr + part[:, :, None] * D + c[None, None, :], mask=valid[:, :, None], other=0.0)
+    return m, lw, a
+
+
+@triton.jit
 def _combine_kernel(
     pm_ptr, pl_ptr, pa_ptr, out_ptr, stride_ob, stride_oh, n_parts,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
@@ -378,11 +391,7 @@ def _combine_kernel(
     real = (rows < GQ)[None, :]  # rows past the query heads are padding: not read
     s = tl.arange(0, S_BLK)
     if ONE_PASS:  # every partial in one pass: all loads issued before the first is used, one round trip
-        valid = (s < n_parts)[:, None] & real
-        part = (base + s)[:, None] * M_P + rows[None, :]  # [S_BLK, M_P]
-        m = tl.load(pm_ptr + part, mask=valid, other=float("-inf"))
-        lw = tl.load(pl_ptr + part, mask=valid, other=0.0)
-        a = tl.load(pa_ptr + part[:, :, None] * D + c[None, None, :], mask=valid[:, :, None], other=0.0)
+        m, lw, a = _load_partials(pm_ptr, pl_ptr, pa_ptr, base, s, rows, c, n_parts, real, M_P, D)
         m_all = tl.max(m, axis=0)
         m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row with no token at all stays 0
         w = tl.math.exp2(m - m_all[None, :])
@@ -399,11 +408,9 @@ def _combine_kernel(
         l_all = tl.zeros([M_P], tl.float32)
         o = tl.zeros([M_P, DC], tl.float32)
         for s0 in range(0, n_parts, S_BLK):
-            valid = (s0 + s < n_parts)[:, None] & real
-            part = (base + s0 + s)[:, None] * M_P + rows[None, :]  # [S_BLK, M_P]
-            w = tl.math.exp2(tl.load(pm_ptr + part, mask=valid, other=float("-inf")) - m_all[None, :])
-            l_all += tl.sum(w * tl.load(pl_ptr + part, mask=valid, other=0.0), axis=0)
-            a = tl.load(pa_ptr + part[:, :, None] * D + c[None, None, :], mask=valid[:, :, None], other=0.0)
+            m, lw, a = _load_partials(pm_ptr, pl_ptr, pa_ptr, base, s0 + s, rows, c, n_parts, real, M_P, D)
+            w = tl.math.exp2(m - m_all[None, :])
+            l_all += tl.sum(w * lw, axis=0)
             o += tl.sum(w[:, :, None] * a, axis=0)
     o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]
     out = out_ptr + b.to(tl.int64) * stride_ob + (h * GQ + rows)[:, None] * stride_oh + c[None, :]

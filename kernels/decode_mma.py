@@ -1077,8 +1077,8 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
 
 
 def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> int:
-    """Programs per (b, h_kv) for the fp16 tail (sinks and residual, `n_chunks` chunks of BLOCK_R
-    tokens by capacity): as many as the slots the packed splits leave free in a single wave, at
+    """Programs per (b, h_kv) for the fp16 tail (sinks and residual, `n_chunks` chunks of
+    TAIL_TOKENS tokens by capacity): as many as the slots the packed splits leave free in a single wave, at
     most one a chunk. One program reads its chunks one after another, a round trip to memory
     each: at batch 1 (a wave of 2-block splits) that program was the launch's long pole (19 of
     24 us with nothing else to do, RESULTS.md). When the packed splits fill a wave or more, the
