@@ -44,6 +44,15 @@ def mid_trial(url: str, campaign_id: int, budget: float, min_complete: int) -> l
     return None
 
 
+def left_running(url: str, campaign_id: int, budget: float) -> list[optuna.trial.FrozenTrial]:
+    """The trials a killed worker left RUNNING, read after its death: a trial seen RUNNING before
+    the kill may have completed in between (the study's load takes a while), so that earlier view
+    is not the set to check. Asserts there is one, so that the test cannot pass vacuously."""
+    running = [t for t in load(url, campaign_id, budget).get_trials() if t.state == RUNNING]
+    assert running, "the worker was killed between trials; nothing was left running"
+    return running
+
+
 def snapshot(study: optuna.Study) -> dict[int, tuple]:
     return {t.number: (t.params, t.values, t.user_attrs.get("accuracy")) for t in study.get_trials(states=(COMPLETE,))}
 
@@ -61,11 +70,10 @@ def test_killed_worker_trial_is_retried_by_another_worker(pg_url, tiny_model_dir
     campaign_id = find_or_create_campaign(db, spec, status="queued")
     env = worker_env()
     a = procs.start([*PNMIX, "worker", "--storage", pg_url], env, "worker-a")
-    running = wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 2), 180, "worker A evaluating its third trial",
-                       every=0.05)
+    wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 2), 180, "worker A evaluating its third trial", every=0.05)
     os.kill(a.pid, signal.SIGKILL)
     assert a.wait(10) == -signal.SIGKILL
-    killed = {t.number: t.params for t in running}
+    killed = {t.number: t.params for t in left_running(pg_url, campaign_id, 3.0)}
     study = load(pg_url, campaign_id, 3.0)
     before = snapshot(study)
     assert len(before) >= 2 and set(killed) and not set(killed) & set(before)
@@ -98,9 +106,10 @@ def test_campaign_of_a_dead_worker_is_reclaimed(pg_url, procs):
     campaign_id = stub_campaign(pg_url, (3.0,), 4)
     env = worker_env(STUB_EVAL_S="0.5")
     a = procs.start(stub_worker_args(pg_url), env, "stub-a")
-    running = wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 1), 60, "worker A evaluating", every=0.05)
+    wait_for(lambda: mid_trial(pg_url, campaign_id, 3.0, 1), 60, "worker A evaluating", every=0.05)
     os.kill(a.pid, signal.SIGKILL)
     a.wait(10)
+    running = left_running(pg_url, campaign_id, 3.0)
     db = Database(pg_url)
     with db.session(readonly=True) as s:
         row = get_campaign(s, campaign_id)
