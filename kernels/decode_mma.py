@@ -58,9 +58,8 @@ cycle per SM of 4, the L1 data pipe at 60%, 8 warps per SM by registers, 2 a sch
 bytes do not make it faster, and fewer instructions only partly (6.7% fewer bought 1.3% at 32 x
 32K, RESULTS.md); more warps would need under 170 registers. The first n_tail splits of each
 (b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
-out among them, `tail_programs`: the slots the packed splits leave free in their wave, as at batch
-1); where they leave none, n_tail is 0 and each packed split starts with its share of the chunks,
-loaded while its first block's copies are in flight (`_tail_joined`); the splits of the packed region are sized so that their programs fill whole waves of the
+out among them, `tail_programs`: one, or at batch 1 the slots the packed splits leave free in their
+wave); the splits of the packed region are sized so that their programs fill whole waves of the
 GPU (`wave_splits`). A packed split issues its first block's copies before it reads the lengths
 and the query. Partials go to `decode.combine_partials`.
 
@@ -713,15 +712,14 @@ if gluon is not None:
 
     @gluon.jit
     def _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st, kr_ptr, vr_ptr,
-                   stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h, t, n_tail, qk_scale, ch_a,
+                   stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h, t, n_tail, qk_scale,
                    GQ: gl.constexpr, D: gl.constexpr, BLOCK_R: gl.constexpr, MMA: gl.constexpr,
                    A_OP: gl.constexpr, B_OP: gl.constexpr):
-        """Program t of the n_tail that share the tail: its chunks of BLOCK_R tokens of the sinks
-        and the residual, fp16 MMAs on the raw tokens. Chunk j of the sinks goes to program
-        j % n_tail, chunk j of the residual to program (j + 1) % n_tail (the sinks are usually one
-        chunk: program 0 then gets the residual's last). Returns acc^T [D, 8], row m holding channel
-        ch_a[m] (ch_a [D] in the A operand's rows), and the softmax max and sum per head (-inf and 0
-        for a program with no token)."""
+        """Tail program t of n_tail: its chunks of BLOCK_R tokens of the sinks and the residual, fp16
+        MMAs on the raw tokens. Chunk j of the sinks goes to program j % n_tail, chunk j of the
+        residual to program (j + 1) % n_tail (the sinks are usually one chunk: program 0 then
+        gets the residual's last). Returns acc^T [D, 8], its rows' channels (in order) and the
+        softmax max and sum per head (-inf and 0 for a program with no token)."""
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
@@ -737,6 +735,7 @@ if gluon is not None:
         t_b = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, B_OP))  # key tokens (columns)
         c_b = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
         t_a = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, A_OP))  # value tokens (columns of V^T)
+        c_a = gl.arange(0, D, layout=gl.SliceLayout(1, A_OP))
         tcol = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, MMA))
         for region in gl.static_range(2):
             if region == 0:
@@ -756,7 +755,7 @@ if gluon is not None:
                 kt = gl.load(k_base + (t0 + t_b)[None, :] * stride_t + c_b[:, None],
                              mask=(t0 + t_b < n_tok)[None, :], other=0.0).to(gl.float16)
                 # The values' load issued with the keys': one round trip to memory per chunk, not two.
-                vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + ch_a[:, None],
+                vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
                              mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
                 scores = mma_v2(u0, kt, gl.zeros([16, BLOCK_R], gl.float32, layout=MMA))
                 scores = gl.where((t0 + tcol < n_tok)[None, :], scores, float("-inf"))
@@ -766,39 +765,8 @@ if gluon is not None:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
                 m_i = m_new
                 acc = mma_v2(vt, _p_operand(p, BLOCK_R, B_OP), acc * _first_heads(alpha, HEADS)[None, :])
-        return acc, _first_heads(m_i, HEADS), _first_heads(l_i, HEADS)
-
-    @gluon.jit
-    def _tail_joined(acc, m_h, l_h, q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st,
-                     kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h, split,
-                     n_split, qk_scale, GQ: gl.constexpr, D: gl.constexpr, GV: gl.constexpr, BV: gl.constexpr,
-                     BLOCK_R: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
-        """With no tail programs (n_tail = 0): packed split `split` of n_split takes the tail's
-        chunks that `_fp16_tail` deals to program `split`, after its loop (where the loop's
-        registers are free), and joins them to the loop's finished acc^T (rows in `_value_channel`'s
-        order), max and sum per head. Returns the three joined."""
-        ch_a, _ = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, A_OP)), GV, BV)
-        acc_t, m_t, l_t = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st,
-                                     kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b,
-                                     h, split, n_split, qk_scale, ch_a, GQ, D, BLOCK_R, MMA, A_OP, B_OP)
-        m = gl.maximum(m_h, m_t)
-        m_s = gl.where(m == float("-inf"), 0.0, m)  # neither held a token: both weights 0, not NaN
-        w = gl.exp2(m_h - m_s)
-        w_t = gl.exp2(m_t - m_s)
-        return acc * w[None, :] + acc_t * w_t[None, :], m, l_h * w + l_t * w_t
-
-    @gluon.jit
-    def _tail_program(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st, kr_ptr, vr_ptr,
-                      stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h, t, n_tail, qk_scale,
-                      GQ: gl.constexpr, D: gl.constexpr, BLOCK_R: gl.constexpr, MMA: gl.constexpr,
-                      A_OP: gl.constexpr, B_OP: gl.constexpr):
-        """Tail program t of n_tail (`_fp16_tail`, channels in order): acc^T, its rows' channels, the
-        max and the sum per head."""
-        acc, m_h, l_h = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_st,
-                                   kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt, sink_len_ptr, res_len_ptr, b, h,
-                                   t, n_tail, qk_scale, gl.arange(0, D, layout=gl.SliceLayout(1, A_OP)), GQ, D,
-                                   BLOCK_R, MMA, A_OP, B_OP)
-        return acc, gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), m_h, l_h
+        c_r = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))  # rows are channels here
+        return acc, c_r, _first_heads(m_i, HEADS), _first_heads(l_i, HEADS)
 
     @gluon.jit
     def _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ: gl.constexpr, D: gl.constexpr,
@@ -832,12 +800,10 @@ if gluon is not None:
         PAIRS_HI: gl.constexpr, RUNS_LO: gl.constexpr, RUNS_HI: gl.constexpr,
         PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, SMEM2: gl.constexpr, CP_KEYS: gl.constexpr,
         CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr, CP_SAL: gl.constexpr,
-        TAIL_IN_SPLITS: gl.constexpr,
     ):
         """Operands as in `decode._decode_split_kernel`, except: klo and khi are int16 views of the
         packed bytes, vp, vsc and vze int32 views (strides in those units), and partials hold
-        MAX_GQA = 8 rows. TAIL_IN_SPLITS: n_tail is 0 and the packed splits share the tail
-        (`_tail_joined`)."""
+        MAX_GQA = 8 rows."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // HKV
@@ -1006,18 +972,13 @@ if gluon is not None:
             l_h = gl.sum(l_t, axis=0)
             c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
             acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA)
-            if TAIL_IN_SPLITS:  # no tail programs: this split's share of the tail
-                acc, m_h, l_h = _tail_joined(acc, m_h, l_h, q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb,
-                                             stride_sh, stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                             sink_len_ptr, res_len_ptr, b, h, split, n_parts, qk_scale, GQ, D, GV, BV,
-                                             BLOCK_R, MMA, A_OP, B_OP)
             m_fin = m_h
             l_fin = l_h
         else:
-            acc, c_r, m_fin, l_fin = _tail_program(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
-                                                   stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                                   sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
-                                                   BLOCK_R, MMA, A_OP, B_OP)
+            acc, c_r, m_fin, l_fin = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
+                                                stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
+                                                sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
+                                                BLOCK_R, MMA, A_OP, B_OP)
         _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ, D, MMA)
 
 
@@ -1120,11 +1081,10 @@ def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> i
     TAIL_TOKENS tokens by capacity): as many as the slots the packed splits leave free in a single wave, at
     most one a chunk. One program reads its chunks one after another, a round trip to memory
     each: at batch 1 (a wave of 2-block splits) that program was the launch's long pole (19 of
-    24 us with nothing else to do, RESULTS.md). When the packed splits leave no slot free, 0: tail
-    programs would push packed splits out of the wave (at 32 x 32K the tail cost 9 of 318 us as
-    one program per KV head), so the packed splits share the chunks instead (`_tail_joined`)."""
+    24 us with nothing else to do, RESULTS.md). When the packed splits fill a wave or more, the
+    tail is short next to them and stays one program."""
     free = resident // max(n_bh, 1) - num_splits
-    return max(0, min(n_chunks, free))
+    return max(1, min(n_chunks, free))
 
 
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
@@ -1154,7 +1114,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     if n_tail is None:
         chunks = -(-cache.k_sink.shape[2] // TAIL_TOKENS) + -(-cache.k_res.shape[2] // TAIL_TOKENS)
         n_tail = tail_programs(bsz * hkv, num_splits, resident, chunks)
-    n_parts = num_splits + n_tail  # n_tail 0: the packed splits share the tail (`_tail_joined`)
+    n_parts = num_splits + n_tail
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)
@@ -1168,19 +1128,18 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
         scale * LOG2E, groups_per_split, n_parts, n_tail, FP16_PAIR_1024,
     )
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high, n_sc,
-                                  cache.value_bits, cache.value_group_size, tail_in_splits=n_tail == 0)
+                                  cache.value_bits, cache.value_group_size)
     kernel, layouts = _kernel_and_layouts(d, cache.group_size, cache.value_bits, cache.value_group_size,
                                           constexprs["NSC_P"])
     return SplitLaunch((bsz * hkv, n_parts), kernel, args, constexprs, layouts, pm, pl, pa)
 
 
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
-                     value_bits: int, value_group: int, tail_in_splits: bool = False) -> dict:
-    """The split kernel's compile-time constants (besides its layouts); tail_in_splits: no tail
-    programs (n_tail = 0)."""
+                     value_bits: int, value_group: int) -> dict:
+    """The split kernel's compile-time constants (besides its layouts)."""
     out = dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
                NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
-               PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)), TAIL_IN_SPLITS=tail_in_splits)
+               PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)))
     if not uses_blocks(group_size):
         from kernels import decode_mma_words
 
@@ -1226,7 +1185,7 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
 
 def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
                     value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90,
-                    max_registers: int | None = None, tail_in_splits: bool = False) -> Any:
+                    max_registers: int | None = None) -> Any:
     """Compiles the split kernel for an NVIDIA GPU of compute capability `arch` without one.
 
     For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
@@ -1237,8 +1196,7 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group,
-                             tail_in_splits)
+    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group)
     fn, layouts = _kernel_and_layouts(d, group_size, value_bits, value_group, const["NSC_P"])
     const.update(layouts)
     halfwords = {"klo_ptr", "khi_ptr"} if uses_blocks(group_size) else set()

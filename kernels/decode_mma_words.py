@@ -17,6 +17,7 @@ from typing import Any
 
 from kernels.decode_mma import (  # noqa: F401 - the shared jit helpers (the emulator reads them here too)
     _first_heads,
+    _fp16_tail,
     _halves_f16,
     _Layouts,
     _layouts,
@@ -25,8 +26,6 @@ from kernels.decode_mma import (  # noqa: F401 - the shared jit helpers (the emu
     _pt_pairs,
     _step_values,
     _store_partials,
-    _tail_joined,
-    _tail_program,
     _value_channel,
     _value_selectors,
     _values_finished,
@@ -242,7 +241,6 @@ if gluon is not None:
         PAR_HI: gl.constexpr,
         STAGES: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, CP_LO: gl.constexpr,
         CP_HI: gl.constexpr, CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr,
-        TAIL_IN_SPLITS: gl.constexpr,
     ):
         """Operands as `decode_mma._mma_split_kernel`'s, except: klo and khi are int32 views of the
         packed bytes (strides in words), and ksw is not read."""
@@ -400,16 +398,11 @@ if gluon is not None:
             async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
             c_r, code = _value_channel(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), GV, BV)  # row -> channel
             acc = _values_finished(acc, acc_z, code, D, GV, BV, MMA)
-            if TAIL_IN_SPLITS:  # no tail programs: this split's share of the tail
-                acc, m_h, l_h = _tail_joined(acc, m_h, l_h, q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb,
-                                             stride_sh, stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                             sink_len_ptr, res_len_ptr, b, h, split, n_parts, qk_scale, GQ, D, GV, BV,
-                                             BLOCK_R, MMA, A_OP, B_OP)
             m_fin = m_h
             l_fin = l_h
         else:
-            acc, c_r, m_fin, l_fin = _tail_program(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
-                                                   stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                                   sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
-                                                   BLOCK_R, MMA, A_OP, B_OP)
+            acc, c_r, m_fin, l_fin = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
+                                                stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
+                                                sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
+                                                BLOCK_R, MMA, A_OP, B_OP)
         _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ, D, MMA)

@@ -128,20 +128,7 @@ def test_emulated_block_kernel_with_two_blocks_per_group():
     # one tail program (the plan while the wave has exactly one slot free per KV head)
     (Case(residual="partial", gqa=4, splits=2), 1),
     (Case(b_low=2, b_high=4, group_size=128, head_dim=64, residual="partial", splits=3), 1),
-    # no tail program: the packed splits share the chunks, each after its loop (`_tail_joined`).
-    # Words: 1 + 2 chunks over 3 splits, one each.
-    (Case(residual="full", gqa=3, splits=3), 0),
-    # blocks: 1 + 8 chunks over 2 splits (4 and 5 each), 8 value bits, fp16
-    (Case(b_low=2, b_high=3, group_size=128, ratio=0.5, residual="full", gqa=3, value_bits=8,
-          dtype=torch.float16, splits=2), 0),
-    # blocks: more splits than chunks (1 + 1 over 3; sequence 2 holds 7 sinks and 1 residual token),
-    # 1-bit values, all channels salient
-    (Case(b_low=1, b_high=4, group_size=128, ratio=1.0, residual="partial", head_dim=128, value_bits=1,
-          splits=3), 0),
-    # words: one split takes every chunk
-    (Case(group_size=64, residual="full", value_group=16, splits=1), 0),
-], ids=["words-3", "words-5-partial", "blocks-4", "words-1", "blocks-1", "words-0-shared", "blocks-0-shared",
-        "blocks-0-more-splits", "words-0-one-split"])
+], ids=["words-3", "words-5-partial", "blocks-4", "words-1", "blocks-1"])
 def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail):
     q, cache = build(case, fresh_generator())
     assert decode_mma.shape_supported(cache, q)
@@ -150,15 +137,11 @@ def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail):
 
 def test_tail_programs_take_the_slots_a_wave_leaves_free():
     # batch 1 at 32K tokens on 132 SMs x 8 programs: 128 splits of 2 groups leave 4 slots per KV
-    # head of 8 in the wave; with no slot free (32 x 32K: 256 KV heads x 4 splits) or a launch of
-    # many waves, no tail program: the packed splits share the tail.
+    # head of 8 in the wave; a launch of many waves keeps one tail program.
     assert decode_mma.tail_programs(8, 128, 1056, 5) == 4
     assert decode_mma.tail_programs(8, 64, 1056, 5) == 5
-    assert decode_mma.tail_programs(256, 3, 1056, 5) == 1
-    assert decode_mma.tail_programs(256, 4, 1056, 5) == 0
-    assert decode_mma.tail_programs(256, 16, 1056, 5) == 0
-    assert decode_mma.tail_programs(1, 1, 1, 5) == 0
-    assert decode_mma.tail_programs(8, 64, 1056, 0) == 0  # no sink or residual capacity
+    assert decode_mma.tail_programs(256, 16, 1056, 5) == 1
+    assert decode_mma.tail_programs(1, 1, 1, 5) == 1
 
 
 def test_emulated_kernel_reads_only_held_tokens():
@@ -189,9 +172,6 @@ COMPILED = [
     (64, 256, 2, 4, 16, 4, 16, 2, "*fp16"),  # two blocks per group, 16 salient channels
     (128, 128, 3, 3, 0, 1, 64, 8, "*bf16"),  # no high planes, 1-bit values, GQA 8
     (128, 128, 2, 4, 32, 4, 16, 2, "*fp16"),  # the block kernel with 8 value groups per head
-    # the tail shared by the packed splits (no tail programs), both kernels
-    (128, 128, 1, 3, 64, 2, 32, 4, "*bf16", 90, None, True),
-    (64, 32, 1, 3, 16, 2, 32, 4, "*fp16", 90, None, True),
 ]
 
 
