@@ -60,7 +60,7 @@ bytes do not make it faster, and fewer instructions only partly (6.7% fewer boug
 (b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
 out among them, `tail_programs`: one, or at batch 1 the slots the packed splits leave free in their
 wave); the splits of the packed region are sized so that their programs fill whole waves of the
-GPU (`wave_splits`). A packed split issues its first block's copies before it reads the lengths
+GPU (`wave_splits`), the last one shorter where the tail programs delay it (`split_groups`). A packed split issues its first block's copies before it reads the lengths
 and the query. Partials go to `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
@@ -1087,6 +1087,20 @@ def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> i
     return max(1, min(n_chunks, free))
 
 
+def split_groups(ng_cap: int, num_splits: int, n_chunks: int) -> int:
+    """Groups per packed split when the launch has more programs than fit at once: the splits get
+    about n_chunks / num_splits more groups each, so that the last split, which the GPU launches
+    last (grid order: split-major), holds about n_chunks fewer. Its programs start only when the
+    tail programs (launched first) free their slots, which under load takes about a group's time
+    per chunk of the tail: with even splits they finished that much after the rest. H200, same run
+    (`probe_uneven_2026-12-01.log`): 327.3 -> 321.0 us at 32 x 32K (last split 60 groups of 65),
+    102.4 -> 98.5 at 32 x 8K (12 of 17), 307.3 -> 299.5 at 110 x 8K (3 of 10); one group more or
+    less was slower on each. The split count never changes: even splits where it would."""
+    even = -(-ng_cap // max(num_splits, 1)) if ng_cap else 0
+    longer = -(-(ng_cap + n_chunks) // max(num_splits, 1))
+    return longer if ng_cap and -(-ng_cap // longer) == num_splits else even
+
+
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
                  programs_per_sm: int | None = None, max_registers: int | None = None,
                  n_tail: int | None = None) -> SplitLaunch:
@@ -1095,7 +1109,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
     (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
     `max_registers`. Programs (bh, 0 .. n_tail - 1) handle the sinks and the residual
-    (`tail_programs` unless `n_tail` is given), (bh, n_tail + i) split i.
+    (`tail_programs` unless `n_tail` is given), (bh, n_tail + i) split i; where they do not all fit
+    at once the last split is the shorter (`split_groups`).
     """
     from kernels.decode import cache_operands, check_operands, split_plan
 
@@ -1111,10 +1126,12 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     if num_splits is None and programs_per_sm is None and ng_cap:
         num_splits = wave_splits(bsz * hkv, ng_cap, resident)
     groups_per_split, num_splits = split_plan(q, cache, num_splits, programs_per_sm or 16)
+    chunks = -(-cache.k_sink.shape[2] // TAIL_TOKENS) + -(-cache.k_res.shape[2] // TAIL_TOKENS)
     if n_tail is None:
-        chunks = -(-cache.k_sink.shape[2] // TAIL_TOKENS) + -(-cache.k_res.shape[2] // TAIL_TOKENS)
         n_tail = tail_programs(bsz * hkv, num_splits, resident, chunks)
     n_parts = num_splits + n_tail
+    if bsz * hkv * n_parts > resident:  # packed splits wait for the tail programs' slots
+        groups_per_split = split_groups(ng_cap, num_splits, chunks)
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty((bsz * hkv, n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)

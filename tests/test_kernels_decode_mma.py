@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -142,6 +143,41 @@ def test_tail_programs_take_the_slots_a_wave_leaves_free():
     assert decode_mma.tail_programs(8, 64, 1056, 5) == 5
     assert decode_mma.tail_programs(256, 16, 1056, 5) == 1
     assert decode_mma.tail_programs(1, 1, 1, 5) == 1
+
+
+def test_split_groups_shorten_the_last_split_by_the_tail_chunks():
+    # 32 x 32K, 32 x 8K and 110 x 8K on an H200 (5 tail chunks): the measured best of each
+    assert decode_mma.split_groups(255, 4, 5) == 65  # last split 60
+    assert decode_mma.split_groups(63, 4, 5) == 17  # last split 12
+    assert decode_mma.split_groups(63, 7, 5) == 10  # last split 3
+    assert decode_mma.split_groups(8, 8, 5) == 1  # longer splits would be fewer: even
+    assert decode_mma.split_groups(0, 0, 5) == 0
+
+
+def test_emulated_kernel_with_a_shorter_last_split():
+    # 20 groups of capacity in 4 splits whose programs do not all fit at once (the CPU plan counts 8
+    # resident): `split_groups` makes them 6, 6, 6 and 2 groups (3 tail chunks). Sequence 0 holds
+    # all 20 groups, sequence 1 ends inside the third split.
+    case = Case(group_size=32, head_dim=64, gqa=4, residual="partial", splits=4)
+    gen = fresh_generator()
+    q, cache = build(case, gen)
+    pad = 17
+    grown = {}
+    for name, per in (("k_low", 1), ("k_high", 1), ("k_scale", 1), ("k_zero", 1), ("v_packed", case.group_size),
+                      ("v_scale", case.group_size), ("v_zero", case.group_size)):
+        t = getattr(cache, name)
+        shape = (*t.shape[:2], pad * per, *t.shape[3:])
+        if t.dtype == torch.uint8:
+            extra = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        elif name.endswith("scale"):
+            extra = (torch.rand(shape, generator=gen) * 0.1 + 0.01).to(t.dtype)
+        else:
+            extra = (torch.randn(shape, generator=gen) * 0.1).to(t.dtype)
+        grown[name] = torch.cat([t, extra], dim=2)
+    cache = dataclasses.replace(cache, **grown, n_groups=torch.tensor([20, 13, 2], dtype=torch.int32))
+    launch = decode_mma.split_launch(q, cache, case.head_dim**-0.5, 4)
+    assert launch.args[-4] == 6 and launch.grid[1] == 4 + launch.args[-2]  # groups per split; 4 packed splits
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, 4)
 
 
 def test_emulated_kernel_reads_only_held_tokens():
