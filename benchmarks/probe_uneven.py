@@ -33,28 +33,29 @@ def main() -> None:
         cache, q, _, _, info = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(7))
         out = torch.empty_like(q)
         base = decode_mma.split_launch(q, cache, D**-0.5, None)
-        gps, n_parts, n_tail = base.args[-4:-1]
+        planned, n_parts, n_tail = base.args[-4:-1]
         ng_cap = cache.k_low.shape[2]
         n_split = n_parts - n_tail
-        log(f"[{shape}] grid {base.grid} groups/split {gps} splits {n_split} tail {n_tail} ng_cap {ng_cap}", fh)
+        gps = -(-ng_cap // n_split)  # even splits
+        log(f"[{shape}] grid {base.grid} groups/split {planned} (even {gps}) splits {n_split} tail {n_tail} "
+            f"ng_cap {ng_cap}", fh)
         for k, extra in [(k, e) for k in (1, 2) for e in (0, 1, 2, 3)]:
             g = gps + extra
             if -(-ng_cap // g) != n_split:
                 continue
-            for reps in range(1):
-                launch = decode_mma.split_launch(q, cache, D**-0.5, None, n_tail=k)
-                args = list(launch.args)
-                args[-4] = g
-                launch = dataclasses.replace(launch, args=tuple(args))
+            launch = decode_mma.split_launch(q, cache, D**-0.5, None, n_tail=k)
+            args = list(launch.args)
+            args[-4] = g
+            launch = dataclasses.replace(launch, args=tuple(args))
 
-                def call(launch=launch, out=out):
-                    launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.layouts, num_warps=1)
-                    decode_mma.combine(launch, out)
+            def call(launch=launch, out=out):
+                launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.layouts, num_warps=1)
+                decode_mma.combine(launch, out)
 
-                t = time_us(call)["graph"]
-                last = ng_cap - (n_split - 1) * g
-                rows[f"{shape} tail {k} gps {g}"] = t
-                log(f"  tail programs {k} groups/split {g:3d} (last split {last:3d}): {t:7.1f} us", fh)
+            t = time_us(call)["graph"]
+            last = ng_cap - (n_split - 1) * g
+            rows[f"{shape} tail {k} gps {g}"] = t
+            log(f"  tail programs {k} groups/split {g:3d} (last split {last:3d}): {t:7.1f} us", fh)
     log(json.dumps(rows), fh)
 
 

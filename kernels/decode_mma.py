@@ -60,8 +60,9 @@ bytes do not make it faster, and fewer instructions only partly (6.7% fewer boug
 (b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
 out among them, `tail_programs`: one, or at batch 1 the slots the packed splits leave free in their
 wave); the splits of the packed region are sized so that their programs fill whole waves of the
-GPU (`wave_splits`), the last one shorter where the tail programs delay it (`split_groups`). A packed split issues its first block's copies before it reads the lengths
-and the query. Partials go to `decode.combine_partials`.
+GPU (`wave_splits`), the last one shorter where the tail programs delay it (`split_groups`). A
+packed split issues its first block's copies before it reads the lengths and the query. Partials
+go to `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
 Triton with Gluon, group size G a multiple of 32 (128 for this module's kernel), head dim a
