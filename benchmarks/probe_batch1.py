@@ -50,7 +50,7 @@ def main() -> None:
     scale = D**-0.5
     out = torch.empty_like(q)
     default = decode_mma.split_launch(q, cache, scale, None)
-    n_parts, n_tail = default.args[-3:-1]
+    n_parts, n_tail = default.plan["n_parts"], default.plan["n_tail"]
     n_split = n_parts - n_tail
     log(f"[{bsz}x{ctx}] groups {info['n_groups']} residual {info['residual']} default grid {default.grid}, "
         f"{n_tail} tail programs per KV head ({decode_mma.resident_programs(q.device, None, 1)} resident)", fh)

@@ -3,12 +3,12 @@
     python benchmarks/probe_uneven.py 32x32768 32x8192 110x8192
 
 For each shape, the call (split kernel + combine, CUDA graph replay as `bench_decode.py`) with 1
-and 2 tail programs and the even split size plus 0-3 groups per split (the split count kept),
-so the last split holds fewer. Writes $OUT/probe_uneven.log.
+and 2 tail programs launched first and the even split size plus 0-3 groups per split (the split
+count kept), so the last split holds fewer; and with the planned tail programs launched last
+(`tail_last`), even and +1. Writes $OUT/probe_uneven.log.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -33,20 +33,19 @@ def main() -> None:
         cache, q, _, _, info = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(7))
         out = torch.empty_like(q)
         base = decode_mma.split_launch(q, cache, D**-0.5, None)
-        planned, n_parts, n_tail = base.args[-4:-1]
+        planned, n_parts, n_tail = (base.plan[k] for k in ("groups_per_split", "n_parts", "n_tail"))
         ng_cap = cache.k_low.shape[2]
         n_split = n_parts - n_tail
         gps = -(-ng_cap // n_split)  # even splits
         log(f"[{shape}] grid {base.grid} groups/split {planned} (even {gps}) splits {n_split} tail {n_tail} "
             f"ng_cap {ng_cap}", fh)
-        for k, extra in [(k, e) for k in (1, 2) for e in (0, 1, 2, 3)]:
-            g = gps + extra
-            if -(-ng_cap // g) != n_split:
+        variants = [(False, k, gps + e) for k in (1, 2) for e in (0, 1, 2, 3)]
+        variants += [(True, n_tail, gps + e) for e in (0, 1)]
+        for tail_last, k, g in variants:
+            if -(-ng_cap // g) != n_split or (k != n_tail and bsz == 1):
                 continue
-            launch = decode_mma.split_launch(q, cache, D**-0.5, None, n_tail=k)
-            args = list(launch.args)
-            args[-4] = g
-            launch = dataclasses.replace(launch, args=tuple(args))
+            launch = decode_mma.split_launch(q, cache, D**-0.5, None, n_tail=k, tail_last=tail_last)
+            launch = launch.with_plan(groups_per_split=g)
 
             def call(launch=launch, out=out):
                 launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.layouts, num_warps=1)
@@ -54,8 +53,9 @@ def main() -> None:
 
             t = time_us(call)["graph"]
             last = ng_cap - (n_split - 1) * g
-            rows[f"{shape} tail {k} gps {g}"] = t
-            log(f"  tail programs {k} groups/split {g:3d} (last split {last:3d}): {t:7.1f} us", fh)
+            where = "last" if tail_last else "first"
+            rows[f"{shape} tail {k} {where} gps {g}"] = t
+            log(f"  tail programs {k} launched {where:<5} groups/split {g:3d} (last split {last:3d}): {t:7.1f} us", fh)
     log(json.dumps(rows), fh)
 
 

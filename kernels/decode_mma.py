@@ -792,7 +792,7 @@ if gluon is not None:
         order_ptr, stride_ob, stride_oh,
         sink_len_ptr, n_groups_ptr, res_len_ptr,
         pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
-        qk_scale, groups_per_split, n_parts, n_tail, magic,
+        qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic,
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -818,7 +818,9 @@ if gluon is not None:
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
-        if split >= n_tail:  # splits below n_tail are the fp16 tail's: launched first, short programs
+        # Splits tail_start .. tail_start + n_tail - 1 are the fp16 tail's (short programs), the others the
+        # packed region's in order: the tail's launch first (tail_start 0) or last (tail_start = packed splits).
+        if (split < tail_start) | (split >= tail_start + n_tail):
             ks_off = b.to(gl.int64) * stride_ksb + h * stride_ksh
             klo = klo_ptr + b.to(gl.int64) * stride_lob + h * stride_loh
             khi = khi_ptr + b.to(gl.int64) * stride_hib + h * stride_hih
@@ -864,7 +866,7 @@ if gluon is not None:
             # Block 0's copies first, before the lengths and the query are read: they overlap those
             # round trips to memory. Every split's first block lies within the capacity, so the copy
             # is safe before the length says whether the block is held (when not, the loop skips it).
-            g_start = (split - n_tail) * groups_per_split
+            g_start = (split - n_tail * (split >= tail_start).to(gl.int32)) * groups_per_split
             b_start = g_start * (G32 // 4)
             _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
                          vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
@@ -978,8 +980,8 @@ if gluon is not None:
         else:
             acc, c_r, m_fin, l_fin = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
                                                 stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                                sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
-                                                BLOCK_R, MMA, A_OP, B_OP)
+                                                sink_len_ptr, res_len_ptr, b, h, split - tail_start, n_tail,
+                                                qk_scale, GQ, D, BLOCK_R, MMA, A_OP, B_OP)
         _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ, D, MMA)
 
 
@@ -1007,6 +1009,18 @@ class SplitLaunch:
     pm: torch.Tensor  # partials, as `decode._combine_kernel` reads them
     pl: torch.Tensor
     pa: torch.Tensor
+
+    PLAN = ("groups_per_split", "n_parts", "n_tail", "tail_start")  # kernel arguments, in order, before `magic`
+
+    @property
+    def plan(self) -> dict:
+        """The launch plan's kernel arguments by name (`PLAN`)."""
+        return dict(zip(self.PLAN, self.args[-1 - len(self.PLAN):-1], strict=True))
+
+    def with_plan(self, **changes: int) -> SplitLaunch:
+        """The same launch with some plan arguments replaced (for experiments and tests)."""
+        plan = {**self.plan, **changes}
+        return dataclasses.replace(self, args=(*self.args[:-1 - len(self.PLAN)], *plan.values(), self.args[-1]))
 
 
 # Registers per thread the kernels take uncapped (223 for the block kernel, 227 for the word kernel,
@@ -1104,14 +1118,15 @@ def split_groups(ng_cap: int, num_splits: int, n_chunks: int) -> int:
 
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
                  programs_per_sm: int | None = None, max_registers: int | None = None,
-                 n_tail: int | None = None) -> SplitLaunch:
+                 n_tail: int | None = None, tail_last: bool | None = None) -> SplitLaunch:
     """The split kernel's grid, arguments and compile-time constants.
 
     Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
     (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
     `max_registers`. Programs (bh, 0 .. n_tail - 1) handle the sinks and the residual
     (`tail_programs` unless `n_tail` is given), (bh, n_tail + i) split i; where they do not all fit
-    at once the last split is the shorter (`split_groups`).
+    at once the last split is the shorter (`split_groups`). tail_last: the tail programs after the
+    packed splits in the grid (launched last) instead.
     """
     from kernels.decode import cache_operands, check_operands, split_plan
 
@@ -1131,7 +1146,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     if n_tail is None:
         n_tail = tail_programs(bsz * hkv, num_splits, resident, chunks)
     n_parts = num_splits + n_tail
-    if bsz * hkv * n_parts > resident:  # packed splits wait for the tail programs' slots
+    tail_last = bool(tail_last)
+    if bsz * hkv * n_parts > resident and not tail_last:  # packed splits wait for the tail programs' slots
         groups_per_split = split_groups(ng_cap, num_splits, chunks)
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
@@ -1143,7 +1159,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     args = (
         *cache_operands(q, scale_words, planes(cache.k_low), planes(cache.k_high), _words(cache.v_packed)),
         pm, pl, pa, _words(cache.k_scale),
-        scale * LOG2E, groups_per_split, n_parts, n_tail, FP16_PAIR_1024,
+        scale * LOG2E, groups_per_split, n_parts, n_tail, num_splits if tail_last else 0, FP16_PAIR_1024,
     )
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high, n_sc,
                                   cache.value_bits, cache.value_group_size)
@@ -1182,7 +1198,8 @@ def combine(launch: SplitLaunch, out: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
                          programs_per_sm: int | None = None, max_registers: int | None = None,
-                         out: torch.Tensor | None = None, n_tail: int | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, n_tail: int | None = None,
+                         tail_last: bool | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with this kernel; call only where `supports(cache, q)`.
 
     num_splits, programs_per_sm: splits of the packed region per (b, h_kv), as `split_launch`
@@ -1193,7 +1210,7 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
     from kernels.decode import output_for
 
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers, n_tail)
+    launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers, n_tail, tail_last)
     launch.kernel[launch.grid](
         *launch.args, **launch.constexprs, **launch.layouts, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}),

@@ -231,7 +231,7 @@ if gluon is not None:
         order_ptr, stride_ob, stride_oh,
         sink_len_ptr, n_groups_ptr, res_len_ptr,
         pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
-        qk_scale, groups_per_split, n_parts, n_tail, magic,
+        qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic,
         HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
         B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
         BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -266,9 +266,11 @@ if gluon is not None:
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
-        if split >= n_tail:  # splits below n_tail are the fp16 tail's: launched first, short programs
+        # Splits tail_start .. tail_start + n_tail - 1 are the fp16 tail's (short programs), the others the
+        # packed region's in order: the tail's launch first (tail_start 0) or last (tail_start = packed splits).
+        if (split < tail_start) | (split >= tail_start + n_tail):
             n_groups = gl.load(n_groups_ptr + b)
-            g_start = (split - n_tail) * groups_per_split
+            g_start = (split - n_tail * (split >= tail_start).to(gl.int32)) * groups_per_split
             g_end = gl.minimum(g_start + groups_per_split, n_groups)
             ks_off = b.to(gl.int64) * stride_ksb + h * stride_ksh
             klo = klo_ptr + b.to(gl.int64) * stride_lob + h * stride_loh
@@ -403,6 +405,6 @@ if gluon is not None:
         else:
             acc, c_r, m_fin, l_fin = _fp16_tail(q_ptr, stride_qb, stride_qh, ks_ptr, vs_ptr, stride_sb, stride_sh,
                                                 stride_st, kr_ptr, vr_ptr, stride_rb, stride_rh, stride_rt,
-                                                sink_len_ptr, res_len_ptr, b, h, split, n_tail, qk_scale, GQ, D,
-                                                BLOCK_R, MMA, A_OP, B_OP)
+                                                sink_len_ptr, res_len_ptr, b, h, split - tail_start, n_tail,
+                                                qk_scale, GQ, D, BLOCK_R, MMA, A_OP, B_OP)
         _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ, D, MMA)

@@ -36,9 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(decode_mma.gluon is None, reason="this Triton has no Gluon")
 
 
-def emulated(q: torch.Tensor, cache, scale: float, splits: int, n_tail: int | None = None) -> torch.Tensor:
-    launch = decode_mma.split_launch(q, cache, scale, splits, n_tail=n_tail)
-    n_parts, planned_tail = launch.args[-3:-1]
+def emulated(q: torch.Tensor, cache, scale: float, splits: int, n_tail: int | None = None,
+             tail_last: bool = False) -> torch.Tensor:
+    launch = decode_mma.split_launch(q, cache, scale, splits, n_tail=n_tail, tail_last=tail_last)
+    assert launch.plan["tail_start"] == (launch.grid[1] - launch.plan["n_tail"] if tail_last else 0)
+    n_parts, planned_tail = launch.plan["n_parts"], launch.plan["n_tail"]
     assert launch.grid[1] == n_parts and planned_tail == (n_tail or planned_tail)
     for t in (launch.pm, launch.pl, launch.pa):
         t.fill_(float("nan"))  # poisoned: a partial the kernel does not write fails the check
@@ -63,10 +65,10 @@ def test_the_cases_cover_the_kernel_branches():
     assert {c.group_size for c in MMA_CASES} == {32, 64, 128} and {c.gqa for c in MMA_CASES} == {1, 3, 4}
 
 
-def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None):
+def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None, tail_last=False):
     """Runs the emulated kernel; asserts every output finite and within 1e-2 relative error of the
     fp32 dequantize-then-attend reference. Returns both outputs."""
-    out = emulated(q, cache, scale, splits, n_tail)
+    out = emulated(q, cache, scale, splits, n_tail, tail_last)
     assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
     want = decode_reference(q, cache, scale)
     err = ((out.float() - want).norm() / want.norm()).item()
@@ -130,10 +132,11 @@ def test_emulated_block_kernel_with_two_blocks_per_group():
     (Case(residual="partial", gqa=4, splits=2), 1),
     (Case(b_low=2, b_high=4, group_size=128, head_dim=64, residual="partial", splits=3), 1),
 ], ids=["words-3", "words-5-partial", "blocks-4", "words-1", "blocks-1"])
-def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail):
+@pytest.mark.parametrize("tail_last", [False, True], ids=["tail-first", "tail-last"])
+def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail, tail_last):
     q, cache = build(case, fresh_generator())
     assert decode_mma.shape_supported(cache, q)
-    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits, n_tail)
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits, n_tail, tail_last)
 
 
 def test_tail_programs_take_the_slots_a_wave_leaves_free():
@@ -176,7 +179,7 @@ def test_emulated_kernel_with_a_shorter_last_split():
         grown[name] = torch.cat([t, extra], dim=2)
     cache = dataclasses.replace(cache, **grown, n_groups=torch.tensor([20, 13, 2], dtype=torch.int32))
     launch = decode_mma.split_launch(q, cache, case.head_dim**-0.5, 4)
-    assert launch.args[-4] == 6 and launch.grid[1] == 4 + launch.args[-2]  # groups per split; 4 packed splits
+    assert launch.plan["groups_per_split"] == 6 and launch.grid[1] == 4 + launch.plan["n_tail"]  # 4 packed splits
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, 4)
 
 
