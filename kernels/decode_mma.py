@@ -60,7 +60,9 @@ bytes do not make it faster, and fewer instructions only partly (6.7% fewer boug
 (b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
 out among them, `tail_programs`: one, or at batch 1 the slots the packed splits leave free in their
 wave); the splits of the packed region are sized so that their programs fill whole waves of the
-GPU (`wave_splits`), the last one shorter where the tail programs delay it (`split_groups`). A
+GPU (`wave_splits`). Where the packed splits fit at once but the tail programs do not, the tail
+programs launch last (`tails_last`); where the packed splits take several waves, the tail
+programs launch first and the last split is the shorter (`split_groups`). A
 packed split issues its first block's copies before it reads the lengths and the query. Partials
 go to `decode.combine_partials`.
 
@@ -1116,6 +1118,17 @@ def split_groups(ng_cap: int, num_splits: int, n_chunks: int) -> int:
     return longer if ng_cap and -(-ng_cap // longer) == num_splits else even
 
 
+def tails_last(n_bh: int, num_splits: int, n_tail: int, resident: int) -> bool:
+    """Whether to launch the tail programs after the packed splits: where the packed splits fit on
+    the GPU at once and the tail programs do not. Launched first, the tail programs would hold
+    slots that packed splits then wait for; launched last, they run in the slots the packed splits
+    leave free and in those of splits that finish. H200, same run (`probe_uneven_tail_last_2026-12-01.log`):
+    32 x 32K 317.6 us against 322.1 first (with `split_groups`) and 325.9 first with even splits;
+    32 x 8K 98.0 against 98.3. Where the packed splits take several waves (110 x 8K) the tail goes
+    first: 321.8 us last against 306.8 first (even splits)."""
+    return n_bh * num_splits <= resident < n_bh * (num_splits + n_tail)
+
+
 def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None,
                  programs_per_sm: int | None = None, max_registers: int | None = None,
                  n_tail: int | None = None, tail_last: bool | None = None) -> SplitLaunch:
@@ -1126,7 +1139,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     `max_registers`. Programs (bh, 0 .. n_tail - 1) handle the sinks and the residual
     (`tail_programs` unless `n_tail` is given), (bh, n_tail + i) split i; where they do not all fit
     at once the last split is the shorter (`split_groups`). tail_last: the tail programs after the
-    packed splits in the grid (launched last) instead.
+    packed splits in the grid instead, launched last (by default `tails_last`; then splits are even).
     """
     from kernels.decode import cache_operands, check_operands, split_plan
 
@@ -1146,7 +1159,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     if n_tail is None:
         n_tail = tail_programs(bsz * hkv, num_splits, resident, chunks)
     n_parts = num_splits + n_tail
-    tail_last = bool(tail_last)
+    if tail_last is None:
+        tail_last = tails_last(bsz * hkv, num_splits, n_tail, resident)
     if bsz * hkv * n_parts > resident and not tail_last:  # packed splits wait for the tail programs' slots
         groups_per_split = split_groups(ng_cap, num_splits, chunks)
     pm = torch.empty((bsz * hkv, n_parts, MAX_GQA), dtype=torch.float32, device=q.device)

@@ -157,6 +157,14 @@ def test_split_groups_shorten_the_last_split_by_the_tail_chunks():
     assert decode_mma.split_groups(0, 0, 5) == 0
 
 
+def test_tail_programs_launch_last_where_only_they_overflow_the_wave():
+    # H200, 1,056 programs at once: 32 x 32K and 32 x 8K (1,024 packed splits + 256 tail programs)
+    # last; 110 x 8K (6,160 packed) and batch 1 (everything fits) first.
+    assert decode_mma.tails_last(256, 4, 1, 1056)
+    assert not decode_mma.tails_last(880, 7, 1, 1056)
+    assert not decode_mma.tails_last(8, 128, 4, 1056)
+
+
 def test_emulated_kernel_with_a_shorter_last_split():
     # 20 groups of capacity in 4 splits whose programs do not all fit at once (the CPU plan counts 8
     # resident): `split_groups` makes them 6, 6, 6 and 2 groups (3 tail chunks). Sequence 0 holds
@@ -179,6 +187,7 @@ def test_emulated_kernel_with_a_shorter_last_split():
         grown[name] = torch.cat([t, extra], dim=2)
     cache = dataclasses.replace(cache, **grown, n_groups=torch.tensor([20, 13, 2], dtype=torch.int32))
     launch = decode_mma.split_launch(q, cache, case.head_dim**-0.5, 4)
+    assert launch.plan["tail_start"] == 0  # 12 programs: the packed splits do not fit at once either
     assert launch.plan["groups_per_split"] == 6 and launch.grid[1] == 4 + launch.plan["n_tail"]  # 4 packed splits
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, 4)
 
