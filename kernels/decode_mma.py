@@ -56,8 +56,8 @@ independent MMA chains), one online-softmax update for its 128 tokens, then its 
 products. The kernel is bound by instruction issue and each warp's latency (ncu: 2 instructions a
 cycle per SM of 4, the L1 data pipe at 60%, 8 warps per SM by registers, 2 a scheduler): fewer
 bytes do not make it faster, and fewer instructions only partly (6.7% fewer bought 1.3% at 32 x
-32K, RESULTS.md); more warps would need under 170 registers. The first n_tail splits of each
-(b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
+32K, RESULTS.md); more warps would need under 170 registers (and a smaller ring: shared memory
+stops an SM at 9). n_tail splits of each (b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
 out among them, `tail_programs`: one, or at batch 1 the slots the packed splits leave free in their
 wave); the splits of the packed region are sized so that their programs fill whole waves of the
 GPU (`wave_splits`). Where the packed splits fit at once but the tail programs do not, the tail
@@ -1137,9 +1137,10 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: 
     Splits: `num_splits` if given; else about `programs_per_sm` programs per SM
     (`decode.split_plan`) if given; else `wave_splits` for the programs that fit at once with
     `max_registers`. Programs (bh, 0 .. n_tail - 1) handle the sinks and the residual
-    (`tail_programs` unless `n_tail` is given), (bh, n_tail + i) split i; where they do not all fit
-    at once the last split is the shorter (`split_groups`). tail_last: the tail programs after the
-    packed splits in the grid instead, launched last (by default `tails_last`; then splits are even).
+    (`tail_programs` unless `n_tail` is given) and (bh, n_tail + i) split i; with tail_last
+    (by default `tails_last`), (bh, i) split i and the tail programs after them (launched last).
+    Where the programs do not all fit at once and the tail launches first, the last split is the
+    shorter (`split_groups`).
     """
     from kernels.decode import cache_operands, check_operands, split_plan
 
