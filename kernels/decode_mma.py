@@ -57,14 +57,14 @@ products. The kernel is bound by instruction issue and each warp's latency (ncu:
 cycle per SM of 4, the L1 data pipe at 60%, 8 warps per SM by registers, 2 a scheduler): fewer
 bytes do not make it faster, and fewer instructions only partly (6.7% fewer bought 1.3% at 32 x
 32K, RESULTS.md); more warps would need under 170 registers (and a smaller ring: shared memory
-stops an SM at 9). n_tail splits of each (b, h_kv) handle the sinks and the residual (fp16 MMA on the raw tokens, chunks of 32 tokens dealt
-out among them, `tail_programs`: one, or at batch 1 the slots the packed splits leave free in their
-wave); the splits of the packed region are sized so that their programs fill whole waves of the
-GPU (`wave_splits`). Where the packed splits fit at once but the tail programs do not, the tail
-programs launch last (`tails_last`); where the packed splits take several waves, the tail
-programs launch first and the last split is the shorter (`split_groups`). A
-packed split issues its first block's copies before it reads the lengths and the query. Partials
-go to `decode.combine_partials`.
+stops an SM at 9). n_tail splits of each (b, h_kv) handle the sinks and the residual (fp16 MMA
+on the raw tokens, chunks of 32 tokens dealt out among them, `tail_programs`: one, or at batch 1
+the slots the packed splits leave free in their wave); the splits of the packed region are sized
+so that their programs fill whole waves of the GPU (`wave_splits`). Where the packed splits fit at
+once but the tail programs do not, the tail programs launch last (`tails_last`); where the packed
+splits take several waves, the tail programs launch first and the last split is the shorter
+(`split_groups`). A packed split issues its first block's copies before it reads the lengths and
+the query. Partials go to `decode.combine_partials`.
 
 Limits (the caller falls back to the Triton kernel otherwise): CUDA with compute capability >= 8.0,
 Triton with Gluon, group size G a multiple of 32 (128 for this module's kernel), head dim a
