@@ -33,10 +33,6 @@ from benchmarks.bench_decode import D, build, log, time_us  # noqa: E402
 from kernels import decode_mma  # noqa: E402
 
 
-def launch_split(launch: decode_mma.SplitLaunch) -> None:
-    launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.layouts, num_warps=1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x32768")
@@ -75,13 +71,13 @@ def main() -> None:
         if decode_mma_prev is not None:
             record(f"call, {k} tail programs, previous module",
                    lambda k=k: decode_mma_prev.decode_attention_mma(q, cache, scale, out=out, n_tail=k))
-    record("split kernel", lambda: launch_split(default))
+    record("split kernel", lambda: default.run())
     record("combine", lambda: decode_mma.combine(default, out))
     for name, changes in (("split kernel, no sinks/residual", dict(sink_len=zero, res_len=zero)),
                           ("split kernel, no packed groups", dict(n_groups=zero)),
                           ("split kernel, nothing", dict(sink_len=zero, res_len=zero, n_groups=zero))):
         launch = decode_mma.split_launch(q, dataclasses.replace(cache, **changes), scale, n_split, n_tail=n_tail)
-        record(name, lambda launch=launch: launch_split(launch))
+        record(name, lambda launch=launch: launch.run())
     for splits in (n_split // 4, n_split // 2, n_split * 3 // 4, n_split * 2):
         if splits >= 1:
             record(f"call, {splits} splits",

@@ -30,7 +30,7 @@ def main() -> None:
     for shape in sys.argv[1:]:
         bsz, ctx = (int(x) for x in shape.split("x"))
         torch.cuda.empty_cache()
-        cache, q, _, _, info = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(7))
+        cache, q, *_ = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(7))
         out = torch.empty_like(q)
         base = decode_mma.split_launch(q, cache, D**-0.5, None)
         planned, n_parts, n_tail = (base.plan[k] for k in ("groups_per_split", "n_parts", "n_tail"))
@@ -48,7 +48,7 @@ def main() -> None:
             launch = launch.with_plan(groups_per_split=g)
 
             def call(launch=launch, out=out):
-                launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.layouts, num_warps=1)
+                launch.run()
                 decode_mma.combine(launch, out)
 
             t = time_us(call)["graph"]

@@ -772,6 +772,14 @@ if gluon is not None:
         return acc, c_r, _first_heads(m_i, HEADS), _first_heads(l_i, HEADS)
 
     @gluon.jit
+    def _packed_split(split, n_tail, tail_start):
+        """Split `split`'s index among the packed region's splits, or -1 for one of the fp16 tail's
+        n_tail splits, tail_start .. tail_start + n_tail - 1 (0: launched first; the packed split
+        count: launched last, `tails_last`)."""
+        after = split >= tail_start
+        return gl.where(after & (split < tail_start + n_tail), -1, split - n_tail * after.to(gl.int32))
+
+    @gluon.jit
     def _store_partials(pm_ptr, pl_ptr, pa_ptr, part, acc, c_r, m_fin, l_fin, GQ: gl.constexpr, D: gl.constexpr,
                         MMA: gl.constexpr):
         """A program's partials: acc^T [D, 8] (rows c_r), softmax max and sum per head. Rows past
@@ -820,9 +828,8 @@ if gluon is not None:
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
-        # Splits tail_start .. tail_start + n_tail - 1 are the fp16 tail's (short programs), the others the
-        # packed region's in order: the tail's launch first (tail_start 0) or last (tail_start = packed splits).
-        if (split < tail_start) | (split >= tail_start + n_tail):
+        packed = _packed_split(split, n_tail, tail_start)
+        if packed >= 0:  # else one of the fp16 tail's splits: short programs
             ks_off = b.to(gl.int64) * stride_ksb + h * stride_ksh
             klo = klo_ptr + b.to(gl.int64) * stride_lob + h * stride_loh
             khi = khi_ptr + b.to(gl.int64) * stride_hib + h * stride_hih
@@ -868,7 +875,7 @@ if gluon is not None:
             # Block 0's copies first, before the lengths and the query are read: they overlap those
             # round trips to memory. Every split's first block lies within the capacity, so the copy
             # is safe before the length says whether the block is held (when not, the loop skips it).
-            g_start = (split - n_tail * (split >= tail_start).to(gl.int32)) * groups_per_split
+            g_start = packed * groups_per_split
             b_start = g_start * (G32 // 4)
             _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
                          vsc, vze, ksc_ptr + ks_off, kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
@@ -1024,8 +1031,13 @@ class SplitLaunch:
         plan = {**self.plan, **changes}
         return dataclasses.replace(self, args=(*self.args[:-1 - len(self.PLAN)], *plan.values(), self.args[-1]))
 
+    def run(self, max_registers: int | None = None) -> None:
+        """Launches the split kernel (one warp a program); max_registers caps registers (ptxas maxnreg)."""
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.layouts, num_warps=1,
+                               **({"maxnreg": max_registers} if max_registers else {}))
 
-# Registers per thread the kernels take uncapped (223 for the block kernel, 227 for the word kernel,
+
+# Registers per thread the kernels take uncapped (213-217 for the block kernel, 227 for the word kernel,
 # measured offline for sm_90 and by ncu on the H200), rounded up to the allocation unit of 8.
 UNCAPPED_REGISTERS = 232
 
@@ -1105,7 +1117,8 @@ def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> i
 
 
 def split_groups(ng_cap: int, num_splits: int, n_chunks: int) -> int:
-    """Groups per packed split when the launch has more programs than fit at once: the splits get
+    """Groups per packed split when the launch has more programs than fit at once and the tail
+    programs launch first (not `tails_last`: the packed splits take several waves): the splits get
     about n_chunks / num_splits more groups each, so that the last split, which the GPU launches
     last (grid order: split-major), holds about n_chunks fewer. Its programs start only when the
     tail programs (launched first) free their slots, which under load takes about a group's time
@@ -1226,10 +1239,7 @@ def decode_attention_mma(q: torch.Tensor, cache: DecodeCache, scale: float, num_
 
     out = output_for(q, out)
     launch = split_launch(q, cache, scale, num_splits, programs_per_sm, max_registers, n_tail, tail_last)
-    launch.kernel[launch.grid](
-        *launch.args, **launch.constexprs, **launch.layouts, num_warps=1,
-        **({"maxnreg": max_registers} if max_registers else {}),
-    )
+    launch.run(max_registers)
     return combine(launch, out)
 
 

@@ -22,6 +22,7 @@ from kernels.decode_mma import (  # noqa: F401 - the shared jit helpers (the emu
     _Layouts,
     _layouts,
     _p_operand,
+    _packed_split,
     _plane_operand,
     _pt_pairs,
     _step_values,
@@ -266,11 +267,10 @@ if gluon is not None:
         HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
         part = bh.to(gl.int64) * n_parts + split
         acc = gl.zeros([D, 8], gl.float32, layout=MMA)  # acc^T: channels x the first 8 heads
-        # Splits tail_start .. tail_start + n_tail - 1 are the fp16 tail's (short programs), the others the
-        # packed region's in order: the tail's launch first (tail_start 0) or last (tail_start = packed splits).
-        if (split < tail_start) | (split >= tail_start + n_tail):
+        packed = _packed_split(split, n_tail, tail_start)
+        if packed >= 0:  # else one of the fp16 tail's splits: short programs
             n_groups = gl.load(n_groups_ptr + b)
-            g_start = (split - n_tail * (split >= tail_start).to(gl.int32)) * groups_per_split
+            g_start = packed * groups_per_split
             g_end = gl.minimum(g_start + groups_per_split, n_groups)
             ks_off = b.to(gl.int64) * stride_ksb + h * stride_ksh
             klo = klo_ptr + b.to(gl.int64) * stride_lob + h * stride_loh
