@@ -72,6 +72,8 @@ class PointPublic(BaseModel):
     trial_number: int
     config: ConfigPublic
     accuracy: float
+    accuracy_se: float | None = Field(default=None, description="standard error of accuracy; null where the point "
+                                      "was stored without one")
     accuracy_parts: dict[str, float]
     key_bits: float = Field(description="pnmix.bits.key_bits(config, head_dim).total at T_q = 32768")
     kv_bytes: int = Field(description="measured KV-cache bytes on the campaign's workload")
@@ -86,6 +88,7 @@ class PointPublic(BaseModel):
         return cls(
             id=p.id, campaign_id=p.campaign_id, budget=p.budget, trial_number=p.trial_number,
             config=ConfigPublic(**p.config.to_dict()), accuracy=p.accuracy,
+            accuracy_se=p.accuracy_se if p.accuracy_se is not None and _finite(p.accuracy_se) else None,
             accuracy_parts={k: float(v) for k, v in p.accuracy_parts.items() if _finite(v)},
             key_bits=p.key_bits, kv_bytes=p.kv_bytes, throughput=p.throughput, backend=p.backend, device=p.device,
             versions={str(k): str(v) for k, v in p.versions.items()}, created_at=p.created_at,

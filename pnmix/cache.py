@@ -86,12 +86,16 @@ class PNMixLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.seen = 0  # tokens processed, left padding included: what the model's masks count
         self.prefilled = False
+        self.multi_token = False  # set by PNMixCache(multi_token=True)
 
     # -- transformers' layer protocol ------------------------------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        cfg, dev, dt = self.config, key_states.device, key_states.dtype
+        self._allocate(b, h, d, key_states.dtype, key_states.device)
+
+    def _allocate(self, b: int, h: int, d: int, dt: torch.dtype, dev: torch.device) -> None:
+        cfg = self.config
         self.batch, self.kv_heads, self.head_dim, self.dtype, self.device = b, h, d, dt, dev
         self.n_salient = cfg.salient_pairs(d)
         self.flushes = cfg.keys_quantized or cfg.values_quantized
@@ -110,7 +114,8 @@ class PNMixLayer(CacheLayerMixin):
         self.view_v = torch.zeros_like(self.view_k)
         # [triton] Kernel path (pnmix/backend.py): pack and attend with kernels/, keep no dequantized view.
         self.use_kernels = backend.use_triton(dev, cfg, d)
-        self.keep_view = not self.use_kernels
+        # The kernel path keeps no view, unless the cache serves multi-token steps (teacher forcing).
+        self.keep_view = not self.use_kernels or self.multi_token
         self.channel_order: torch.Tensor | None = None  # [triton] set at prefill, from the salient set
         self.is_initialized = True
 
@@ -151,15 +156,122 @@ class PNMixLayer(CacheLayerMixin):
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, token_mask: torch.Tensor) -> None:
         """Chooses each sequence's salient pairs from the prefill and stores its real tokens."""
         cfg = self.config
+        scores = None
         if self.n_salient:
             scores = saliency_scores(cfg.criterion, query, key, token_mask, self.pairing, cfg.seed + self.layer_idx)
+        real = [token_mask[b].nonzero().squeeze(-1) for b in range(self.batch)]
+        self._store_prefill(scores, [key[b][:, cols] for b, cols in enumerate(real)],
+                            [value[b][:, cols] for b, cols in enumerate(real)])
+
+    def load_prefill(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     scores: torch.Tensor | None) -> None:
+        """Builds the layer from recorded prefills (pnmix/prefill.py), one sequence each.
+
+        keys/values [H_kv, T_b, d] post-RoPE; scores [B, H_kv, d/2]: each sequence's saliency
+        scores under this config's criterion, as a prefill of that sequence alone computes them
+        (None when no pair is salient). The cache equals the one live prefill builds, byte for
+        byte; the tokens of all sequences are quantized in one call per layer.
+        """
+        h, _, d = keys[0].shape
+        self._allocate(len(keys), h, d, keys[0].dtype, keys[0].device)
+        if scores is not None and self.n_salient:
             self.salient_pairs = select_salient_pairs(scores, self.n_salient).to(torch.int16)
         if self.use_kernels:  # [triton] the kernel reads channels in an order that follows the salient set
             self.channel_order = backend.channel_order(self.salient_channels_all(), self.head_dim)
         self.prefilled = True
-        for b in range(self.batch):
-            real = token_mask[b].nonzero().squeeze(-1)
-            self._append(b, key[b][:, real], value[b][:, real], prefill=True)
+        self.seen = max(k.shape[1] for k in keys)
+        self._store_batched(keys, values)
+
+    def _store_batched(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """What `_append(b, ..., prefill=True)` does for every sequence b, with batched tensor ops:
+        sinks, then whole groups (quantized together), then the rest into the residual buffer."""
+        cfg, dev = self.config, self.device
+        lengths = torch.tensor([k.shape[1] for k in keys], device=dev)
+        # [B, H, T_max, d], sequence b's tokens in its first lengths[b] slots
+        k_all = torch.nn.utils.rnn.pad_sequence([k.transpose(0, 1) for k in keys], batch_first=True).transpose(1, 2)
+        v_all = torch.nn.utils.rnn.pad_sequence([v.transpose(0, 1) for v in values], batch_first=True).transpose(1, 2)
+        t_max = k_all.shape[2]
+        n_sink = min(cfg.n_sink, t_max)
+        if n_sink:
+            self.k_sink[:, :, :n_sink] = k_all[:, :, :n_sink]
+            self.v_sink[:, :, :n_sink] = v_all[:, :, :n_sink]
+        past_sinks = (lengths - cfg.n_sink).clamp_min(0)
+        g = cfg.group_size
+        n_groups = past_sinks // g if self.flushes else torch.zeros_like(past_sinks)
+        most = int(n_groups.max())
+        if most:
+            region = slice(cfg.n_sink, cfg.n_sink + most * g)
+            k_hat, v_hat = self._quantize_batched(k_all[:, :, region], v_all[:, :, region], n_groups, most)
+        if self.keep_view:
+            self._grow_view(t_max)
+            self.view_k[:, :, :t_max] = k_all
+            self.view_v[:, :, :t_max] = v_all
+            if most:  # the groups' slots hold what their bytes decode to
+                pos = cfg.n_sink + torch.arange(most * g, device=dev)
+                packed = (pos[None, :] < (cfg.n_sink + n_groups * g)[:, None])[:, None, :, None]
+                view = slice(cfg.n_sink, cfg.n_sink + most * g)
+                self.view_k[:, :, view] = torch.where(packed, k_hat, self.view_k[:, :, view])
+                self.view_v[:, :, view] = torch.where(packed, v_hat, self.view_v[:, :, view])
+        res_len = past_sinks - n_groups * g
+        most_res = int(res_len.max())
+        if most_res:
+            self._grow_residual(most_res)
+            start = cfg.n_sink + n_groups * g  # [B]
+            idx = (start[:, None] + torch.arange(most_res, device=dev)[None, :]).clamp_max(t_max - 1)
+            held = (torch.arange(most_res, device=dev)[None, :] < res_len[:, None])[:, None, :, None]
+            gather = idx[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+            zero = torch.zeros((), dtype=self.dtype, device=dev)
+            self.k_res[:, :, :most_res] = torch.where(held, k_all.gather(2, gather), zero)
+            self.v_res[:, :, :most_res] = torch.where(held, v_all.gather(2, gather), zero)
+        self.lengths = lengths.tolist()
+        self.n_groups = n_groups.tolist()
+        self.res_len = res_len.tolist()
+
+    def _quantize_batched(self, k: torch.Tensor, v: torch.Tensor, n_groups: torch.Tensor,
+                          most: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantizes k/v [B, H_kv, most * G, d] into groups 0..most-1 of every sequence; groups past
+        sequence b's n_groups[b] are left zero (their tokens belong to the residual or to nothing).
+        Returns what the stored bytes decode to (k, v unchanged where the cache keeps no view)."""
+        cfg, p, g = self.config, self.packed, self.config.group_size
+        self._grow_packed(most)
+        gmask = torch.arange(most, device=self.device)[None, :] < n_groups[:, None]  # [B, most]
+        tmask = gmask.repeat_interleave(g, dim=1)  # [B, most * G]
+
+        def put(name: str, new: torch.Tensor, mask: torch.Tensor) -> None:
+            m = mask.view(*mask.shape, *([1] * (new.dim() - 3)))[:, None]  # [B, 1, n, 1...]
+            p[name][:, :, : new.shape[2]] = torch.where(m, new, torch.zeros((), dtype=new.dtype, device=new.device))
+
+        quantize_keys, quantize_values = backend.quantizers(self.use_kernels)
+        if cfg.keys_quantized:
+            channels = self.salient_channels_all()
+            pk = quantize_keys(k, channels, cfg.b_low, cfg.b_high, g)
+            for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
+                put(name, new, gmask)
+            if self.keep_view:
+                k = packing.dequantize_keys(packing.PackedKeys(pk.low, pk.high, pk.scale, pk.zero), channels,
+                                            cfg.b_low).to(self.dtype)
+        else:
+            put("k_raw", k, tmask)
+        if cfg.values_quantized:
+            pv = quantize_values(v, cfg.value_bits, cfg.value_group_size)
+            for name, new in (("v_packed", pv.packed), ("v_scale", pv.scale), ("v_zero", pv.zero)):
+                put(name, new, tmask)
+            if self.keep_view:
+                v = packing.dequantize_values(packing.PackedValues(pv.packed, pv.scale, pv.zero), cfg.value_bits,
+                                              cfg.value_group_size).to(self.dtype)
+        else:
+            put("v_raw", v, tmask)
+        return k, v
+
+    def _store_prefill(self, scores: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Selects the salient pairs from `scores` [B, H_kv, d/2] and stores each sequence's tokens."""
+        if scores is not None:
+            self.salient_pairs = select_salient_pairs(scores, self.n_salient).to(torch.int16)
+        if self.use_kernels:  # [triton] the kernel reads channels in an order that follows the salient set
+            self.channel_order = backend.channel_order(self.salient_channels_all(), self.head_dim)
+        self.prefilled = True
+        for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self._append(b, k, v, prefill=True)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Decode-time append: key/value [B, H_kv, n, d], every token real."""
@@ -257,7 +369,10 @@ class PNMixLayer(CacheLayerMixin):
         have = self.k_res.shape[-2]
         if length <= have:
             return
-        pad = torch.zeros((self.batch, self.kv_heads, length - have, self.head_dim), dtype=self.dtype,
+        # Unquantized caches keep every token here: grow them geometrically (a copy per step would
+        # cost O(length) each step); quantized ones only ever need a chunk past residual_len.
+        extra = length - have if self.flushes else max(length - have, have // 2, 64)
+        pad = torch.zeros((self.batch, self.kv_heads, extra, self.head_dim), dtype=self.dtype,
                           device=self.device)
         self.k_res = torch.cat([self.k_res, pad], dim=-2)
         self.v_res = torch.cat([self.v_res, pad], dim=-2)
@@ -322,25 +437,36 @@ class PNMixLayer(CacheLayerMixin):
             "packed_values": size("v_packed", "v_raw"),
             "value_scales": size("v_scale", "v_zero"),
             "sinks": self.k_sink.nbytes + self.v_sink.nbytes,
-            "residual": self.k_res.nbytes + self.v_res.nbytes,
+            "residual": self._residual_bytes(),
         }
+
+    def _residual_bytes(self) -> int:
+        if self.flushes:  # a fixed buffer of residual_len tokens (a chunk more after a multi-token step)
+            return self.k_res.nbytes + self.v_res.nbytes
+        # Unquantized: the tokens held, not the spare capacity of the geometric growth.
+        return 2 * self.batch * self.kv_heads * max(self.res_len, default=0) * self.head_dim * self.dtype.itemsize
 
 
 class PNMixCache(Cache):
     """A PN-Mix KV cache for one `generate` call (or one forward sequence).
 
     Pass it to `generate` with `pnmix.generation.cache_kwargs`, and select the "pnmix" attention
-    implementation (`pnmix.attention.use_pnmix_attention`).
+    implementation (`pnmix.attention.use_pnmix_attention`). `multi_token=True` is for caches fed
+    several tokens a step after prefill (teacher forcing): on the kernel path they keep a
+    dequantized view, updated as groups are packed, instead of rebuilding it from the bytes each step.
     """
 
-    def __init__(self, model_config: Any, config: PNMixConfig) -> None:
+    def __init__(self, model_config: Any, config: PNMixConfig, multi_token: bool = False) -> None:
         if not isinstance(config, PNMixConfig):  # e.g. a dict or JSON text read from a file
             raise ConfigError("config", type(config).__name__,
                               "a PNMixConfig (load JSON with PNMixConfig.from_json or from_dict)")
         pairing, _ = check_model(model_config, config)
         text = model_config.get_text_config(decoder=True)
         self.pnmix_config = config
-        super().__init__(layers=[PNMixLayer(config, pairing, i) for i in range(text.num_hidden_layers)])
+        layers = [PNMixLayer(config, pairing, i) for i in range(text.num_hidden_layers)]
+        for layer in layers:
+            layer.multi_token = multi_token
+        super().__init__(layers=list[Any](layers))
 
     def nbytes(self) -> dict[str, Any]:
         """{"layers": [per-layer region bytes], "regions": summed by region, "total": all bytes}."""

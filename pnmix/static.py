@@ -304,6 +304,32 @@ class StaticGenerator:
         else:
             layers = [StaticFullLayer(cl.keys, cl.values, real, self.max_len, i) for i, cl in enumerate(cache.layers)]
         del cache, out
+        self._begin(layers, first, n_real)
+        return first
+
+    @torch.inference_mode()
+    def start(self, cache: Any, first: torch.Tensor) -> None:
+        """Starts decoding from a prefilled `PNMixCache` (e.g. `pnmix.prefill.build_cache`) whose
+        config is this generator's ("fp16" takes a cache of the fp16 preset); first [B]: the tokens
+        the prefill predicted. Copies the cache into the static buffers, as `prefill` does."""
+        cfg = cache.pnmix_config
+        if (self.config is None) != (not (cfg.keys_quantized or cfg.values_quantized)):
+            raise ValueError("the cache's config is not this generator's method")
+        lengths = torch.tensor(cache.layers[0].lengths, device=self.model.device)
+        if int(lengths.max()) + 1 > self.max_len:
+            raise ValueError(f"prompt of {int(lengths.max())} tokens leaves no room under max_len={self.max_len}")
+        if self.config is not None:
+            layers: list[Any] = [StaticQuantLayer(layer, self.max_len) for layer in cache.layers]
+        else:  # an unquantized PN-Mix cache holds every token in its residual buffer
+            width = int(lengths.max())
+            real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+            layers = [StaticFullLayer(la.k_res[:, :, :width], la.v_res[:, :, :width], real, self.max_len, i)
+                      for i, la in enumerate(cache.layers)]
+        use_pnmix_attention(self.model)
+        self._begin(layers, first.to(self.model.device), lengths)
+
+    def _begin(self, layers: list[Any], first: torch.Tensor, n_real: torch.Tensor) -> None:
+        """Installs the static layers and the next step's inputs; first [B], n_real [B] (device)."""
         self.cache = StaticCache(layers)
         self.layers = layers
         # Decoder layers take the cache as `cache` on newer transformers, `past_key_values` on 5.17.
@@ -319,7 +345,6 @@ class StaticGenerator:
             self.host_res = layers[0].res_len.tolist()
         self._graphs.clear()
         self._warm.clear()
-        return first
 
     # -- decode ---------------------------------------------------------------------------------
 

@@ -180,6 +180,7 @@ class FrontPoint(Base):
     seed: Mapped[int] = mapped_column(Integer)
     # metrics
     accuracy: Mapped[float] = mapped_column(Double)  # aggregate score in [0, 1]
+    accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True)  # its standard error; None: unknown
     accuracy_parts: Mapped[dict[str, Any]] = mapped_column(default=dict)  # e.g. passkey, top1_agreement, kl
     key_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.key_bits(config, head_dim).total
     kv_bytes: Mapped[int] = mapped_column(BigInteger)  # measured cache.nbytes() total on the workload

@@ -80,6 +80,7 @@ class FrontPointIn:
     them from `config` and the model's head_dim with `pnmix.bits.key_bits(...).total`.
 
     accuracy:       aggregate score in [0, 1] (what the front maximizes)
+    accuracy_se:    its standard error (tuner/stats.py), None where not measured
     accuracy_parts: the score's parts by name, e.g. {"passkey": 0.8, "top1_agreement": 0.93, "kl": 0.04}
     kv_bytes:       measured `cache.nbytes()["total"]` on the profile's workload
     throughput:     measured decode tokens/s on that workload
@@ -98,12 +99,15 @@ class FrontPointIn:
     device: str
     accuracy_parts: Mapping[str, float] = field(default_factory=dict)
     versions: Mapping[str, str] = field(default_factory=dict)
+    accuracy_se: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, PNMixConfig):
             raise InvalidValueError(f"config must be a PNMixConfig, got {type(self.config).__name__}")
         _check_number("accuracy", self.accuracy, low=0.0, high=1.0)
         _check_number("throughput", self.throughput, low=0.0)
+        if self.accuracy_se is not None:
+            _check_number("accuracy_se", self.accuracy_se, low=0.0, high=1.0)
         if isinstance(self.kv_bytes, bool) or not isinstance(self.kv_bytes, int) or self.kv_bytes < 0:
             raise InvalidValueError(f"invalid kv_bytes={self.kv_bytes!r}: an integer >= 0")
         if isinstance(self.trial_number, bool) or not isinstance(self.trial_number, int) or self.trial_number < 0:
@@ -368,6 +372,7 @@ def replace_front(
                 trial_number=point.trial_number,
                 **{name: getattr(point.config, name) for name in CONFIG_FIELDS},
                 accuracy=float(point.accuracy),
+                accuracy_se=None if point.accuracy_se is None else float(point.accuracy_se),
                 accuracy_parts={str(k): float(v) for k, v in point.accuracy_parts.items()},
                 key_bits=bits,
                 kv_bytes=point.kv_bytes,

@@ -81,7 +81,7 @@ def test_health_reports_a_ready_database(env):
     assert r.status_code == 200
     body = r.json()
     assert (body["status"], body["ready"], body["backend"]) == ("ok", True, "sqlite")
-    assert body["schema_revision"] == body["schema_head"] == "0002"
+    assert body["schema_revision"] == body["schema_head"] == "0003"
 
 
 def test_models_are_listed_by_name_with_their_fronts(env):
@@ -120,6 +120,8 @@ def test_fronts_filter_by_budget_and_paginate(env):
     first = client.get("/v1/models/smollm2-135m/fronts", params={"budget": 3.0}).json()["items"][0]
     assert first["config"] == CONFIGS["kivi2"].to_dict() and first["accuracy_parts"]["passkey"] == 0.85
     assert first["versions"] == {"torch": "2.13.0", "transformers": "5.24.0"}
+    assert first["accuracy_se"] == pytest.approx(0.013)
+    assert [p["accuracy_se"] for p in body["items"] if p["trial_number"] == 0] == [None]  # not measured
 
 
 def test_recommend_returns_the_best_config_within_the_budget(env):
@@ -372,7 +374,7 @@ def test_the_service_refuses_to_start_on_an_old_schema(tmp_path):
         pass
     db = Database(sqlite_url(tmp_path))
     upgrade(db, "0001")
-    with pytest.raises(SchemaError, match="revision 0001, this pnmix needs 0002: run `pnmix db upgrade`"), TestClient(
+    with pytest.raises(SchemaError, match="revision 0001, this pnmix needs 0003: run `pnmix db upgrade`"), TestClient(
         create_app(Settings(database_url=sqlite_url(tmp_path)))
     ):
         pass

@@ -50,7 +50,7 @@ def point(name: str, trial: int, accuracy: float, throughput: float, kv_bytes: i
     return FrontPointIn(
         config=CONFIGS[name], accuracy=accuracy, kv_bytes=kv_bytes, throughput=throughput, trial_number=trial,
         backend="torch", device="cpu", accuracy_parts={"passkey": accuracy, "kl": 0.01 * trial},
-        versions={"torch": "2.13.0", "transformers": "5.24.0"},
+        versions={"torch": "2.13.0", "transformers": "5.24.0"}, accuracy_se=0.01 + 0.001 * trial if trial % 2 else None,
     )
 
 
@@ -300,6 +300,7 @@ def test_replace_front_stores_every_field_and_the_formula_bits(seeded):
             assert p.key_bits == pytest.approx(key_bits(given.config, 64).total, abs=1e-12)
             assert (p.accuracy, p.throughput, p.kv_bytes) == (given.accuracy, given.throughput, given.kv_bytes)
             assert p.accuracy_parts == dict(given.accuracy_parts)
+            assert p.accuracy_se == given.accuracy_se  # a float, or None where none was measured
             assert p.versions == {"torch": "2.13.0", "transformers": "5.24.0"}
             assert (p.budget, p.backend, p.device, p.campaign_id) == (3.0, "torch", "cpu", cid)
             assert p.created_at.tzinfo is UTC and abs((datetime.now(UTC) - p.created_at).total_seconds()) < 300
@@ -367,6 +368,8 @@ def test_the_database_itself_refuses_a_point_over_its_budget(seeded):
         (dict(trial_number=-1), "trial_number"),
         (dict(backend=""), "backend"),
         (dict(accuracy_parts={"kl": math.inf}), "accuracy_parts"),
+        (dict(accuracy_se=-0.1), "accuracy_se"),
+        (dict(accuracy_se=math.nan), "accuracy_se"),
     ],
 )
 def test_front_point_in_refuses_bad_measurements(kwargs, field):

@@ -73,7 +73,7 @@ def test_upgrade_from_the_first_revision_keeps_the_data(empty_db):
             " accuracy_parts, key_bits, kv_bytes, throughput, backend, device, versions, created_at) VALUES"
             " (1, 1, 2.5, 0, 2, 2, 128, 0.0, 0, 128, 2, 32, 'qk_pair_norm', 0, 0.75, '{\"passkey\": 0.75}', 2.25,"
             " 123456, 14.5, 'torch', 'cpu', '{}', :t)"), {"t": "2026-11-01 10:06:00+00:00"})
-    with pytest.raises(SchemaError, match=r"at schema revision 0001, this pnmix needs 0002: run `pnmix db upgrade`"):
+    with pytest.raises(SchemaError, match=r"at schema revision 0001, this pnmix needs 0003: run `pnmix db upgrade`"):
         check_schema(db)
 
     assert upgrade(db) == ("0001", head_revision())
@@ -85,6 +85,7 @@ def test_upgrade_from_the_first_revision_keeps_the_data(empty_db):
         assert (queued.heartbeat_at, queued.worker_id, running.worker_id) == (None, None, None)
         best = recommend(s, "smollm2-135m", 2.5)
         assert (best.key_bits, best.kv_bytes, best.accuracy_parts) == (2.25, 123456, {"passkey": 0.75})
+        assert best.accuracy_se is None  # 0003: points stored before standard errors read as unknown
         assert list_front_points(s, "smollm2-135m").total == 1
 
 

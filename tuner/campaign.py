@@ -55,8 +55,10 @@ warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats an
 
 OBJECTIVES: dict[str, Literal["maximize", "minimize"]] = {
     "accuracy": "maximize", "key_bits": "minimize", "kv_bytes": "minimize", "throughput": "maximize"}
+# Stored on every scored trial; "units" (each item's 1/0, each trajectory's KL) make scores comparable
+# item by item across trials, and "accuracy_se" / "parts_se" are their standard errors (tuner/stats.py).
 SCORE_ATTRS = ("parts", "kv_bytes", "decode_tokens_per_s", "backend", "device", "versions", "fidelity_kl",
-               "fidelity_agreement", "seconds")
+               "fidelity_agreement", "seconds", "accuracy_se", "parts_se", "units", "timings")
 PRUNE_SLACK = 0.9  # prune only when an evaluated trial's proxy KL is at least 10% lower
 MIN_FULL = 3  # always fully evaluate the first few candidates of a study
 # A worker's trial counts as dead after GRACE_S without a heartbeat; it is then retried.
@@ -405,7 +407,8 @@ class CampaignRunner:
                 config=PNMixConfig.from_dict(t.user_attrs["config"]), accuracy=float(t.user_attrs["accuracy"]),
                 kv_bytes=int(t.user_attrs["kv_bytes"]), throughput=float(t.user_attrs["decode_tokens_per_s"]),
                 trial_number=t.number, backend=str(t.user_attrs["backend"]), device=str(t.user_attrs["device"]),
-                accuracy_parts=dict(t.user_attrs["parts"]), versions=dict(t.user_attrs["versions"])))
+                accuracy_parts=dict(t.user_attrs["parts"]), versions=dict(t.user_attrs["versions"]),
+                accuracy_se=t.user_attrs.get("accuracy_se")))
         with self.db.session() as s:
             replace_front(s, self.campaign_id, budget, points)
         self.set_progress(trials_done=self.trials_done())

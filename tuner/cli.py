@@ -81,24 +81,53 @@ def eval_config(
         chosen = tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None
         evaluator = Evaluator(model, prof, seed, gsm8k, progress=say, tasks=chosen)
         evaluator.prepare()
+        from tuner.stats import paired
+
         scores = {}
         for name, cfg in configs.items():
             say(f"{name}: scoring")
             scores[name] = evaluator.evaluate(cfg)
             scores[name].parts["proxy_kl"] = evaluator.proxy(cfg)
+    names = list(scores)
+    diffs = {name: paired(scores[name].units, scores[names[0]].units) for name in names[1:]}
     if as_json:
-        print(json.dumps({name: s.to_dict() for name, s in scores.items()}))
+        out = {name: s.to_dict() for name, s in scores.items()}
+        for name, d in diffs.items():
+            out[name]["paired_vs_" + names[0]] = {k: {"diff": v, "se": se} for k, (v, se) in d.items()}
+        print(json.dumps(out))
         return
-    table = Table(title=f"{model}, profile {prof.name}, seed {seed} ({evaluator.backend} on {evaluator.device})")
-    part_names = sorted({p for s in scores.values() for p in s.parts})
-    for col in ("config", "key bits", "accuracy", *part_names, "fid. top-1", "fid. KL", "KV KiB", "decode tok/s",
-                "s"):
+    table = Table(title=f"{model}, profile {prof.name}, seed {seed} ({evaluator.backend} on {evaluator.device}); "
+                        "mean +- standard error")
+    part_names = [p for p in ("passkey", "kv_lookup", "gsm8k", "fidelity")
+                  if any(p in s.parts for s in scores.values())]
+    for col in ("config", "key bits", "accuracy", *part_names, "fid. top-1", "fid. KL", "proxy KL", "KV KiB",
+                "decode tok/s", "s"):
         table.add_column(col, justify="right")
     for name, s in scores.items():
-        table.add_row(name, f"{s.key_bits:.3f}", f"{s.accuracy:.3f}", *[f"{s.parts.get(p, float('nan')):.3f}"
-                      for p in part_names], f"{s.fidelity_agreement:.3f}", f"{s.fidelity_kl:.4f}",
-                      f"{s.kv_bytes / 1024:.0f}", f"{s.decode_tokens_per_s:.1f}", f"{s.seconds:.0f}")
+        table.add_row(name, f"{s.key_bits:.3f}", _pm(s.accuracy, s.accuracy_se),
+                      *[_pm(s.parts[p], s.parts_se.get(p)) if p in s.parts else "-" for p in part_names],
+                      f"{s.fidelity_agreement:.3f}", f"{s.fidelity_kl:.4f}", f"{s.parts['proxy_kl']:.4f}",
+                      f"{s.kv_bytes / 1024:.0f}", f"{s.decode_tokens_per_s:.1f}", f"{s.seconds:.1f}")
     console.print(table)
+    console.print("items: " + ", ".join(f"{k} {v}" for k, v in scores[names[0]].items.items()))
+    if diffs:
+        paired_table = Table(title=f"paired difference to {names[0]} (same items): diff +- SE; * where |diff| > 2 SE")
+        for col in ("config", "accuracy", *part_names):
+            paired_table.add_column(col, justify="right")
+        for name, d in diffs.items():
+            paired_table.add_row(name, *[_diff(*d[p]) if p in d else "-" for p in ("accuracy", *part_names)])
+        console.print(paired_table)
+
+
+def _pm(value: float, se: float | None) -> str:
+    return f"{value:.3f} +- {se:.3f}" if se is not None else f"{value:.3f}"
+
+
+def _diff(value: float, se: float | None) -> str:
+    if se is None:
+        return f"{value:+.3f}"
+    mark = "*" if abs(value) > 2 * se else ""
+    return f"{value:+.3f} +- {se:.3f}{mark}"
 
 
 def load_config_file(path: str) -> Any:

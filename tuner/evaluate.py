@@ -1,14 +1,18 @@
-"""Scoring one PN-Mix config on one model: accuracy parts, bits, measured bytes and throughput.
+"""Scoring one PN-Mix config on one model: accuracy parts with standard errors, bits, bytes, throughput.
 
 `Evaluator` loads the model once and prepares, per (model, profile, seed), the task items the
-unquantized model answers correctly and the fp16 trajectories for long-output fidelity. Both are
-cached on disk under the cache directory, so a second evaluator on the same model starts fast.
+unquantized model answers correctly and the fp16 trajectories for long-output fidelity; both are
+cached on disk (as text and token ids) under the cache directory. Scoring runs through the
+batched engine (tuner/engine.py): every prompt is prefilled once per evaluator, and a trial
+pays only for its config's decode. `evaluate_reference` scores the same items one at a time
+through `generate`, the path the engine is tested and benchmarked against.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,16 +25,18 @@ from pnmix import models
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import rope_pairing
-from tuner import fidelity
+from tuner import fidelity, stats
 from tuner import tasks as tasks_module
+from tuner.engine import ScoringEngine, Trajectory
 from tuner.profiles import WEIGHTS, EvalError, Profile
 
 Progress = Callable[[str], None]
 
 TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
+ITEM_TASKS = ("passkey", "kv_lookup", "gsm8k")
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
-PREPARATION_VERSION = 2
+PREPARATION_VERSION = 3
 COST_PROMPT_TOKENS = 512  # fixed workload for measured bytes and decode throughput
 COST_NEW_TOKENS = 32
 
@@ -52,6 +58,11 @@ class Score:
     seconds: float
     profile: str
     items: dict[str, int] = field(default_factory=dict)
+    accuracy_se: float | None = None  # standard error of `accuracy` (tuner/stats.py)
+    parts_se: dict[str, float | None] = field(default_factory=dict)
+    # Per-unit outcomes: each item's 1/0, each trajectory's mean KL (what SEs and paired differences use).
+    units: dict[str, list[float]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds by part, and "cost"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +104,7 @@ class Evaluator:
         self.device = str(self.model.device)
         self.backend = self._backend_label()
         self._prepared: dict[str, Any] | None = None
+        self._engine: ScoringEngine | None = None
         self._trace: Any = None
 
     # -- preparation (fp16 runs, cached) ---------------------------------------------------------
@@ -102,56 +114,89 @@ class Evaluator:
         name = f"{self.profile.name}-seed{self.seed}-v{PREPARATION_VERSION}.json"
         return models.cache_dir() / "eval" / safe / name
 
+    def _read_cached(self, path: Path) -> dict[str, Any] | None:
+        """The cached preparation, or None (with one line on stderr) when it is unreadable or malformed."""
+        try:
+            data = json.loads(path.read_text())
+            items = {name: [tasks_module.Item(**it) for it in its] for name, its in data["items"].items()}
+            trajectories = [(list(map(int, t["prompt_ids"])), list(map(int, t["tokens"])))
+                            for t in data["trajectories"]]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            print(f"warning: cached preparation {path} is unreadable ({type(exc).__name__}); rebuilding it",
+                  file=sys.stderr, flush=True)
+            return None
+        return {"items": items, "trajectories": trajectories}
+
     def prepare(self) -> dict[str, Any]:
-        """Filtered items and fp16 trajectories for this (model, profile, seed), from disk if cached."""
+        """Filtered items and fp16 trajectories for this (model, profile, seed), from disk if cached;
+        every prompt is prefilled once into the scoring engine."""
         if self._prepared is not None:
             return self._prepared
+        engine = ScoringEngine(self.model, self.tokenizer, progress=self.progress)
         path = self._cache_file()
-        if path.is_file():
-            data = json.loads(path.read_text())
-        else:
-            data = self._build()
+        data = self._read_cached(path) if path.is_file() else None
+        if data is None:
+            data = self._build(engine)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data))
+            tmp.write_text(json.dumps({
+                "items": {name: [it.to_dict() for it in its] for name, its in data["items"].items()},
+                "trajectories": [{"prompt_ids": p, "tokens": t} for p, t in data["trajectories"]]}))
             tmp.replace(path)
-        data["items"] = {name: [tasks_module.Item(**it) for it in its] for name, its in data["items"].items()}
+        else:
+            for name, items in data["items"].items():
+                engine.add_items(name, items)
         if self._gsm8k is not None:
             data["items"]["gsm8k"] = self._gsm8k
-        refs = []
-        for traj in data["trajectories"]:
-            prompt = torch.tensor([traj["prompt_ids"]])
-            refs.append(fidelity.reference_logits(self.model, prompt, traj["tokens"]))
-        data["references"] = refs
+            engine.add_items("gsm8k", self._gsm8k)
+        if "fidelity" in self.tasks:
+            self.progress("fp16 reference distributions")
+            engine.add_trajectories([
+                Trajectory(prompt, tokens, fidelity.reference_logits(self.model, torch.tensor([prompt]), tokens))
+                for prompt, tokens in data["trajectories"]])
+        self._engine = engine
         self._prepared = data
         return data
 
-    def _build(self) -> dict[str, Any]:
+    @property
+    def engine(self) -> ScoringEngine:
+        self.prepare()
+        assert self._engine is not None
+        return self._engine
+
+    def _build(self, engine: ScoringEngine) -> dict[str, Any]:
+        """Candidates answered by fp16 in the engine (kept: those it gets right), and fp16 trajectories."""
         p, fp16 = self.profile, preset("fp16")
         pools = {
-            "passkey": tasks_module.passkey_items(3 * p.passkey_items, self.seed, p.passkey_filler),
-            "kv_lookup": tasks_module.kv_lookup_items(4 * p.kv_items, self.seed, p.kv_pairs),
+            "passkey": tasks_module.passkey_items(p.pool_factor * p.passkey_items, self.seed, p.passkey_filler,
+                                                  p.passkey_digits, p.passkey_distractors),
+            "kv_lookup": tasks_module.kv_lookup_items(p.pool_factor * p.kv_items, self.seed, p.kv_pairs,
+                                                      p.kv_digits, p.kv_near_miss),
         }
         wanted = {"passkey": p.passkey_items, "kv_lookup": p.kv_items}
-        kept: dict[str, list[dict[str, Any]]] = {}
+        kept: dict[str, list[tasks_module.Item]] = {}
         for name, pool in pools.items():
             # Keep only items the unquantized model gets right, so a miss is the cache's fault.
-            kept[name] = []
-            for item in pool:
-                if len(kept[name]) == wanted[name]:
-                    break
-                self.progress(f"filtering {name} against fp16")
-                if item.is_correct(tasks_module.answer(self.model, self.tokenizer, fp16, item)):
-                    kept[name].append(item.to_dict())
-        trajectories = []
+            # Candidates are prefilled and answered a batch at a time, until enough are kept.
+            right: list[int] = []
+            tried = 0
+            while len(right) < wanted[name] and tried < len(pool):
+                batch = pool[tried : tried + max(wanted[name] - len(right), 4)]
+                engine.add_items(name, batch)
+                self.progress(f"filtering {name} against fp16: {len(right)} of {wanted[name]} kept, "
+                              f"{tried + len(batch)} tried")
+                hits = engine.outcomes(fp16, name, start=tried)
+                right += [tried + i for i, hit in enumerate(hits) if hit]
+                tried += len(batch)
+            engine.keep_items(name, right[: wanted[name]])
+            kept[name] = engine.items[name]
         from pnmix.cli import chat_ids
 
-        for prompt in fidelity.FIDELITY_PROMPTS[: p.fidelity_prompts]:
-            self.progress("generating fp16 trajectory")
-            ids = chat_ids(self.tokenizer, prompt)["input_ids"]
-            tokens = fidelity.trajectory(self.model, ids, p.fidelity_tokens)
-            trajectories.append({"prompt_ids": ids[0].tolist(), "tokens": tokens})
-        return {"items": kept, "trajectories": trajectories}
+        prompts = [chat_ids(self.tokenizer, prompt)["input_ids"][0].tolist()
+                   for prompt in fidelity.FIDELITY_PROMPTS[: p.fidelity_prompts]]
+        self.progress(f"generating {len(prompts)} fp16 trajectories")
+        tokens = engine.continuations(prompts, p.fidelity_tokens) if prompts else []
+        return {"items": kept, "trajectories": list(zip(prompts, tokens, strict=True))}
 
     # -- the proxy -----------------------------------------------------------------------------
 
@@ -176,39 +221,61 @@ class Evaluator:
 
     # -- full evaluation -----------------------------------------------------------------------
 
-    def evaluate(self, config: PNMixConfig) -> Score:
-        config.check_head_dim(self.head_dim)
-        start = time.perf_counter()
-        data = self.prepare()
-        parts: dict[str, float] = {}
-        counts: dict[str, int] = {}
+    def _units(self, config: PNMixConfig, reference: bool = False) -> tuple[dict[str, list[float]], list[float],
+                                                                            dict[str, float]]:
+        """Per-unit outcomes of every part that runs, the trajectories' agreements, seconds by part."""
+        data, engine = self.prepare(), self.engine
+        units: dict[str, list[float]] = {}
+        timings: dict[str, float] = {}
         for name, items in data["items"].items():
             if items and name in self.tasks:
                 self.progress(f"{name}: {len(items)} items")
-                parts[name] = tasks_module.accuracy(self.model, self.tokenizer, config, items)
-                counts[name] = len(items)
-        agreements, kls = [], []
-        use_fidelity = "fidelity" in self.tasks
-        for traj, ref in zip(data["trajectories"] if use_fidelity else [], data["references"], strict=False):
-            self.progress("long-output fidelity")
-            fid = fidelity.replay(self.model, torch.tensor([traj["prompt_ids"]]), traj["tokens"], config, ref)
-            agreements.append(fid.agreement)
-            kls.append(fid.mean_kl)
-        fid_kl = sum(kls) / len(kls) if kls else float("nan")
-        fid_agree = sum(agreements) / len(agreements) if agreements else float("nan")
-        if kls:
-            parts["fidelity"] = fidelity.Fidelity(fid_agree, fid_kl, 0).score
-            counts["fidelity"] = len(kls)
-        if not parts:
+                t0 = time.perf_counter()
+                if reference:
+                    units[name] = [float(item.is_correct(tasks_module.answer(self.model, self.tokenizer, config, item)))
+                                   for item in items]
+                else:
+                    units[name] = engine.outcomes(config, name)
+                timings[name] = time.perf_counter() - t0
+        agreements: list[float] = []
+        if "fidelity" in self.tasks and data["trajectories"]:
+            self.progress(f"long-output fidelity: {len(data['trajectories'])} trajectories")
+            t0 = time.perf_counter()
+            if reference:
+                fids = [fidelity.replay(self.model, torch.tensor([prompt]), tokens, config, t.ref_logp)
+                        for (prompt, tokens), t in zip(data["trajectories"], engine.trajectories, strict=True)]
+                pairs = [(f.agreement, f.mean_kl) for f in fids]
+            else:
+                pairs = engine.fidelity(config)
+            timings["fidelity"] = time.perf_counter() - t0
+            agreements = [a for a, _ in pairs]
+            units["fidelity"] = [kl for _, kl in pairs]
+        return units, agreements, timings
+
+    def evaluate(self, config: PNMixConfig, reference: bool = False, measure: bool = True) -> Score:
+        """Scores `config` through the engine (reference=True: item by item through `generate`).
+
+        measure=False skips the cost workload (bytes, tokens/s), e.g. for accuracy-only comparisons.
+        """
+        config.check_head_dim(self.head_dim)
+        start = time.perf_counter()
+        units, agreements, timings = self._units(config, reference)
+        if not units:
             raise EvalError("no task produced a score (every item was filtered out); use more items or other tasks")
-        self.progress("measuring bytes and decode throughput")
-        kv_bytes, tok_s, peak = self.measure_cost(config)
+        parts = {name: stats.part_score(name, u) for name, u in units.items()}
+        kv_bytes, tok_s, peak = 0, float("nan"), None
+        if measure:
+            self.progress("measuring bytes and decode throughput")
+            t0 = time.perf_counter()
+            kv_bytes, tok_s, peak = self.measure_cost(config)
+            timings["cost"] = time.perf_counter() - t0
+        kls = units.get("fidelity", [])
         return Score(
             config=config.to_dict(),
             accuracy=combine(parts),
             parts=parts,
-            fidelity_agreement=fid_agree,
-            fidelity_kl=fid_kl,
+            fidelity_agreement=sum(agreements) / len(agreements) if agreements else float("nan"),
+            fidelity_kl=sum(kls) / len(kls) if kls else float("nan"),
             key_bits=key_bits(config, self.head_dim).total,
             kv_bytes=kv_bytes,
             decode_tokens_per_s=tok_s,
@@ -218,7 +285,11 @@ class Evaluator:
             versions=versions(),
             seconds=time.perf_counter() - start,
             profile=self.profile.name,
-            items=counts,
+            items={name: len(u) for name, u in units.items()},
+            accuracy_se=stats.combined_se(units),
+            parts_se={name: stats.part_se(name, u) for name, u in units.items()},
+            units=units,
+            timings=timings,
         )
 
     @torch.inference_mode()

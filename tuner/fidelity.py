@@ -4,6 +4,8 @@ A trajectory is the unquantized model's own greedy continuation of a prompt (cac
 Replaying it through a PN-Mix cache in decode-sized chunks quantizes the keys of the generated
 tokens exactly as long generation would; at every position we compare the quantized model's
 next-token distribution with the fp16 one: top-1 agreement and KL(p_fp16 || p_quant).
+`replay` does it for one trajectory through `model(...)` calls: the reference that the batched
+replay of the scoring engine (tuner/engine.py) is tested against.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ FIDELITY_PROMPTS = (
     "Explain in detail how a compiler turns source code into machine code, stage by stage.",
     "Describe a week in the life of a beekeeper in the mountains, day by day.",
     "Write a detailed travel guide to an imaginary island, with its history, food and festivals.",
+    "Tell the story of a clockmaker's apprentice who discovers a clock that runs backwards.",
+    "Explain how a city's water supply works, from the reservoir to the kitchen tap.",
+    "Write a letter from a lighthouse keeper to her brother, describing a winter of storms.",
+    "Describe, step by step, how to build a small wooden boat, and what can go wrong.",
+    "Write a long fable about a fox, a crow and a river that changes its course.",
+    "Explain the history of the printing press and how it changed the way people learned.",
+    "Describe a day at a busy train station through the eyes of a ticket inspector.",
+    "Write a detailed account of an expedition to the top of a glacier, day by day.",
 )
 
 

@@ -20,22 +20,32 @@ WEIGHTS = {"passkey": 0.25, "kv_lookup": 0.25, "fidelity": 0.5, "gsm8k": 0.25}
 class Profile:
     name: str
     passkey_items: int  # kept after filtering against the fp16 run
-    passkey_filler: tuple[int, int]  # filler sentences, min..max (about 28 tokens each)
+    passkey_filler: tuple[int, int]  # filler sentences, min..max (about 13 tokens each)
+    passkey_digits: int
+    passkey_distractors: int  # near-miss codes in the text
     kv_items: int
-    kv_pairs: tuple[int, int]  # pairs in the list, min..max
+    kv_pairs: tuple[int, int]  # facts in the list, min..max (about 10 tokens each)
+    kv_digits: int
+    kv_near_miss: int  # facts whose number is one digit from the answer
     fidelity_prompts: int
     fidelity_tokens: int  # teacher-forced tokens per fp16 trajectory
     proxy_tokens: int  # generated tokens in the proxy's Q/K trace
+    pool_factor: int = 4  # candidates generated per kept item (fp16 must answer the kept ones)
 
 
+# Sized so that in `full` the combined accuracy's standard error stays <= 0.02 for configs
+# scoring 0.5-0.9 (tuner/stats.py): at p = 0.5, 100 items give an item part 0.05, weighted 0.25.
 PROFILES = {
-    "quick": Profile("quick", passkey_items=3, passkey_filler=(18, 30), kv_items=3, kv_pairs=(20, 40),
-                     fidelity_prompts=1, fidelity_tokens=512, proxy_tokens=256),
-    "full": Profile("full", passkey_items=10, passkey_filler=(20, 47), kv_items=8, kv_pairs=(20, 80),
-                    fidelity_prompts=3, fidelity_tokens=512, proxy_tokens=512),
+    "quick": Profile("quick", passkey_items=12, passkey_filler=(40, 110), passkey_digits=7, passkey_distractors=2,
+                     kv_items=12, kv_pairs=(16, 48), kv_digits=7, kv_near_miss=2,
+                     fidelity_prompts=4, fidelity_tokens=512, proxy_tokens=256),
+    "full": Profile("full", passkey_items=100, passkey_filler=(40, 200), passkey_digits=7, passkey_distractors=3,
+                    kv_items=100, kv_pairs=(20, 80), kv_digits=7, kv_near_miss=3,
+                    fidelity_prompts=8, fidelity_tokens=512, proxy_tokens=512),
     # Tiny sizes for tests and demos: seconds per trial, numbers too noisy for real decisions.
-    "smoke": Profile("smoke", passkey_items=1, passkey_filler=(6, 8), kv_items=1, kv_pairs=(8, 10),
-                     fidelity_prompts=1, fidelity_tokens=160, proxy_tokens=192),
+    "smoke": Profile("smoke", passkey_items=2, passkey_filler=(8, 10), passkey_digits=5, passkey_distractors=0,
+                     kv_items=2, kv_pairs=(8, 10), kv_digits=5, kv_near_miss=0,
+                     fidelity_prompts=2, fidelity_tokens=96, proxy_tokens=192),
 }
 
 

@@ -1,0 +1,150 @@
+"""Prefill once, build a cache for any config from it.
+
+PN-Mix prefill attention is exact: the prompt attends over its own unquantized keys and values,
+so the prefill's hidden states, its first-token logits and the post-RoPE keys and values it
+produces are the same for every config. Only what the cache keeps of them differs. A
+`PrefillState` holds what a cache is built from for one sequence; `record_prefill` runs the
+model's prefill once through the "pnmix" attention function (the live path's own prefill), and
+`build_cache` makes a config's `PNMixCache` for a batch of states: the salient sets from the
+scores recorded for each sequence alone, then quantize and pack with the live path's quantizers,
+so the cache holds the same bytes as `generate` would.
+
+Bytes kept per sequence of T prompt tokens (L layers, H_kv KV heads, head dim d, vocab V):
+    keys + values   2 * L * H_kv * T * d * (bytes of the model dtype)
+    saliency scores 4 criteria * L * H_kv * d/2 * 4
+    logits          V * 4
+The embedded model (L = 30, H_kv = 3, d = 64) keeps 46 KiB a token in fp32, 23 KiB in bf16.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pnmix.cache import LayerStep, PNMixCache, PNMixLayer
+from pnmix.config import PNMixConfig
+from pnmix.families import check_model, rope_pairing
+from pnmix.generation import cache_kwargs, use_pnmix_attention
+from pnmix.saliency import Pairing, saliency_scores
+
+# Criteria whose scores depend on the prefill: recorded once per sequence.
+RECORDED_CRITERIA = ("qk_pair_norm", "k_pair_norm", "k_magnitude", "k_range")
+
+
+@dataclass
+class PrefillState:
+    """One sequence's exact prefill: what every config's cache of it is built from."""
+
+    keys: list[torch.Tensor]  # per layer [H_kv, T, d], post-RoPE, model dtype
+    values: list[torch.Tensor]  # per layer [H_kv, T, d]
+    # criterion -> per layer [H_kv, d/2]: the saliency scores of this sequence alone (the random
+    # criterion needs no record: its scores come from its seed)
+    scores: dict[str, list[torch.Tensor]]
+    logits: torch.Tensor  # [V] float32: the prediction of the first new token
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    def nbytes(self) -> int:
+        tensors = [*self.keys, *self.values, *(t for ts in self.scores.values() for t in ts), self.logits]
+        return sum(t.nbytes for t in tensors)
+
+    def to(self, device: torch.device | str) -> PrefillState:
+        return PrefillState([k.to(device) for k in self.keys], [v.to(device) for v in self.values],
+                            {c: [t.to(device) for t in ts] for c, ts in self.scores.items()}, self.logits.to(device))
+
+
+class _RecordingLayer(CacheLayerMixin):
+    """Takes the place of a `PNMixLayer` for one prefill: keeps the states instead of quantizing them."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, pairing: Pairing) -> None:
+        super().__init__()
+        self.pairing = pairing
+        self.prefilled = False
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.prefilled:
+            raise RuntimeError("a recorded prefill takes one forward pass")
+        self.is_initialized = True
+        self.seen += key_states.shape[-2]
+        step = LayerStep(self, key_states, value_states)  # type: ignore[arg-type]
+        return step, step
+
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, token_mask: torch.Tensor) -> None:
+        # Called by the "pnmix" attention function after its exact prefill attention, as for
+        # PNMixLayer; the scores are PNMixLayer.prefill's, computed on the same one-sequence tensors.
+        self.scores = {c: saliency_scores(c, query, key, token_mask, self.pairing)[0] for c in RECORDED_CRITERIA}
+        self.recorded = (key[0].clone(), value[0].clone())
+        self.prefilled = True
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _RecordingCache(Cache):
+    def __init__(self, model_config: Any) -> None:
+        text = model_config.get_text_config(decoder=True)
+        pairing = rope_pairing(model_config)
+        super().__init__(layers=[_RecordingLayer(pairing) for _ in range(text.num_hidden_layers)])
+
+
+@torch.inference_mode()
+def record_prefill(model: Any, input_ids: torch.Tensor) -> PrefillState:
+    """The exact prefill of one prompt, input_ids [1, T] (no padding), kept on the model's device."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: allowed [1, tokens] with tokens >= 1")
+    use_pnmix_attention(model)
+    cache = _RecordingCache(model.config)
+    ids = input_ids.to(model.device)
+    # As `generate` runs a prefill: mask of ones, only the last position's logits.
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **cache_kwargs(model, cache),
+                **keep)
+    layers = [layer for layer in cache.layers if isinstance(layer, _RecordingLayer)]
+    scores = {c: [la.scores[c] for la in layers] for c in RECORDED_CRITERIA}
+    return PrefillState([la.recorded[0] for la in layers], [la.recorded[1] for la in layers], scores,
+                        out.logits[0, -1].float())
+
+
+def build_cache(model: Any, config: PNMixConfig, states: list[PrefillState], multi_token: bool = False) -> PNMixCache:
+    """`config`'s cache of a batch of recorded prefills, as if each had been prefilled alone.
+
+    Sequence b holds states[b]'s tokens from slot 0 (no padding); the next token of sequence b
+    sits at position states[b].length.
+    """
+    if not states:
+        raise ValueError("build_cache needs at least one prefill state")
+    check_model(model.config, config)
+    use_pnmix_attention(model)
+    cache = PNMixCache(model.config, config, multi_token=multi_token)
+    head_dim = states[0].keys[0].shape[-1]
+    for li, layer in enumerate(la for la in cache.layers if isinstance(la, PNMixLayer)):
+        scores = None
+        if config.salient_pairs(head_dim):
+            if config.criterion == "random":  # as saliency_scores draws it for one sequence, for each
+                k = states[0].keys[li][None]  # shapes only: the draw depends on the seed alone
+                one = saliency_scores("random", k, k, torch.ones(k.shape[:1] + k.shape[2:3], dtype=torch.bool),
+                                      "rotate_half", config.seed + li)
+                scores = one.expand(len(states), -1, -1)
+            else:
+                scores = torch.stack([s.scores[config.criterion][li] for s in states])
+        layer.load_prefill([s.keys[li] for s in states], [s.values[li] for s in states], scores)
+    return cache

@@ -1,0 +1,292 @@
+"""The scoring engine: a trial pays only for decode, in batches, from prefills recorded once.
+
+Preparation (once per evaluator): every item's chat prompt and every fidelity trajectory's prompt
+is prefilled once, unquantized (`pnmix.prefill.record_prefill`: exact, so the same for every
+config). A trial then builds its config's caches from those states (saliency, quantize, pack: the
+live prefill's code) and decodes:
+- item tasks: all items of a task answer greedily in one batch, split only where memory needs
+  it. On CUDA the decode runs on the static CUDA-graph path (`pnmix.static.StaticGenerator.start`)
+  for the configs it covers (fp16, and keys and values both quantized), else on the batched
+  dynamic cache, which is also the CPU path. Rows stop at the end-of-sequence token, as `generate`
+  does for one item.
+- fidelity: all trajectories are teacher-forced together, REPLAY_CHUNK tokens a forward pass,
+  through caches that keep their dequantized view up to date as groups are packed (on CUDA the
+  kernels pack; the view is never rebuilt from the bytes).
+Outcomes stay per unit (each item's correctness, each trajectory's mean KL), which is what
+tuner/stats.py turns into standard errors and paired differences.
+
+Where the states live: on the model's device when they take at most STATE_DEVICE_SHARE of its
+free memory, else on the host (moved to the device a batch at a time). They are recomputed in
+each process rather than cached on disk: on the embedded model a prefill costs about as much as
+reading its states back (46 KiB a token in fp32), and the items' text is what the disk cache holds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pnmix.config import PNMixConfig
+from pnmix.generation import cache_kwargs
+from pnmix.prefill import PrefillState, build_cache, record_prefill
+from pnmix.static import StaticGenerator, static_method
+from tuner.fidelity import REPLAY_CHUNK
+from tuner.profiles import EvalError
+from tuner.tasks import Item
+
+STATE_DEVICE_SHARE = 0.4  # of the device's free memory that the recorded states may take
+BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decode batch may take
+DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Trajectory:
+    """An fp16 greedy continuation of a prompt, and the fp16 next-token distribution along it."""
+
+    prompt_ids: list[int]
+    tokens: list[int]
+    reference_logits: torch.Tensor  # [len(tokens), V] float32
+
+
+@dataclass
+class _PreparedTrajectory:
+    state: PrefillState
+    tokens: torch.Tensor  # [n] on the host
+    ref_logp: torch.Tensor  # [n, V] float32: fp16's next-token log-probabilities
+    ref_top: torch.Tensor  # [n] fp16's argmax
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a scoring batch may still use on `device`: free CUDA memory, or the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+class ScoringEngine:
+    """Scores configs on fixed items and trajectories of one model (see the module docstring).
+
+        engine = ScoringEngine(model, tokenizer)
+        engine.add_items("passkey", items)          # one exact prefill per item
+        engine.add_trajectories(trajectories)       # one exact prefill per trajectory prompt
+        engine.outcomes(config, "passkey")          # [1.0, 0.0, ...], one per item
+        engine.fidelity(config)                     # [(top-1 agreement, mean KL), ...]
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, progress: Progress | None = None,
+                 memory_bytes: int | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.device = model.device
+        self.eos = model.config.eos_token_id
+        self.progress = progress or (lambda message: None)
+        self.context = getattr(model.config, "max_position_embeddings", None)
+        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._last_only: dict[str, int] = {"logits_to_keep": 1} if keeps else {}
+        self._budget = memory_bytes if memory_bytes is not None else free_bytes(self.device)
+        self.items: dict[str, list[Item]] = {}
+        self.states: dict[str, list[PrefillState]] = {}
+        self.trajectories: list[_PreparedTrajectory] = []
+
+    def _check_fits(self, what: str, tokens: int) -> None:
+        """One line, before any work, for a prompt the model or the memory cannot take."""
+        if self.context is not None and tokens > self.context:
+            raise EvalError(f"{what} needs {tokens} tokens, more than the model's context of {self.context}: "
+                            "use a profile with shorter contexts")
+        need = tokens * self._state_bytes_per_token() * DECODE_BYTES_FACTOR
+        if need > self._budget * BATCH_MEMORY_SHARE:
+            raise EvalError(f"{what} needs {need / 2**20:.0f} MiB to decode, more than the "
+                            f"{self._budget * BATCH_MEMORY_SHARE / 2**20:.0f} MiB available: use a smaller profile")
+
+    def _record(self, ids: torch.Tensor) -> PrefillState:
+        state = record_prefill(self.model, ids)
+        if self.device.type == "cuda":  # keep states on the GPU while they take little of it
+            used = self.state_bytes() + state.nbytes()
+            if used > STATE_DEVICE_SHARE * self._budget:
+                return state.to("cpu")
+        return state
+
+    def add_items(self, task: str, items: list[Item]) -> None:
+        """Prefills every item's chat prompt once (exactly, unquantized) and adds it to `task`'s items."""
+        from pnmix.cli import chat_ids
+
+        have = len(self.items.get(task, []))
+        prompts = [chat_ids(self.tokenizer, item.prompt)["input_ids"] for item in items]
+        for i, (item, ids) in enumerate(zip(items, prompts, strict=True)):
+            self._check_fits(f"{task} item {have + i}", ids.shape[1] + item.max_new_tokens)
+        self.progress(f"prefilling {len(items)} {task} items once")
+        states = [self._record(ids) for ids in prompts]
+        self.items[task] = self.items.get(task, []) + list(items)
+        self.states[task] = self.states.get(task, []) + states
+
+    def keep_items(self, task: str, indices: list[int]) -> None:
+        """Keeps only these items of `task` (e.g. those the unquantized model answers)."""
+        self.items[task] = [self.items[task][i] for i in indices]
+        self.states[task] = [self.states[task][i] for i in indices]
+
+    def add_trajectories(self, trajectories: list[Trajectory]) -> None:
+        """Prefills every trajectory's prompt once and keeps its fp16 next-token distributions."""
+        for i, traj in enumerate(trajectories):
+            self._check_fits(f"trajectory {i}", len(traj.prompt_ids) + len(traj.tokens))
+            ref = traj.reference_logits.to(self.device).float()
+            state = self._record(torch.tensor([traj.prompt_ids]))
+            self.trajectories.append(_PreparedTrajectory(state, torch.tensor(traj.tokens), ref.log_softmax(-1),
+                                                         ref.argmax(-1)))
+
+    @torch.inference_mode()
+    def continuations(self, prompts: list[list[int]], n_tokens: int) -> list[list[int]]:
+        """The unquantized model's greedy continuations of `prompts`, exactly n_tokens each (no stop),
+        in one batch: the fidelity trajectories."""
+        from pnmix.config import preset
+
+        for i, p in enumerate(prompts):
+            self._check_fits(f"trajectory {i}", len(p) + n_tokens)
+        states = [record_prefill(self.model, torch.tensor([p])) for p in prompts]
+        out: list[list[int]] = []
+        for rows in self._batches(states, n_tokens):
+            tokens = self.greedy(preset("fp16"), [states[i] for i in rows], n_tokens, stop=False)
+            out.extend(tokens.tolist())
+        return out
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def _state_bytes_per_token(self) -> int:
+        text = self.model.config.get_text_config(decoder=True)
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return 2 * text.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
+
+    def state_bytes(self) -> int:
+        """Bytes the recorded states hold (items and trajectory prompts)."""
+        return sum(s.nbytes() for ss in self.states.values() for s in ss) + sum(
+            t.state.nbytes() for t in self.trajectories)
+
+    def _batches(self, states: list[PrefillState], new_tokens: int) -> list[range]:
+        """Consecutive index ranges whose decode fits the memory budget."""
+        per_token = self._state_bytes_per_token() * DECODE_BYTES_FACTOR
+        room = BATCH_MEMORY_SHARE * self._budget
+        out, start, used = [], 0, 0.0
+        for i, s in enumerate(states):
+            need = (s.length + new_tokens) * per_token
+            if i > start and used + need > room:
+                out.append(range(start, i))
+                start, used = i, 0.0
+            used += need
+        out.append(range(start, len(states)))
+        return out
+
+    def _on_device(self, states: list[PrefillState]) -> list[PrefillState]:
+        return [s if s.logits.device == self.device else s.to(self.device) for s in states]
+
+    # -- item tasks ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def answers(self, config: PNMixConfig, task: str, start: int = 0) -> list[str]:
+        """The greedy answer under `config` of every item of `task` from index `start` on, decoded."""
+        items, states = self.items[task][start:], self.states[task][start:]
+        new = max(item.max_new_tokens for item in items)
+        texts: list[str] = []
+        for rows in self._batches(states, new):
+            tokens = self.greedy(config, self._on_device([states[i] for i in rows]), new)
+            for row, i in enumerate(rows):
+                seq = tokens[row, : items[i].max_new_tokens].tolist()
+                texts.append(str(self.tokenizer.decode(self._until_eos(seq), skip_special_tokens=True)))
+        return texts
+
+    def outcomes(self, config: PNMixConfig, task: str, start: int = 0) -> list[float]:
+        """1.0 for every item (from index `start` on) answered correctly under `config`, else 0.0."""
+        answers = self.answers(config, task, start)
+        return [float(item.is_correct(text)) for item, text in zip(self.items[task][start:], answers, strict=True)]
+
+    def _until_eos(self, seq: list[int]) -> list[int]:
+        eos = self.eos if isinstance(self.eos, list) else [self.eos]
+        for j, t in enumerate(seq):
+            if t in eos:
+                return seq[: j + 1]
+        return seq
+
+    def greedy(self, config: PNMixConfig, states: list[PrefillState], new_tokens: int,
+                stop: bool = True) -> torch.Tensor:
+        """Greedy tokens [B, new_tokens] after each state's prompt (the first from its logits).
+
+        stop=False never ends a row and never picks the end-of-sequence token (as `generate` with
+        min_new_tokens does), for trajectories of an exact length.
+        """
+        head_dim = states[0].keys[0].shape[-1]
+        eos = torch.tensor(self.eos if isinstance(self.eos, list) else [self.eos], device=self.device)
+        logits0 = torch.stack([s.logits for s in states])
+        if not stop:
+            logits0[:, eos] = float("-inf")
+        first = logits0.argmax(-1)
+        method = static_method(config, self.device, head_dim) if self.device.type == "cuda" and stop else None
+        cache = build_cache(self.model, config, states)
+        if method is not None:
+            gen = StaticGenerator(self.model, method, max_len=max(s.length for s in states) + new_tokens)
+            gen.start(cache, first)
+            del cache
+            steps = [first]
+            for _ in range(new_tokens - 1):
+                steps.append(gen.step().clone())
+            return torch.stack(steps, dim=1)
+        kw = cache_kwargs(self.model, cache)
+        ids = first[:, None]
+        pos = torch.tensor([[s.length] for s in states], device=self.device)
+        steps = [first]
+        done = torch.isin(first, eos) & stop
+        for _ in range(new_tokens - 1):
+            if stop and bool(done.all()):  # every row has ended: what follows is cut off anyway
+                steps.append(first.new_full(first.shape, int(eos[0])))
+                continue
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **self._last_only, **kw).logits
+            last = logits[:, -1]
+            if not stop:
+                last[:, eos] = float("-inf")
+            nxt = last.argmax(-1)
+            steps.append(nxt)
+            done |= torch.isin(nxt, eos)
+            ids, pos = nxt[:, None], pos + 1
+        return torch.stack(steps, dim=1)
+
+    # -- fidelity --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def fidelity(self, config: PNMixConfig, chunk: int = REPLAY_CHUNK) -> list[tuple[float, float]]:
+        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory under `config`."""
+        trajs = self.trajectories
+        if not trajs:
+            return []
+        n = int(trajs[0].tokens.numel())
+        out: list[tuple[float, float]] = []
+        for rows in self._batches([t.state for t in trajs], n):
+            batch = [trajs[i] for i in rows]
+            states = self._on_device([t.state for t in batch])
+            cache = build_cache(self.model, config, states, multi_token=True)
+            kw = cache_kwargs(self.model, cache)
+            lengths = torch.tensor([s.length for s in states], device=self.device)
+            tokens = torch.stack([t.tokens for t in batch]).to(self.device)  # [B, n]
+            pieces = [torch.stack([s.logits for s in states])[:, None]]  # [B, 1, V]: predicts token 0
+            for start in range(0, n - 1, chunk):
+                ids = tokens[:, start : min(start + chunk, n - 1)]
+                pos = lengths[:, None] + start + torch.arange(ids.shape[1], device=self.device)
+                pieces.append(self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw).logits.float())
+            del cache
+            logits = torch.cat(pieces, dim=1)  # [B, n, V]
+            for row, traj in enumerate(batch):
+                log_p, log_q = traj.ref_logp, logits[row].log_softmax(-1)
+                kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # as tuner.fidelity.replay
+                agree = (logits[row].argmax(-1) == traj.ref_top).float()
+                out.append((float(agree.mean()), float(kl.mean())))
+        return out
