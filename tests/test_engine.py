@@ -14,7 +14,7 @@ from pnmix.generation import cache_kwargs, generate, new_cache
 from pnmix.prefill import build_cache, record_prefill
 from pnmix.static import StaticGenerator
 from tuner import stats, tasks
-from tuner.engine import ScoringEngine, Trajectory
+from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory
 from tuner.fidelity import reference_logits, replay, trajectory
 from tuner.profiles import EvalError
 
@@ -116,6 +116,18 @@ def test_continuations_are_greedy_fp16_of_exact_length():
     got = engine.continuations([p[0].tolist() for p in prompts], 50)
     for p, cont in zip(prompts, got, strict=True):
         assert cont == trajectory(model, p, 50)
+
+
+@pytest.mark.parametrize("name", ["pnmix", "fp16", "kivi", "keys_only"])
+def test_cost_bytes_equal_those_of_generate_on_the_same_workload(name):
+    model = tiny_model("llama", seed=2)
+    model.resize_token_embeddings(4096)  # the workload's random ids reach 4000
+    config = CONFIGS[name].with_(group_size=64, residual_len=128) if name != "fp16" else CONFIGS[name]
+    kv_bytes, tok_s, peak = ScoringEngine(model, tokenizer=None).measure_cost(config, seed=3)
+    ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=torch.Generator().manual_seed(3))
+    _, cache = generate(model, ids, config, max_new_tokens=COST_NEW_TOKENS, min_new_tokens=COST_NEW_TOKENS)
+    assert kv_bytes == cache.nbytes()["total"]
+    assert tok_s > 0 and peak is None
 
 
 def test_an_item_longer_than_the_context_is_refused_in_one_line(embedded):

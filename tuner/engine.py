@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pnmix.cache import PNMixLayer
 from pnmix.config import PNMixConfig
 from pnmix.generation import cache_kwargs
 from pnmix.prefill import PrefillState, build_cache, record_prefill
@@ -39,6 +41,8 @@ from tuner.fidelity import REPLAY_CHUNK
 from tuner.profiles import EvalError
 from tuner.tasks import Item
 
+COST_PROMPT_TOKENS = 512  # the fixed workload of measured bytes and decode throughput
+COST_NEW_TOKENS = 32
 STATE_DEVICE_SHARE = 0.4  # of the device's free memory that the recorded states may take
 BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decode batch may take
 DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
@@ -91,7 +95,8 @@ class ScoringEngine:
                  memory_bytes: int | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
-        self.eos = model.config.eos_token_id
+        eos = model.config.eos_token_id  # an id, a list of ids, or None (random-weight shape models)
+        self.eos: list[int] = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         self.progress = progress or (lambda message: None)
         self.context = getattr(model.config, "max_position_embeddings", None)
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -100,6 +105,7 @@ class ScoringEngine:
         self.items: dict[str, list[Item]] = {}
         self.states: dict[str, list[PrefillState]] = {}
         self.trajectories: list[_PreparedTrajectory] = []
+        self._cost_state: PrefillState | None = None
 
     def _check_fits(self, what: str, tokens: int) -> None:
         """One line, before any work, for a prompt the model or the memory cannot take."""
@@ -119,12 +125,19 @@ class ScoringEngine:
                 return state.to("cpu")
         return state
 
-    def add_items(self, task: str, items: list[Item]) -> None:
-        """Prefills every item's chat prompt once (exactly, unquantized) and adds it to `task`'s items."""
+    def add_items(self, task: str, items: list[Item], prompt_ids: list[list[int]] | None = None) -> None:
+        """Prefills every item's chat prompt once (exactly, unquantized) and adds it to `task`'s items.
+
+        prompt_ids, if given, are the token ids to prefill instead of the tokenized chat prompts
+        (synthetic timing workloads on models without a tokenizer).
+        """
         from pnmix.cli import chat_ids
 
         have = len(self.items.get(task, []))
-        prompts = [chat_ids(self.tokenizer, item.prompt)["input_ids"] for item in items]
+        if prompt_ids is not None:
+            prompts = [torch.tensor([ids]) for ids in prompt_ids]
+        else:
+            prompts = [chat_ids(self.tokenizer, item.prompt)["input_ids"] for item in items]
         for i, (item, ids) in enumerate(zip(items, prompts, strict=True)):
             self._check_fits(f"{task} item {have + i}", ids.shape[1] + item.max_new_tokens)
         self.progress(f"prefilling {len(items)} {task} items once")
@@ -203,7 +216,8 @@ class ScoringEngine:
             tokens = self.greedy(config, self._on_device([states[i] for i in rows]), new)
             for row, i in enumerate(rows):
                 seq = tokens[row, : items[i].max_new_tokens].tolist()
-                texts.append(str(self.tokenizer.decode(self._until_eos(seq), skip_special_tokens=True)))
+                ended = self._until_eos(seq)
+                texts.append(str(self.tokenizer.decode(ended, skip_special_tokens=True)) if self.tokenizer else "")
         return texts
 
     def outcomes(self, config: PNMixConfig, task: str, start: int = 0) -> list[float]:
@@ -212,9 +226,8 @@ class ScoringEngine:
         return [float(item.is_correct(text)) for item, text in zip(self.items[task][start:], answers, strict=True)]
 
     def _until_eos(self, seq: list[int]) -> list[int]:
-        eos = self.eos if isinstance(self.eos, list) else [self.eos]
         for j, t in enumerate(seq):
-            if t in eos:
+            if t in self.eos:
                 return seq[: j + 1]
         return seq
 
@@ -226,7 +239,7 @@ class ScoringEngine:
         min_new_tokens does), for trajectories of an exact length.
         """
         head_dim = states[0].keys[0].shape[-1]
-        eos = torch.tensor(self.eos if isinstance(self.eos, list) else [self.eos], device=self.device)
+        eos = torch.tensor(self.eos, dtype=torch.long, device=self.device)
         logits0 = torch.stack([s.logits for s in states])
         if not stop:
             logits0[:, eos] = float("-inf")
@@ -290,3 +303,71 @@ class ScoringEngine:
                 agree = (logits[row].argmax(-1) == traj.ref_top).float()
                 out.append((float(agree.mean()), float(kl.mean())))
         return out
+
+    # -- cost ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def measure_cost(self, config: PNMixConfig, seed: int = 0) -> tuple[int, float, int | None]:
+        """(bytes the cache holds, decode tokens/s, peak device bytes) on the fixed workload: a
+        prompt of COST_PROMPT_TOKENS random ids (prefilled once), then COST_NEW_TOKENS new tokens.
+
+        Bytes: `cache.nbytes()` of the config's cache built from that prefill after the new tokens
+        went through its own decode-time append, one at a time (the bytes depend on the token
+        counts, not on their values). Tokens/s: on CUDA the static CUDA-graph path started from
+        that cache (what serving runs), else greedy decode on the dynamic cache, the first two
+        steps untimed. Peak (CUDA only): the model's weights plus what the workload allocates at
+        its peak, so that the states this engine keeps for scoring do not count.
+        """
+        if self._cost_state is None:
+            rng = torch.Generator().manual_seed(seed)
+            ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng)
+            self._cost_state = record_prefill(self.model, ids)
+        state = self._on_device([self._cost_state])[0]
+        cache = build_cache(self.model, config, [state])
+        for li, layer in enumerate(la for la in cache.layers if isinstance(la, PNMixLayer)):
+            k, v = state.keys[li][None, :, -1:], state.values[li][None, :, -1:]
+            for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
+                layer.append(k, v)
+        kv_bytes = int(cache.nbytes()["total"])
+        del cache
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        head_dim = state.keys[0].shape[-1]
+        method = static_method(config, self.device, head_dim) if cuda else None
+        first = state.logits.argmax(-1)[None]
+        cache = build_cache(self.model, config, [state])
+        timed = COST_NEW_TOKENS - 3
+        if method is not None:
+            static = StaticGenerator(self.model, method, max_len=COST_PROMPT_TOKENS + COST_NEW_TOKENS)
+            static.start(cache, first)
+            del cache
+            for _ in range(2):  # compile and capture
+                static.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(timed):
+                static.step()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        else:
+            kw = cache_kwargs(self.model, cache)
+            ids, pos = first[:, None], torch.tensor([[state.length]], device=self.device)
+            t0 = 0.0
+            for step in range(timed + 2):
+                if step == 2:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **self._last_only, **kw).logits
+                ids, pos = logits[:, -1].argmax(-1, keepdim=True), pos + 1
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        peak = None
+        if cuda:
+            weights = sum(p.nbytes for p in self.model.parameters())
+            peak = weights + int(torch.cuda.max_memory_allocated(self.device)) - before
+        return kv_bytes, timed / seconds, peak

@@ -37,8 +37,6 @@ DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
 ITEM_TASKS = ("passkey", "kv_lookup", "gsm8k")
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
 PREPARATION_VERSION = 3
-COST_PROMPT_TOKENS = 512  # fixed workload for measured bytes and decode throughput
-COST_NEW_TOKENS = 32
 
 
 @dataclass
@@ -110,8 +108,12 @@ class Evaluator:
     # -- preparation (fp16 runs, cached) ---------------------------------------------------------
 
     def _cache_file(self) -> Path:
+        import hashlib
+
         safe = self.model_name.replace("/", "_")
-        name = f"{self.profile.name}-seed{self.seed}-v{PREPARATION_VERSION}.json"
+        # The profile's knobs are part of the key: a changed profile never reads another's items.
+        knobs = hashlib.sha256(repr(asdict(self.profile)).encode()).hexdigest()[:10]
+        name = f"{self.profile.name}-{knobs}-seed{self.seed}-v{PREPARATION_VERSION}.json"
         return models.cache_dir() / "eval" / safe / name
 
     def _read_cached(self, path: Path) -> dict[str, Any] | None:
@@ -292,37 +294,9 @@ class Evaluator:
             timings=timings,
         )
 
-    @torch.inference_mode()
     def measure_cost(self, config: PNMixConfig) -> tuple[int, float, int | None]:
-        """Bytes held after a fixed workload (512-token prompt, 32 new tokens) and its decode tokens/s.
-
-        On CUDA, throughput and peak memory come from the static path (pnmix/static.py: static
-        cache, decode step replayed as a CUDA graph), which is what serving would run; `generate`
-        is host-bound there. Configs the static path does not cover, and the CPU, time `generate`.
-        """
-        from pnmix.generation import generate
-        from pnmix.static import decode_cost, static_method
-
-        gen = torch.Generator().manual_seed(self.seed)
-        ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=gen).to(self.model.device)
-        cuda = self.model.device.type == "cuda"
-        method = static_method(config, self.model.device, self.head_dim) if cuda else None
-        if method is not None:
-            _, cache = generate(self.model, ids, config, max_new_tokens=COST_NEW_TOKENS,
-                                min_new_tokens=COST_NEW_TOKENS)
-            tok_s, static_peak = decode_cost(self.model, method, ids, COST_NEW_TOKENS)
-            return int(cache.nbytes()["total"]), tok_s, static_peak
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        # Time decode alone: a 1-token run measures prefill, subtracted from the full run.
-        t0 = time.perf_counter()
-        generate(self.model, ids, config, max_new_tokens=1, min_new_tokens=1)
-        t1 = time.perf_counter()
-        _, cache = generate(self.model, ids, config, max_new_tokens=COST_NEW_TOKENS, min_new_tokens=COST_NEW_TOKENS)
-        t2 = time.perf_counter()
-        decode_s = max((t2 - t1) - (t1 - t0), 1e-6)
-        peak = int(torch.cuda.max_memory_allocated()) if cuda else None
-        return int(cache.nbytes()["total"]), (COST_NEW_TOKENS - 1) / decode_s, peak
+        """(bytes held, decode tokens/s, peak device bytes) on the fixed cost workload (tuner/engine.py)."""
+        return self.engine.measure_cost(config, self.seed)
 
     def _backend_label(self) -> str:
         """What runs PN-Mix attention here: the kernels on CUDA unless the torch path is forced."""

@@ -36,9 +36,9 @@ class Profile:
 # Sized so that in `full` the combined accuracy's standard error stays <= 0.02 for configs
 # scoring 0.5-0.9 (tuner/stats.py): at p = 0.5, 100 items give an item part 0.05, weighted 0.25.
 PROFILES = {
-    "quick": Profile("quick", passkey_items=12, passkey_filler=(40, 110), passkey_digits=7, passkey_distractors=2,
-                     kv_items=12, kv_pairs=(16, 48), kv_digits=7, kv_near_miss=2,
-                     fidelity_prompts=4, fidelity_tokens=512, proxy_tokens=256),
+    "quick": Profile("quick", passkey_items=12, passkey_filler=(24, 64), passkey_digits=7, passkey_distractors=2,
+                     kv_items=12, kv_pairs=(12, 36), kv_digits=7, kv_near_miss=2,
+                     fidelity_prompts=2, fidelity_tokens=512, proxy_tokens=256),
     "full": Profile("full", passkey_items=100, passkey_filler=(40, 200), passkey_digits=7, passkey_distractors=3,
                     kv_items=100, kv_pairs=(20, 80), kv_digits=7, kv_near_miss=3,
                     fidelity_prompts=8, fidelity_tokens=512, proxy_tokens=512),
