@@ -31,11 +31,15 @@ import torch
 
 CONFIGS = "fp16,kivi2,pnmix-paper,kitty,kivi1"
 LOG: list[str] = []
+LOG_FILE: list[Path] = []  # written through, so a run cut short keeps what it measured
 
 
 def log(message: str) -> None:
     print(message, flush=True)
     LOG.append(message)
+    if LOG_FILE:
+        with LOG_FILE[0].open("a") as f:
+            f.write(message + "\n")
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -227,18 +231,23 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    LOG_FILE.append(out / "bench_trial.log")
+    LOG_FILE[0].write_text("")
     res: dict[str, Any] = {"env": environment(args.device), "args": vars(args)}
     log(json.dumps(res["env"]))
+    def save() -> None:
+        (out / "bench_trial.json").write_text(json.dumps(res, indent=1, default=str))
+
     try:
         ev = bench_embedded(args, res)
+        save()
+        if args.shape_model:
+            bench_shape(args, ev, res)
+            save()
         if args.equality_items:
             bench_equality(args, ev, res)
-        if args.shape_model:
-            del ev.loaded, ev.model
-            bench_shape(args, ev, res)
     finally:
-        (out / "bench_trial.json").write_text(json.dumps(res, indent=1, default=str))
-        (out / "bench_trial.log").write_text("\n".join(LOG) + "\n")
+        save()
     emb = res["embedded"]["configs"]
     log("\n| config | engine s | reference s | ratio | accuracy +- SE |")
     log("| --- | --- | --- | --- | --- |")
