@@ -191,6 +191,13 @@ class Evaluator:
                 right += [tried + i for i, hit in enumerate(hits) if hit]
                 tried += len(batch)
             engine.keep_items(name, right[: wanted[name]])
+            # Scored as one batch, an item can come out otherwise than in its filtering batch (bf16
+            # sums depend on the batch): re-answer the kept set as scoring will, until fp16 passes all.
+            for _ in range(3):
+                hits = engine.outcomes(fp16, name)
+                if all(hits):
+                    break
+                engine.keep_items(name, [i for i, hit in enumerate(hits) if hit])
             kept[name] = engine.items[name]
         from pnmix.cli import chat_ids
 
