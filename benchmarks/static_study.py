@@ -329,17 +329,15 @@ def part_fullkernel(res: dict) -> None:
 
 def part_tuner_cost(res: dict, model: Any) -> None:
     """The tuner's cost measurement on CUDA (static path) for the embedded model, as a trial runs it."""
-    from types import SimpleNamespace
-
     from pnmix.config import preset
-    from tuner.evaluate import Evaluator
+    from tuner.engine import ScoringEngine
 
     res["tuner_cost"] = {}
+    engine = ScoringEngine(model, None)
     for name in METHODS:
-        ev = SimpleNamespace(model=model, seed=0, head_dim=64)
-        kv_bytes, tok_s, peak = Evaluator.measure_cost(ev, preset(name))
+        kv_bytes, tok_s, peak = engine.measure_cost(preset(name))
         res["tuner_cost"][name] = {"kv_bytes": kv_bytes, "tok_s": tok_s, "peak_bytes": peak}
-        log(f"[tuner] {name}: kv {kv_bytes / 1024:.0f} KiB, {tok_s:.1f} tok/s, peak {peak / 2**20:.0f} MiB")
+        log(f"[tuner] {name}: kv {kv_bytes / 1024:.0f} KiB, {tok_s:.1f} tok/s, peak {(peak or 0) / 2**20:.0f} MiB")
 
 
 def part_equality(res: dict, gguf: str) -> None:

@@ -107,8 +107,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-TEST_PROFILE = Profile("test", passkey_items=2, passkey_filler=(8, 12), kv_items=2, kv_pairs=(10, 20),
-                       fidelity_prompts=1, fidelity_tokens=96, proxy_tokens=160)
+TEST_PROFILE = Profile("test", passkey_items=2, passkey_filler=(8, 12), passkey_digits=5, passkey_distractors=1,
+                       kv_items=2, kv_pairs=(10, 20), kv_digits=5, kv_near_miss=1,
+                       fidelity_prompts=2, fidelity_tokens=96, proxy_tokens=160)
 
 
 def test_evaluation_on_the_embedded_model(embedded):
@@ -129,6 +130,10 @@ def test_evaluation_on_the_embedded_model(embedded):
     # Determinism: a second evaluator (from the on-disk cache) gives the same score.
     again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0).evaluate(preset("kivi1"))
     assert again.accuracy == one_bit.accuracy and again.parts == one_bit.parts
+    # Every part carries its per-unit outcomes and a standard error computed from them.
+    assert again.units["passkey"] == one_bit.units["passkey"] and len(one_bit.units["fidelity"]) == 2
+    assert one_bit.accuracy_se is not None and 0 < one_bit.accuracy_se < 0.5
+    assert fp16.accuracy_se < 1e-6 and one_bit.parts_se["fidelity"] > 0
     assert ev.proxy(preset("kivi1")) > ev.proxy(preset("kivi2")) > 0
 
 
