@@ -137,6 +137,20 @@ def test_evaluation_on_the_embedded_model(embedded):
     assert ev.proxy(preset("kivi1")) > ev.proxy(preset("kivi2")) > 0
 
 
+def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedded, capsys):
+    ev = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
+    path = ev._cache_file()
+    ev.prepare()
+    good = json.loads(path.read_text())
+    path.write_text('{"items": {"passkey": [{"task": "passkey"')  # cut off mid-write
+    again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
+    data = again.prepare()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is unreadable" in err[0] and "rebuilding it" in err[0] and str(path) in err[0]
+    assert json.loads(path.read_text()) == good  # rebuilt to the same items
+    assert [it.answer for it in data["items"]["passkey"]] == [it["answer"] for it in good["items"]["passkey"]]
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
