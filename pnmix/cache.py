@@ -74,9 +74,24 @@ def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor,
     return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
 
 
-class PNMixLayer(CacheLayerMixin):
+class SeenTokensLayer(CacheLayerMixin):
+    """transformers' layer protocol for layers whose masks count every token seen (`seen`)."""
+
     is_compileable = False
     is_sliding = False
+    seen = 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PNMixLayer(SeenTokensLayer):
     is_croppable = False
 
     def __init__(self, config: PNMixConfig, pairing: Pairing, layer_idx: int) -> None:
@@ -125,15 +140,6 @@ class PNMixLayer(CacheLayerMixin):
         self.seen += key_states.shape[-2]
         step = LayerStep(self, key_states, value_states)
         return step, step
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.is_initialized = False

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from pnmix.cache import LayerStep, PNMixCache, PNMixLayer
+from pnmix.cache import LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
 from pnmix.config import PNMixConfig
 from pnmix.families import check_model, rope_pairing
 from pnmix.generation import cache_kwargs, use_pnmix_attention
@@ -59,11 +59,8 @@ class PrefillState:
                             {c: [t.to(device) for t in ts] for c, ts in self.scores.items()}, self.logits.to(device))
 
 
-class _RecordingLayer(CacheLayerMixin):
+class _RecordingLayer(SeenTokensLayer):
     """Takes the place of a `PNMixLayer` for one prefill: keeps the states instead of quantizing them."""
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(self, pairing: Pairing) -> None:
         super().__init__()
@@ -89,14 +86,6 @@ class _RecordingLayer(CacheLayerMixin):
         self.recorded = (key[0].clone(), value[0].clone())
         self.prefilled = True
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class _RecordingCache(Cache):
