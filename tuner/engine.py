@@ -210,6 +210,8 @@ class ScoringEngine:
     def answers(self, config: PNMixConfig, task: str, start: int = 0) -> list[str]:
         """The greedy answer under `config` of every item of `task` from index `start` on, decoded."""
         items, states = self.items[task][start:], self.states[task][start:]
+        if not items:
+            return []
         new = max(item.max_new_tokens for item in items)
         texts: list[str] = []
         for rows in self._batches(states, new):

@@ -69,7 +69,8 @@ class StubEvaluator:
         versions = {"stub": "1", **({"payload": self.payload} if self.payload else {})}
         score = SimpleNamespace(accuracy=accuracy, parts={"stub": accuracy}, kv_bytes=int(bits * 1000),
                                 decode_tokens_per_s=100.0 / bits, backend="stub", device="stub", versions=versions,
-                                fidelity_kl=0.0, fidelity_agreement=1.0, seconds=self.sleep_s)
+                                fidelity_kl=0.0, fidelity_agreement=1.0, seconds=self.sleep_s, accuracy_se=0.01,
+                                parts_se={"stub": 0.01}, units={"stub": [accuracy]}, timings={"stub": self.sleep_s})
         if self.log:
             with open(self.log, "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "config": config.to_dict(), "accuracy": accuracy}) + "\n")
