@@ -145,8 +145,9 @@ def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedd
     path.write_text('{"items": {"passkey": [{"task": "passkey"')  # cut off mid-write
     again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
     data = again.prepare()
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.splitlines() if "cached preparation" in line]
     assert len(err) == 1 and "is unreadable" in err[0] and "rebuilding it" in err[0] and str(path) in err[0]
+    assert err[0].startswith("warning: ")
     assert json.loads(path.read_text()) == good  # rebuilt to the same items
     assert [it.answer for it in data["items"]["passkey"]] == [it["answer"] for it in good["items"]["passkey"]]
 
