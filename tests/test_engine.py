@@ -148,8 +148,8 @@ def test_items_that_do_not_fit_memory_are_refused_in_one_line(embedded):
 def test_batched_answers_agree_with_per_item_answers_on_the_embedded_model(embedded):
     """fp32 on the CPU: batching reorders float sums, so a code on a rounding boundary may flip."""
     engine = ScoringEngine(embedded.model, embedded.tokenizer)
-    items = tasks.passkey_items(5, seed=3, filler_sentences=(6, 24), digits=5)
-    items += tasks.kv_lookup_items(5, seed=3, pairs=(6, 16), digits=5)
+    items = tasks.passkey_items(3, seed=3, filler_sentences=(6, 20), digits=5)
+    items += tasks.kv_lookup_items(3, seed=3, pairs=(6, 14), digits=5)
     engine.add_items("mixed", items)
     same = total = 0
     for name in ("fp16", "pnmix-paper", "kivi2", "kitty", "kivi1"):
@@ -157,7 +157,7 @@ def test_batched_answers_agree_with_per_item_answers_on_the_embedded_model(embed
         for item, text in zip(items, engine.answers(config, "mixed"), strict=True):
             same += text == tasks.answer(embedded.model, embedded.tokenizer, config, item)
             total += 1
-    assert total == 50 and same >= 49, f"{same}/{total} answers equal"
+    assert total == 30 and same >= 29, f"{same}/{total} answers equal"
 
 
 # -- standard errors -------------------------------------------------------------------------------
