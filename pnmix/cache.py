@@ -180,11 +180,7 @@ class PNMixLayer(SeenTokensLayer):
         """
         h, _, d = keys[0].shape
         self._allocate(len(keys), h, d, keys[0].dtype, keys[0].device)
-        if scores is not None and self.n_salient:
-            self.salient_pairs = select_salient_pairs(scores, self.n_salient).to(torch.int16)
-        if self.use_kernels:  # [triton] the kernel reads channels in an order that follows the salient set
-            self.channel_order = backend.channel_order(self.salient_channels_all(), self.head_dim)
-        self.prefilled = True
+        self._choose_salient(scores if self.n_salient else None)
         self.seen = max(k.shape[1] for k in keys)
         self._store_batched(keys, values)
 
@@ -271,13 +267,17 @@ class PNMixLayer(SeenTokensLayer):
 
     def _store_prefill(self, scores: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Selects the salient pairs from `scores` [B, H_kv, d/2] and stores each sequence's tokens."""
+        self._choose_salient(scores)
+        for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self._append(b, k, v, prefill=True)
+
+    def _choose_salient(self, scores: torch.Tensor | None) -> None:
+        """The salient pairs from `scores` [B, H_kv, d/2] (None: none salient); the layer is prefilled after."""
         if scores is not None:
             self.salient_pairs = select_salient_pairs(scores, self.n_salient).to(torch.int16)
         if self.use_kernels:  # [triton] the kernel reads channels in an order that follows the salient set
             self.channel_order = backend.channel_order(self.salient_channels_all(), self.head_dim)
         self.prefilled = True
-        for b, (k, v) in enumerate(zip(keys, values, strict=True)):
-            self._append(b, k, v, prefill=True)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Decode-time append: key/value [B, H_kv, n, d], every token real."""

@@ -34,7 +34,6 @@ Progress = Callable[[str], None]
 
 TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
-ITEM_TASKS = ("passkey", "kv_lookup", "gsm8k")
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
 PREPARATION_VERSION = 3
 

@@ -26,8 +26,6 @@ from collections.abc import Mapping, Sequence
 
 from tuner.profiles import WEIGHTS
 
-ITEM_PARTS = ("passkey", "kv_lookup", "gsm8k")
-
 
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
