@@ -49,13 +49,35 @@ class StaticStep:
     values: torch.Tensor
 
 
+@dataclass
+class Flushed:
+    """A residual block that a multi-token step quantized: its unquantized tokens, and from which
+    query position on the block is seen quantized.
+
+    Token-by-token decode quantizes the block when its last token is appended, so every earlier
+    query of the step saw it unquantized. Keeping that copy for them makes a step of n tokens
+    attend exactly as n single-token steps do, whatever n is (teacher-forced replays).
+    """
+
+    row: int
+    start: int  # position of the block's first token
+    keys: torch.Tensor  # [H_kv, R, d], as they were in the residual buffer
+    values: torch.Tensor
+
+    @property
+    def quantized_from(self) -> int:
+        return self.start + self.keys.shape[-2] - 1
+
+
 def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor, lengths: list[int],
-                scaling: float) -> torch.Tensor:
+                scaling: float, flushed: list[Flushed] | None = None) -> torch.Tensor:
     """Attention of the newest q_len tokens of every sequence over a token-ordered view (causal).
 
     query [B, Hq, q_len, d]; view_k/view_v [B, H_kv, >= max(lengths), d], sequence b's tokens in
     its first lengths[b] slots -> [B, q_len, Hq, d]. The torch path of both the dynamic cache and
     the static one (pnmix/static.py) attend here, so given the same view they agree bit for bit.
+    `flushed`: blocks this step quantized; queries before a block's flush see its unquantized
+    copy (appended as extra key slots) instead of the view's quantized one.
     """
     b, hq, q_len, d = query.shape
     kv_heads = view_k.shape[1]
@@ -65,13 +87,40 @@ def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor,
     v = view_v[:, :, :length]
     # Query head h' reads KV head h' // group: fold the group into the query axis.
     q = query.reshape(b, kv_heads, group * q_len, d)
-    lens = torch.tensor(lengths, device=query.device)
-    pos = torch.arange(length, device=query.device)
-    q_pos = (lens[:, None] - q_len + torch.arange(q_len, device=query.device))  # [B, q_len]
+    dev = query.device
+    lens = torch.tensor(lengths, device=dev)
+    pos = torch.arange(length, device=dev)
+    q_pos = (lens[:, None] - q_len + torch.arange(q_len, device=dev))  # [B, q_len]
     mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
+    if flushed:
+        k, v, mask = _with_flushed(k, v, mask, q_pos, flushed)
     mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
+
+
+def _with_flushed(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: torch.Tensor,
+                  flushed: list[Flushed]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The view's keys/values and mask [B, q_len, L] extended by the flushed blocks' copies."""
+    b, h, _, d = k.shape
+    per_row = [[f for f in flushed if f.row == row] for row in range(b)]
+    slots = max(sum(f.keys.shape[-2] for f in fs) for fs in per_row)
+    ek = k.new_zeros((b, h, slots, d))
+    ev = v.new_zeros((b, h, slots, d))
+    extra = torch.zeros((b, q_pos.shape[1], slots), dtype=torch.bool, device=k.device)
+    mask = mask.clone()
+    for row, fs in enumerate(per_row):
+        at = 0
+        for f in fs:
+            n = f.keys.shape[-2]
+            early = q_pos[row] < f.quantized_from  # [q_len]: queries that saw the block unquantized
+            ek[row, :, at : at + n], ev[row, :, at : at + n] = f.keys, f.values
+            tokens = torch.arange(f.start, f.start + n, device=k.device)
+            seen = tokens[None, :] <= q_pos[row][:, None]  # [q_len, n]
+            extra[row, :, at : at + n] = seen & early[:, None]
+            mask[row, :, f.start : f.start + n] &= ~early[:, None]
+            at += n
+    return torch.cat([k, ek], dim=2), torch.cat([v, ev], dim=2), torch.cat([mask, extra], dim=2)
 
 
 class SeenTokensLayer(CacheLayerMixin):
@@ -127,6 +176,7 @@ class PNMixLayer(SeenTokensLayer):
         self.group_capacity = 0
         self.view_k = torch.zeros((b, h, 0, d), dtype=dt, device=dev)
         self.view_v = torch.zeros_like(self.view_k)
+        self.flushed: list[Flushed] = []
         # [triton] Kernel path (pnmix/backend.py): pack and attend with kernels/, keep no dequantized view.
         self.use_kernels = backend.use_triton(dev, cfg, d)
         # The kernel path keeps no view, unless the cache serves multi-token steps (teacher forcing).
@@ -281,10 +331,12 @@ class PNMixLayer(SeenTokensLayer):
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Decode-time append: key/value [B, H_kv, n, d], every token real."""
+        self.flushed: list[Flushed] = []  # what this step quantizes, if it has several tokens
         for b in range(self.batch):
-            self._append(b, key[b], value[b])
+            self._append(b, key[b], value[b], keep_flushed=key.shape[-2] > 1)
 
-    def _append(self, b: int, k: torch.Tensor, v: torch.Tensor, prefill: bool = False) -> None:
+    def _append(self, b: int, k: torch.Tensor, v: torch.Tensor, prefill: bool = False,
+                keep_flushed: bool = False) -> None:
         """Adds tokens k/v [H_kv, n, d] to sequence b: sinks first, then the residual buffer."""
         cfg = self.config
         start = self.lengths[b]
@@ -314,6 +366,9 @@ class PNMixLayer(SeenTokensLayer):
             return
         while self.res_len[b] >= cfg.residual_len:
             n = cfg.residual_len
+            if keep_flushed:
+                start = cfg.n_sink + self.n_groups[b] * cfg.group_size
+                self.flushed.append(Flushed(b, start, self.k_res[b, :, :n].clone(), self.v_res[b, :, :n].clone()))
             self._quantize(b, self.k_res[b, :, :n], self.v_res[b, :, :n])
             rest = self.res_len[b] - n
             self.k_res[b, :, :rest] = self.k_res[b, :, n : n + rest].clone()
@@ -423,7 +478,8 @@ class PNMixLayer(SeenTokensLayer):
             return backend.attend_kernels(self, query, scaling)
         # [triton] Without a kept view (kernel path, several query tokens), rebuild it from the bytes.
         view_k, view_v = (self.view_k, self.view_v) if self.keep_view else backend.dequantized_view(self)
-        return attend_view(query, view_k, view_v, self.lengths, scaling)
+        flushed, self.flushed = self.flushed, []
+        return attend_view(query, view_k, view_v, self.lengths, scaling, flushed)
 
     # -- accounting --------------------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ live prefill's code) and decodes:
   for the configs it covers (fp16, and keys and values both quantized), else on the batched
   dynamic cache, which is also the CPU path. Rows stop at the end-of-sequence token, as `generate`
   does for one item.
-- fidelity: all trajectories are teacher-forced together, REPLAY_CHUNK tokens a forward pass,
-  through caches that keep their dequantized view up to date as groups are packed (on CUDA the
-  kernels pack; the view is never rebuilt from the bytes).
+- fidelity: all trajectories are teacher-forced together, the whole trajectory in one forward
+  pass where the logits fit (`replay_chunk`), through caches that keep their dequantized view up
+  to date as groups are packed (on CUDA the kernels pack; the view is never rebuilt from the
+  bytes). A multi-token step attends exactly as token-by-token decode (`pnmix.cache.Flushed`).
 Outcomes stay per unit (each item's correctness, each trajectory's mean KL), which is what
 tuner/stats.py turns into standard errors and paired differences.
 
@@ -37,7 +38,6 @@ from pnmix.config import PNMixConfig
 from pnmix.generation import cache_kwargs
 from pnmix.prefill import PrefillState, build_cache, record_prefill
 from pnmix.static import StaticGenerator, static_method
-from tuner.fidelity import REPLAY_CHUNK
 from tuner.profiles import EvalError
 from tuner.tasks import Item
 
@@ -46,6 +46,7 @@ COST_NEW_TOKENS = 32
 STATE_DEVICE_SHARE = 0.4  # of the device's free memory that the recorded states may take
 BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decode batch may take
 DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
+LOGIT_COPIES = 4  # a replay's logits are held about this many times (float32, log-softmax, KL terms)
 
 Progress = Callable[[str], None]
 
@@ -278,8 +279,10 @@ class ScoringEngine:
     # -- fidelity --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def fidelity(self, config: PNMixConfig, chunk: int = REPLAY_CHUNK) -> list[tuple[float, float]]:
-        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory under `config`."""
+    def fidelity(self, config: PNMixConfig, chunk: int | None = None) -> list[tuple[float, float]]:
+        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory under `config`.
+
+        chunk: tokens a forward pass (default `replay_chunk`); any size gives the same scores."""
         trajs = self.trajectories
         if not trajs:
             return []
@@ -293,8 +296,9 @@ class ScoringEngine:
             lengths = torch.tensor([s.length for s in states], device=self.device)
             tokens = torch.stack([t.tokens for t in batch]).to(self.device)  # [B, n]
             pieces = [torch.stack([s.logits for s in states])[:, None]]  # [B, 1, V]: predicts token 0
-            for start in range(0, n - 1, chunk):
-                ids = tokens[:, start : min(start + chunk, n - 1)]
+            step = chunk or self.replay_chunk(len(batch), n)
+            for start in range(0, n - 1, step):
+                ids = tokens[:, start : min(start + step, n - 1)]
                 pos = lengths[:, None] + start + torch.arange(ids.shape[1], device=self.device)
                 pieces.append(self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw).logits.float())
             del cache
@@ -305,6 +309,13 @@ class ScoringEngine:
                 agree = (logits[row].argmax(-1) == traj.ref_top).float()
                 out.append((float(agree.mean()), float(kl.mean())))
         return out
+
+    def replay_chunk(self, batch: int, n_tokens: int) -> int:
+        """Tokens a replay forward pass takes: the whole trajectory when its logits fit in
+        BATCH_MEMORY_SHARE of the budget, else as many as do (at least one)."""
+        vocab = int(self.model.config.get_text_config(decoder=True).vocab_size)
+        per_token = batch * vocab * 4 * LOGIT_COPIES
+        return max(1, min(n_tokens - 1, int(BATCH_MEMORY_SHARE * self._budget) // per_token))
 
     # -- cost ------------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Long-output fidelity: teacher-forced replay of fp16 trajectories through a quantized cache.
 
 A trajectory is the unquantized model's own greedy continuation of a prompt (cached per model).
-Replaying it through a PN-Mix cache in decode-sized chunks quantizes the keys of the generated
-tokens exactly as long generation would; at every position we compare the quantized model's
+Replaying it through a PN-Mix cache in chunks of tokens quantizes the keys of the generated
+tokens exactly as long generation would (a multi-token step attends as that many single-token
+steps do: `pnmix.cache.Flushed`), so the chunk size sets only the cost; at every position we compare the quantized model's
 next-token distribution with the fp16 one: top-1 agreement and KL(p_fp16 || p_quant).
 `replay` does it for one trajectory through `model(...)` calls: the reference that the batched
 replay of the scoring engine (tuner/engine.py) is tested against.
@@ -19,7 +20,7 @@ import torch
 from pnmix.config import PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache
 
-REPLAY_CHUNK = 16  # tokens fed per forward during replay (1 would be exact decode, 16x slower)
+REPLAY_CHUNK = 16  # tokens fed per forward of the one-trajectory reference replay (any size is exact)
 
 FIDELITY_PROMPTS = (
     "Write a long story about a cartographer who maps a city that keeps changing overnight.",
