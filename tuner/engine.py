@@ -210,23 +210,37 @@ class ScoringEngine:
     @torch.inference_mode()
     def answers(self, config: PNMixConfig, task: str, start: int = 0) -> list[str]:
         """The greedy answer under `config` of every item of `task` from index `start` on, decoded."""
-        items, states = self.items[task][start:], self.states[task][start:]
-        if not items:
-            return []
-        new = max(item.max_new_tokens for item in items)
-        texts: list[str] = []
-        for rows in self._batches(states, new):
-            tokens = self.greedy(config, self._on_device([states[i] for i in rows]), new)
-            for row, i in enumerate(rows):
-                seq = tokens[row, : items[i].max_new_tokens].tolist()
-                ended = self._until_eos(seq)
-                texts.append(str(self.tokenizer.decode(ended, skip_special_tokens=True)) if self.tokenizer else "")
-        return texts
+        return self._answers(config, {task: start})[task]
 
     def outcomes(self, config: PNMixConfig, task: str, start: int = 0) -> list[float]:
         """1.0 for every item (from index `start` on) answered correctly under `config`, else 0.0."""
-        answers = self.answers(config, task, start)
-        return [float(item.is_correct(text)) for item, text in zip(self.items[task][start:], answers, strict=True)]
+        return self.all_outcomes(config, {task: start})[task]
+
+    def all_outcomes(self, config: PNMixConfig, tasks: dict[str, int]) -> dict[str, list[float]]:
+        """`outcomes` of several tasks (task -> first item index), all their items in one batch:
+        one cache build and one captured decode graph for the lot."""
+        answers = self._answers(config, tasks)
+        return {task: [float(item.is_correct(text)) for item, text in zip(self.items[task][start:], answers[task],
+                                                                           strict=True)]
+                for task, start in tasks.items()}
+
+    @torch.inference_mode()
+    def _answers(self, config: PNMixConfig, tasks: dict[str, int]) -> dict[str, list[str]]:
+        items = [it for task, start in tasks.items() for it in self.items[task][start:]]
+        states = [st for task, start in tasks.items() for st in self.states[task][start:]]
+        texts: list[str] = []
+        if items:
+            new = max(item.max_new_tokens for item in items)
+            for rows in self._batches(states, new):
+                tokens = self.greedy(config, self._on_device([states[i] for i in rows]), new)
+                for row, i in enumerate(rows):
+                    ended = self._until_eos(tokens[row, : items[i].max_new_tokens].tolist())
+                    texts.append(str(self.tokenizer.decode(ended, skip_special_tokens=True)) if self.tokenizer else "")
+        out: dict[str, list[str]] = {}
+        for task, start in tasks.items():
+            n = len(self.items[task]) - start
+            out[task], texts = texts[:n], texts[n:]
+        return out
 
     def _until_eos(self, seq: list[int]) -> list[int]:
         for j, t in enumerate(seq):
@@ -326,7 +340,7 @@ class ScoringEngine:
 
         Bytes: `cache.nbytes()` of the config's cache built from that prefill after the new tokens
         went through its own decode-time append, one at a time (the bytes depend on the token
-        counts, not on their values). Tokens/s: on CUDA the static CUDA-graph path started from
+        counts, not on their values, and are the same in every layer). Tokens/s: on CUDA the static CUDA-graph path started from
         that cache (what serving runs), else greedy decode on the dynamic cache (8 timed steps
         on the CPU), the first two steps untimed. Peak (CUDA only): the model's weights plus what
         the workload allocates at its peak, so that the states this engine keeps do not count.
@@ -337,12 +351,14 @@ class ScoringEngine:
             self._cost_state = record_prefill(self.model, ids)
         state = self._on_device([self._cost_state])[0]
         cache = build_cache(self.model, config, [state])
-        for li, layer in enumerate(la for la in cache.layers if isinstance(la, PNMixLayer)):
-            k, v = state.keys[li][None, :, -1:], state.values[li][None, :, -1:]
-            for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-                layer.append(k, v)
-        kv_bytes = int(cache.nbytes()["total"])
-        del cache
+        layers = [la for la in cache.layers if isinstance(la, PNMixLayer)]
+        # Every layer holds the same token counts in the same format, so one layer's appends give
+        # the bytes of all of them.
+        k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
+        for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
+            layers[0].append(k, v)
+        kv_bytes = len(layers) * sum(layers[0].nbytes().values())
+        del cache, layers
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

@@ -235,16 +235,17 @@ class Evaluator:
         data, engine = self.prepare(), self.engine
         units: dict[str, list[float]] = {}
         timings: dict[str, float] = {}
-        for name, items in data["items"].items():
-            if items and name in self.tasks:
-                self.progress(f"{name}: {len(items)} items")
-                t0 = time.perf_counter()
-                if reference:
+        scored = {name: items for name, items in data["items"].items() if items and name in self.tasks}
+        if scored:
+            self.progress("items: " + ", ".join(f"{len(items)} {name}" for name, items in scored.items()))
+            t0 = time.perf_counter()
+            if reference:
+                for name, items in scored.items():
                     units[name] = [float(item.is_correct(tasks_module.answer(self.model, self.tokenizer, config, item)))
                                    for item in items]
-                else:
-                    units[name] = engine.outcomes(config, name)
-                timings[name] = time.perf_counter() - t0
+            else:  # every task's items in one batch
+                units.update(engine.all_outcomes(config, {name: 0 for name in scored}))
+            timings["items"] = time.perf_counter() - t0
         agreements: list[float] = []
         if "fidelity" in self.tasks and data["trajectories"]:
             self.progress(f"long-output fidelity: {len(data['trajectories'])} trajectories")
