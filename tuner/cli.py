@@ -1,4 +1,4 @@
-"""Tuner commands: eval, tune, worker, fronts, recommend, export, dashboard and the main job `run`."""
+"""Tuner commands: eval, sweep, tune, worker, fronts, recommend, export, dashboard and the main job `run`."""
 
 from __future__ import annotations
 
@@ -151,19 +151,26 @@ StorageOpt = Annotated[str | None, typer.Option("--storage", help="database URL 
 
 
 def _evaluator(spec: CampaignSpec, progress: Callable[[str], None]) -> Any:
+    return _load_evaluator(spec.model, spec.profile, spec.seed, spec.tasks, spec.backend, progress)
+
+
+def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, ...] | None, backend: str,
+                    progress: Callable[[str], None]) -> Any:
     import torch
 
     from tuner.evaluate import Evaluator
     from tuner.profiles import profile
 
-    if spec.backend == "triton" and not torch.cuda.is_available():
+    if backend not in ("auto", "torch", "triton"):
+        raise EvalError(f"unknown backend {backend!r}: allowed auto, torch, triton")
+    if backend == "triton" and not torch.cuda.is_available():
         raise EvalError("backend triton needs a CUDA GPU; use --backend torch (or auto) here")
-    device = "cuda" if torch.cuda.is_available() and spec.backend != "torch" else "cpu"
-    if spec.backend in ("torch", "triton"):
-        from pnmix import backend
+    device = "cuda" if torch.cuda.is_available() and backend != "torch" else "cpu"
+    if backend in ("torch", "triton"):
+        from pnmix import backend as pnmix_backend
 
-        backend.set_backend(spec.backend)
-    return Evaluator(spec.model, profile(spec.profile), spec.seed, progress=progress, tasks=spec.tasks, device=device)
+        pnmix_backend.set_backend(backend)
+    return Evaluator(model, profile(profile_name), seed, progress=progress, tasks=tasks, device=device)
 
 
 def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str = "local") -> dict[float, Any]:
@@ -264,6 +271,45 @@ def tune(
     print_fronts(db, model, campaign_id)
     path = pareto_plot(studies, Path(plot or f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
     console.print(f"Pareto plot: {path}")
+
+
+def sweep(
+    out: Annotated[str, typer.Option("--out", help="sweep file (JSON Lines); resumed when it exists")],
+    model: Annotated[str, typer.Option(help="model to sweep")] = "smollm2-135m",
+    method: Annotated[str, typer.Option(help="pnmix, kivi or kitty: the search space to cover")] = "pnmix",
+    profile_name: Annotated[str, typer.Option("--profile", help="quick, full or smoke")] = "full",
+    seed: Annotated[int, typer.Option(help="task seed")] = 0,
+    shard: Annotated[str, typer.Option(help="I/N: this process scores shard I of N (N processes fill one file)")] = "0/1",
+    limit: Annotated[int | None, typer.Option(help="score at most this many configs, then stop")] = None,
+    measure: Annotated[bool, typer.Option(help="also measure bytes held and decode tokens/s")] = False,
+    backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
+) -> None:
+    """Score every config of a method's search space (the ground truth a search is measured against)."""
+    from pathlib import Path
+
+    from tuner.profiles import profile
+    from tuner.space import SearchSpace
+    from tuner.evaluate import DEFAULT_TASKS
+    from tuner.sweep import parse_shard, run_sweep, start_file, sweep_header
+
+    profile(profile_name)
+    part = parse_shard(shard)
+    if limit is not None and limit < 0:
+        raise EvalError(f"invalid --limit {limit}: allowed an integer >= 0")
+    space = SearchSpace(method=method)
+    from pnmix import models
+
+    models.resolve(model)
+    start_file(Path(out), sweep_header(model, space, profile_name, seed, DEFAULT_TASKS))  # before the model loads
+    evaluator = _load_evaluator(model, profile_name, seed, None, backend, progress=lambda message: None)
+
+    def say(k: int, n: int, cfg: Any, row: dict[str, Any]) -> None:
+        console.print(f"[{k}/{n}] {cfg.b_high}/{cfg.b_low} G{cfg.group_size} r{cfg.salient_ratio:g} "
+                      f"s{cfg.n_sink}: {row['key_bits']:.3f} bits, accuracy {_pm(row['accuracy'], row['accuracy_se'])}"
+                      f" ({row['seconds']:.2f} s)")
+
+    scored = run_sweep(evaluator, space, Path(out), part, limit, measure, on_score=say)
+    console.print(f"{out}: {scored} configs scored by shard {part[0]}/{part[1]}")
 
 
 def _objectives(text: str) -> tuple[str, ...]:

@@ -54,6 +54,17 @@ class SearchSpace:
             sinks = 32 if self.method == "kitty" else int(trial.suggest_categorical("n_sink", list(SINKS)))
         return self.config(b_high, b_low, group, ratio, sinks)
 
+    def configs(self) -> list[PNMixConfig]:
+        """Every config of the space, each once: bit pair, then G, then r, then sinks."""
+        out = []
+        for pair in self.bit_pairs():
+            hi, lo = (int(x) for x in pair.split("/"))
+            ratios = [0.0] if self.method == "kivi" or hi == lo else list(RATIOS)
+            sinks = [0] if self.method == "kivi" else ([32] if self.method == "kitty" else list(SINKS))
+            for group in GROUP_SIZES:
+                out.extend(self.config(hi, lo, group, r, s) for r in ratios for s in sinks)
+        return out
+
     def config(self, b_high: int, b_low: int, group: int, ratio: float, sinks: int) -> PNMixConfig:
         criterion = "k_magnitude" if self.method == "kitty" else self.criterion
         residual = max(self.residual_len, group)
