@@ -77,7 +77,8 @@ def test_fidelity_is_exact_for_an_unquantized_cache_and_drops_when_quantized():
     assert coarse.mean_kl > fine.mean_kl > 0
 
 
-@pytest.mark.parametrize("config", [SMALL, SMALL.with_(n_sink=0, value_bits=16), SMALL.with_(b_high=2, b_low=2, salient_ratio=0.0)])
+@pytest.mark.parametrize("config", [SMALL, SMALL.with_(n_sink=0, value_bits=16),
+                                    SMALL.with_(b_high=2, b_low=2, salient_ratio=0.0)])
 def test_a_replay_in_chunks_attends_exactly_as_token_by_token_decode(config):
     # A step of n tokens sees each block that it quantizes unquantized up to the block's last token,
     # as n single-token steps do: the chunk size changes nothing but the cost.

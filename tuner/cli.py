@@ -279,7 +279,7 @@ def sweep(
     method: Annotated[str, typer.Option(help="pnmix, kivi or kitty: the search space to cover")] = "pnmix",
     profile_name: Annotated[str, typer.Option("--profile", help="quick, full or smoke")] = "full",
     seed: Annotated[int, typer.Option(help="task seed")] = 0,
-    shard: Annotated[str, typer.Option(help="I/N: this process scores shard I of N (N processes fill one file)")] = "0/1",
+    shard: Annotated[str, typer.Option(help="I/N: score shard I of N (N processes may fill one file)")] = "0/1",
     limit: Annotated[int | None, typer.Option(help="score at most this many configs, then stop")] = None,
     measure: Annotated[bool, typer.Option(help="also measure bytes held and decode tokens/s")] = False,
     backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
@@ -287,9 +287,9 @@ def sweep(
     """Score every config of a method's search space (the ground truth a search is measured against)."""
     from pathlib import Path
 
+    from tuner.evaluate import DEFAULT_TASKS
     from tuner.profiles import profile
     from tuner.space import SearchSpace
-    from tuner.evaluate import DEFAULT_TASKS
     from tuner.sweep import parse_shard, run_sweep, start_file, sweep_header
 
     profile(profile_name)

@@ -340,10 +340,11 @@ class ScoringEngine:
 
         Bytes: `cache.nbytes()` of the config's cache built from that prefill after the new tokens
         went through its own decode-time append, one at a time (the bytes depend on the token
-        counts, not on their values, and are the same in every layer). Tokens/s: on CUDA the static CUDA-graph path started from
-        that cache (what serving runs), else greedy decode on the dynamic cache (8 timed steps
-        on the CPU), the first two steps untimed. Peak (CUDA only): the model's weights plus what
-        the workload allocates at its peak, so that the states this engine keeps do not count.
+        counts, not on their values, and are the same in every layer). Tokens/s: on CUDA the
+        static CUDA-graph path started from that cache (what serving runs), else greedy decode on
+        the dynamic cache (8 timed steps on the CPU), the first two steps untimed. Peak (CUDA
+        only): the model's weights plus what the workload allocates at its peak, so that the
+        states this engine keeps do not count.
         """
         if self._cost_state is None:
             rng = torch.Generator().manual_seed(seed)

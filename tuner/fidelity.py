@@ -3,8 +3,9 @@
 A trajectory is the unquantized model's own greedy continuation of a prompt (cached per model).
 Replaying it through a PN-Mix cache in chunks of tokens quantizes the keys of the generated
 tokens exactly as long generation would (a multi-token step attends as that many single-token
-steps do: `pnmix.cache.Flushed`), so the chunk size sets only the cost; at every position we compare the quantized model's
-next-token distribution with the fp16 one: top-1 agreement and KL(p_fp16 || p_quant).
+steps do: `pnmix.cache.Flushed`), so the chunk size sets only the cost. At every position we
+compare the quantized model's next-token distribution with the fp16 one: top-1 agreement and
+KL(p_fp16 || p_quant).
 `replay` does it for one trajectory through `model(...)` calls: the reference that the batched
 replay of the scoring engine (tuner/engine.py) is tested against.
 """
