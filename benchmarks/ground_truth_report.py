@@ -1,0 +1,153 @@
+"""The ground truth of a sweep: its true front per budget, a Pareto plot, and how repeatable it is.
+
+    python benchmarks/ground_truth_report.py benchmarks/ground_truth/smollm2-135m-pnmix-full-seed0.jsonl.gz \\
+        --repeat benchmarks/ground_truth/smollm2-135m-pnmix-full-seed1-half.jsonl.gz --out benchmarks/ground_truth
+
+A sweep (`pnmix sweep`) scores every config of a search space with one profile and task seed;
+--repeat is a sweep with another task seed (other items, other trajectories) over the whole
+space or part of it: on the configs both hold it gives how far a score, and a front, move when
+only the items change. Writes fronts.json and pareto.png to --out; prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pnmix.config import preset
+from tuner.sweep import config_key, front, read_sweep
+
+BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
+PRESETS = ("pnmix-paper", "kivi2", "kitty", "kivi1")
+
+
+def label(cfg: dict[str, Any]) -> str:
+    return f"{cfg['b_high']}/{cfg['b_low']} G{cfg['group_size']} r{cfg['salient_ratio']:g} s{cfg['n_sink']}"
+
+
+def ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    for r, i in enumerate(order):
+        out[i] = float(r)
+    return out
+
+
+def pearson(a: list[float], b: list[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+
+
+def plot(records: list[dict[str, Any]], fronts: dict[float, list[dict[str, Any]]], marks: dict[str, Any],
+         path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter([r["key_bits"] for r in records], [r["accuracy"] for r in records], s=8, alpha=0.35, color="gray",
+               label=f"every config ({len(records)})")
+    whole = front(records)
+    ax.errorbar([r["key_bits"] for r in whole], [r["accuracy"] for r in whole],
+                yerr=[2 * r["accuracy_se"] for r in whole], fmt="o-", ms=3, color="C0", lw=1, capsize=2,
+                label="true front (+- 2 SE)")
+    for i, budget in enumerate(BUDGETS):
+        ax.axvline(budget, color=f"C{i + 1}", linestyle=":", linewidth=1)
+        best = fronts[budget][-1] if fronts[budget] else None
+        if best:
+            ax.plot(best["key_bits"], best["accuracy"], "*", ms=11, color=f"C{i + 1}",
+                    label=f"best within {budget:g} bits: {label(best['config'])}")
+    for name, r in marks.items():
+        ax.annotate(name, (r["key_bits"], r["accuracy"]), fontsize=8, xytext=(4, -10), textcoords="offset points")
+        ax.plot(r["key_bits"], r["accuracy"], "kx")
+    ax.set_xlim(1.3, 5.2)
+    ax.set_xlabel("key bits per element (formula, metadata included)")
+    ax.set_ylabel("accuracy (combined)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweep")
+    ap.add_argument("--repeat", default=None, help="a sweep of the same space with another task seed")
+    ap.add_argument("--out", default="out/ground_truth")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sw = read_sweep(args.sweep)
+    records = sw.records
+    by_key = {config_key(r["config"]): r for r in records}
+    marks = {name: by_key[config_key(preset(name))] for name in PRESETS if config_key(preset(name)) in by_key}
+    fronts = {b: front(records, b) for b in BUDGETS}
+    h = sw.header
+    seconds = sum(r["seconds"] for r in records)
+    print(f"{h['model']}, method {h['method']}, profile {h['profile']}, seed {h['seed']}: {len(records)} configs, "
+          f"{seconds:.0f} evaluation seconds")
+    print("\n| budget | front points | best config | key bits | accuracy +- SE | vs pnmix-paper (paired) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    from tuner.stats import paired
+
+    paper = marks.get("pnmix-paper")
+    summary: dict[str, Any] = {"header": h, "configs": len(records), "evaluation_seconds": seconds, "budgets": {}}
+    for b in BUDGETS:
+        best = fronts[b][-1]
+        d, se = paired(best["units"], paper["units"])["accuracy"] if paper else (float("nan"), None)
+        print(f"| {b:g} | {len(fronts[b])} | {label(best['config'])} | {best['key_bits']:.3f} | "
+              f"{best['accuracy']:.3f} +- {best['accuracy_se']:.3f} | {d:+.3f} +- {se or 0:.3f} |")
+        summary["budgets"][f"{b:g}"] = {
+            "front": [{"config": r["config"], "key_bits": r["key_bits"], "accuracy": r["accuracy"],
+                       "accuracy_se": r["accuracy_se"]} for r in fronts[b]],
+            "best_minus_pnmix_paper": {"diff": d, "se": se}}
+    for name, r in marks.items():
+        print(f"{name}: {r['key_bits']:.3f} bits, accuracy {r['accuracy']:.3f} +- {r['accuracy_se']:.3f}")
+    if args.repeat:
+        rep = read_sweep(args.repeat)
+        other = {config_key(r["config"]): r for r in rep.records}
+        common = [k for k in by_key if k in other]
+        a = [by_key[k]["accuracy"] for k in common]
+        b_ = [other[k]["accuracy"] for k in common]
+        diffs = [x - y for x, y in zip(a, b_, strict=True)]
+        within = sum(abs(by_key[k]["accuracy"] - other[k]["accuracy"]) <= 2 * math.hypot(
+            by_key[k]["accuracy_se"], other[k]["accuracy_se"]) for k in common) / len(common)
+        rep_stats: dict[str, Any] = {
+            "seed": rep.header["seed"], "common_configs": len(common), "pearson": pearson(a, b_),
+            "spearman": pearson(ranks(a), ranks(b_)), "mean_abs_diff": statistics.fmean(abs(x) for x in diffs),
+            "mean_diff": statistics.fmean(diffs), "within_2se_share": within, "budgets": {}}
+        print(f"\nrepeat with seed {rep.header['seed']} on {len(common)} common configs: Pearson "
+              f"{rep_stats['pearson']:.4f}, Spearman {rep_stats['spearman']:.4f}, mean |diff| "
+              f"{rep_stats['mean_abs_diff']:.4f}, mean diff {rep_stats['mean_diff']:+.4f}, within 2 SE: "
+              f"{within:.1%}")
+        print("\n| budget | best of the common configs, seed "
+              f"{h['seed']} | its accuracy, seed {h['seed']} / seed {rep.header['seed']} | best, seed "
+              f"{rep.header['seed']} | same config |")
+        print("| --- | --- | --- | --- | --- |")
+        sub0 = [by_key[k] for k in common]
+        sub1 = [other[k] for k in common]
+        for b in BUDGETS:
+            f0, f1 = front(sub0, b), front(sub1, b)
+            if not f0 or not f1:
+                continue
+            b0, b1 = f0[-1], f1[-1]
+            k0 = config_key(b0["config"])
+            same = k0 == config_key(b1["config"])
+            print(f"| {b:g} | {label(b0['config'])} | {b0['accuracy']:.3f} / {other[k0]['accuracy']:.3f} | "
+                  f"{label(b1['config'])} ({b1['accuracy']:.3f}) | {'yes' if same else 'no'} |")
+            rep_stats["budgets"][f"{b:g}"] = {"best_seed0": b0["config"], "best_repeat": b1["config"], "same": same}
+        summary["repeat"] = rep_stats
+    (out / "fronts.json").write_text(json.dumps(summary, indent=1))
+    plot(records, fronts, marks, out / "pareto.png",
+         f"{h['model']}: every {h['method']} config, profile {h['profile']}, seed {h['seed']}")
+    print(f"\nwrote {out / 'fronts.json'} and {out / 'pareto.png'}")
+
+
+if __name__ == "__main__":
+    main()
