@@ -102,6 +102,11 @@ class Recommendation(BaseModel):
     min_accuracy: float
     point: PointPublic
     pnmix_config: str = Field(description="the PNMixConfig as JSON (PNMixConfig.from_json reads it)")
+    ties: list[PointPublic] = Field(
+        default_factory=list,
+        description="optimize=accuracy: the points statistically tied with the most accurate one (accuracy "
+                    "within 2 standard errors of the difference), one per config, by fewest key bits, then "
+                    "highest throughput; `point` is the first. Empty for the other objectives")
 
 
 class Page(BaseModel):

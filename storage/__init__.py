@@ -21,6 +21,7 @@ from storage.read import (
     list_front_points,
     list_models,
     recommend,
+    recommend_with_ties,
 )
 from storage.settings import StorageSettings, load_storage_settings
 from storage.write import (
@@ -70,6 +71,7 @@ __all__ = [
     "load_storage_settings",
     "make_engine",
     "recommend",
+    "recommend_with_ties",
     "registry_model",
     "replace_front",
     "touch_campaign",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -90,6 +91,20 @@ def list_front_points(
     return Page(list(session.scalars(query)), total, limit if limit is not None else total, offset)
 
 
+TIE_Z = 2.0  # points whose accuracy is within this many standard errors of the best are tied with it
+
+
+def tied_with(best: FrontPoint, point: FrontPoint) -> bool:
+    """Whether `point`'s accuracy is statistically indistinguishable from `best`'s: equal, or lower by
+    at most TIE_Z standard errors of the difference, sqrt(se_best^2 + se_point^2). The points' per-item
+    outcomes are not stored, so the difference is not paired: that errs towards calling points tied."""
+    if point.accuracy >= best.accuracy:
+        return True
+    if best.accuracy_se is None or point.accuracy_se is None:
+        return False
+    return best.accuracy - point.accuracy <= TIE_Z * math.hypot(best.accuracy_se, point.accuracy_se)
+
+
 def recommend(
     session: Session,
     model: str,
@@ -98,13 +113,29 @@ def recommend(
     min_accuracy: float = 0.0,
     campaign_id: int | None = None,
 ) -> FrontPoint:
-    """The best stored point of `model` with key bits <= `target_bits` and accuracy >= `min_accuracy`.
+    """The recommended point: `recommend_with_ties(...)[0]`."""
+    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id)[0]
+
+
+def recommend_with_ties(
+    session: Session,
+    model: str,
+    target_bits: float,
+    optimize: str = "accuracy",
+    min_accuracy: float = 0.0,
+    campaign_id: int | None = None,
+) -> tuple[FrontPoint, list[FrontPoint]]:
+    """The recommended stored point of `model` with key bits <= `target_bits` and accuracy >=
+    `min_accuracy`, and the points tied with the most accurate one (the recommendation among them).
 
     Looks at every front of the model (all campaigns and budgets, or one campaign). `optimize`:
-    "accuracy" (highest accuracy; ties broken by higher throughput, then fewer KV bytes),
-    "throughput" (highest decode tokens/s) or "memory" (fewest measured KV bytes). Raises
-    NotFoundError for an unknown model, NoFeasiblePointError (with the smallest key bits that
-    would fit) when nothing satisfies the constraints.
+    - "accuracy": the most accurate point and every point statistically tied with it (`tied_with`,
+      one per config); among them the one with the fewest key bits, then the highest measured
+      throughput, then the fewest KV bytes. Ties are ordered the same way, the recommendation first.
+    - "throughput" (highest decode tokens/s) or "memory" (fewest measured KV bytes): that point,
+      no ties.
+    Raises NotFoundError for an unknown model, NoFeasiblePointError (with the smallest key bits
+    that would fit) when nothing satisfies the constraints.
     """
     if optimize not in OPTIMIZE:
         raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
@@ -113,19 +144,30 @@ def recommend(
     conditions = [FrontPoint.accuracy >= min_accuracy]
     if campaign_id is not None:
         conditions.append(FrontPoint.campaign_id == campaign_id)
-    best = session.scalars(
-        select(FrontPoint)
-        .join(Model, FrontPoint.model_id == Model.id)
-        .where(Model.name == model, FrontPoint.key_bits <= target_bits + BITS_EPS, *conditions)
-        .order_by(*_ORDER[optimize], FrontPoint.id)
-        .limit(1)
-    ).first()
+    feasible_of_model = (select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
+                         .where(Model.name == model, FrontPoint.key_bits <= target_bits + BITS_EPS, *conditions))
+    best = session.scalars(feasible_of_model.order_by(*_ORDER[optimize], FrontPoint.id).limit(1)).first()
     if best is not None:
-        return best
+        if optimize != "accuracy":
+            return best, []
+        if best.accuracy_se is None:  # only equal accuracy ties with it
+            equal = feasible_of_model.where(FrontPoint.accuracy == best.accuracy)
+            return _tie_order(best, list(session.scalars(equal)))
+        return _tie_order(best, list(session.scalars(feasible_of_model)))
     model_row = get_model(session, model)
     feasible = select(FrontPoint.key_bits).where(FrontPoint.model_id == model_row.id, *conditions).subquery()
     smallest = session.scalar(select(func.min(feasible.c.key_bits)))
     raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest))
+
+
+def _tie_order(best: FrontPoint, points: list[FrontPoint]) -> tuple[FrontPoint, list[FrontPoint]]:
+    """(recommendation, ties): one point per config, tied with `best`, fewest bits first."""
+    by_config: dict[str, FrontPoint] = {}
+    for p in sorted(points, key=lambda p: (-p.accuracy, p.id)):
+        if tied_with(best, p):
+            by_config.setdefault(p.config.to_json(), p)
+    ties = sorted(by_config.values(), key=lambda p: (p.key_bits, -p.throughput, p.kv_bytes, p.id))
+    return ties[0], ties
 
 
 def get_campaign(session: Session, campaign_id: int) -> Campaign:

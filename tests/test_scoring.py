@@ -12,10 +12,11 @@ from tiny import tiny_model
 from pnmix.analysis import Trace, record_trace
 from pnmix.config import PNMixConfig, preset
 from tuner import tasks
-from tuner.evaluate import Evaluator, combine
+from tuner.evaluate import Evaluator
 from tuner.fidelity import reference_logits, replay, trajectory
 from tuner.profiles import EvalError, Profile
 from tuner.proxy import proxy_kl
+from tuner.stats import combine
 
 SMALL = PNMixConfig(b_high=3, b_low=1, group_size=32, salient_ratio=0.5, n_sink=4, residual_len=32,
                     value_bits=2, value_group_size=16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import threading
@@ -26,6 +27,7 @@ from storage import (
     create_campaign,
     list_front_points,
     recommend,
+    recommend_with_ties,
     replace_front,
     update_campaign_progress,
     upgrade,
@@ -386,7 +388,7 @@ def test_front_point_in_refuses_bad_measurements(kwargs, field):
     ("target", "optimize", "min_accuracy", "expected"),
     [
         (3.0, "accuracy", 0.0, "w42"),
-        (2.6, "accuracy", 0.0, "kivi2g64"),  # ties paper on accuracy and throughput; fewer KV bytes
+        (2.6, "accuracy", 0.0, "paper"),  # ties kivi2g64 on accuracy: fewer key bits
         (2.3, "accuracy", 0.0, "paper"),
         (2.26, "accuracy", 0.0, "kivi2"),  # the paper config needs 2.26343
         (2.3, "throughput", 0.0, "kivi1"),
@@ -417,6 +419,32 @@ def test_recommend_says_the_smallest_feasible_bits(seeded, target, min_accuracy,
     else:
         assert info.value.smallest_bits == pytest.approx(smallest, abs=1e-12)
         assert f"{smallest:.5f}" in str(info.value)
+
+
+def test_recommend_chooses_the_fewest_bits_among_points_tied_within_two_standard_errors(db):
+    def p(name: str, trial: int, accuracy: float, se: float | None) -> FrontPointIn:
+        return dataclasses.replace(point(name, trial, accuracy, 10.0 + trial, 1000), accuracy_se=se)
+
+    with db.session() as s:
+        campaign = create_campaign(s, "smollm2-135m", [3.0], n_trials=8, status="running", worker_id="w1")
+        replace_front(s, campaign.id, 3.0, [
+            p("w42", 0, 0.80, 0.02),  # the most accurate
+            p("paper", 1, 0.77, 0.02),  # 0.030 below; 2 SE of the difference: 2 * hypot(0.02, 0.02) = 0.057
+            p("kivi2", 2, 0.76, None),  # no standard error: tied only when equal
+            p("g64_31", 3, 0.72, 0.02),  # 0.080 below: not tied with w42 (0.057)
+            p("w21", 4, 0.745, 0.01),  # 0.055 below: not tied with w42 (2 * hypot(0.02, 0.01) = 0.045)
+        ])
+    with db.session(readonly=True) as s:
+        chosen, ties = recommend_with_ties(s, "smollm2-135m", 3.0)
+        assert [t.config for t in ties] == [CONFIGS["paper"], CONFIGS["w42"]]  # fewest key bits first
+        assert chosen.config == CONFIGS["paper"] == recommend(s, "smollm2-135m", 3.0).config
+        # Within 2.5 bits paper (0.77) is the most accurate: g64_31 (0.050 below, 2 SE 0.057) and w21
+        # (0.025 below, 2 SE 0.045) are tied with it, kivi2 (no SE) is not.
+        chosen, ties = recommend_with_ties(s, "smollm2-135m", 2.5)
+        assert [t.config for t in ties] == [CONFIGS["w21"], CONFIGS["g64_31"], CONFIGS["paper"]]
+        assert chosen.config == CONFIGS["w21"]
+        chosen, ties = recommend_with_ties(s, "smollm2-135m", 3.0, "throughput")
+        assert chosen.config == CONFIGS["w21"] and ties == []  # only accuracy has ties
 
 
 def test_recommend_refuses_unknown_model_and_objective(seeded):

@@ -241,6 +241,10 @@ class CampaignHeartbeat:
 class CampaignRunner:
     """Runs the studies of one campaign with one loaded evaluator."""
 
+    # After each trial, collect garbage so the device memory a trial's caches held is free for the
+    # next. A replay of recorded scores (benchmarks/bench_tuner.py) holds no device memory and skips it.
+    collect_garbage = True
+
     def __init__(self, db: Any, url: str, campaign_id: int, spec: CampaignSpec, evaluator: Any,
                  progress: Progress | None = None, worker_id: str = "local") -> None:
         self.db = db
@@ -503,7 +507,8 @@ class CampaignRunner:
                 if remaining > running:
                     try:
                         study.optimize(objective, n_trials=remaining - running, callbacks=[cap, after_trial],
-                                       catch=(RuntimeError, MemoryError), gc_after_trial=True)
+                                       catch=(RuntimeError, MemoryError),
+                                       gc_after_trial=self.collect_garbage)
                     except ValueError as exc:  # "Cannot tell a FAIL trial": ours was declared dead meanwhile
                         if "Cannot tell a" not in str(exc):
                             raise

@@ -372,26 +372,43 @@ def recommend(
     storage: StorageOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """The best stored config within a key-bit budget (ties: throughput, then memory)."""
+    """The best stored config within a key-bit budget, with the points statistically tied with it.
+
+    optimize=accuracy: the most accurate point and every point whose accuracy is within 2 standard
+    errors of the difference from it are tied; the recommendation is the tied point with the fewest
+    key bits, then the highest measured throughput.
+    """
     import json
 
-    from storage import recommend as best_point
+    from storage import recommend_with_ties
     from tuner.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
-        p = best_point(s, model, bits, optimize, min_accuracy)
+        p, ties = recommend_with_ties(s, model, bits, optimize, min_accuracy)
         config = p.config
-        row = {"model": model, "budget": bits, "config": config.to_dict(), "key_bits": p.key_bits,
-               "accuracy": p.accuracy, "accuracy_parts": p.accuracy_parts, "kv_bytes": p.kv_bytes,
-               "throughput": p.throughput, "campaign": p.campaign_id, "trial": p.trial_number}
+
+        def row_of(q: Any) -> dict[str, Any]:
+            return {"config": q.config.to_dict(), "key_bits": q.key_bits, "accuracy": q.accuracy,
+                    "accuracy_se": q.accuracy_se, "accuracy_parts": q.accuracy_parts, "kv_bytes": q.kv_bytes,
+                    "throughput": q.throughput, "campaign": q.campaign_id, "trial": q.trial_number}
+
+        row = {"model": model, "budget": bits, **row_of(p), "ties": [row_of(q) for q in ties]}
     if as_json:
         print(json.dumps(row))
         return
     console.print(f"best for {model} at <= {bits:g} key bits ({optimize}): {config.b_high}/{config.b_low} bits, "
                   f"G={config.group_size}, r={config.salient_ratio:g}, {config.n_sink} sinks -> key bits "
-                  f"{row['key_bits']:.3f}, accuracy {row['accuracy']:.3f} (campaign {row['campaign']}, "
-                  f"trial {row['trial']})")
+                  f"{row['key_bits']:.3f}, accuracy {_pm(row['accuracy'], row['accuracy_se'])} "
+                  f"(campaign {row['campaign']}, trial {row['trial']})")
+    others = [t for t in row["ties"] if t["config"] != row["config"]]
+    if others:
+        console.print(f"tied with it (accuracy within 2 SE of the most accurate; chosen: fewest key bits, then "
+                      f"throughput): {len(others)} more")
+        for t in others:
+            c = t["config"]
+            console.print(f"  {c['b_high']}/{c['b_low']} G{c['group_size']} r{c['salient_ratio']:g} "
+                          f"s{c['n_sink']}: {t['key_bits']:.3f} bits, accuracy {_pm(t['accuracy'], t['accuracy_se'])}")
     console.print(config.to_json())
 
 

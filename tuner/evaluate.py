@@ -28,7 +28,7 @@ from pnmix.families import rope_pairing
 from tuner import fidelity, stats
 from tuner import tasks as tasks_module
 from tuner.engine import ScoringEngine, Trajectory
-from tuner.profiles import WEIGHTS, EvalError, Profile
+from tuner.profiles import EvalError, Profile
 
 Progress = Callable[[str], None]
 
@@ -63,12 +63,6 @@ class Score:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def combine(parts: dict[str, float]) -> float:
-    """Weighted mean of the parts that ran (weights in tuner.profiles.WEIGHTS)."""
-    total = sum(WEIGHTS[name] for name in parts)
-    return sum(WEIGHTS[name] * value for name, value in parts.items()) / total
 
 
 def versions() -> dict[str, str]:
@@ -281,7 +275,7 @@ class Evaluator:
         kls = units.get("fidelity", [])
         return Score(
             config=config.to_dict(),
-            accuracy=combine(parts),
+            accuracy=stats.combine(parts),
             parts=parts,
             fidelity_agreement=sum(agreements) / len(agreements) if agreements else float("nan"),
             fidelity_kl=sum(kls) / len(kls) if kls else float("nan"),

@@ -58,6 +58,12 @@ def influence(name: str, units: Sequence[float]) -> list[float]:
     return [s * (1.0 - (u - m)) for u in units]
 
 
+def combine(parts: Mapping[str, float]) -> float:
+    """The combined accuracy: weighted mean of the parts that ran (weights in tuner.profiles.WEIGHTS)."""
+    total = sum(WEIGHTS[name] for name in parts)
+    return sum(WEIGHTS[name] * value for name, value in parts.items()) / total
+
+
 def part_se(name: str, units: Sequence[float]) -> float | None:
     return _sem(influence(name, units))
 

@@ -23,14 +23,17 @@ def recommend(
 ) -> Response:
     """The best stored config of `model` within `target_bits` key bits.
 
-    `optimize=accuracy` ranks by accuracy, then decode throughput, then measured KV bytes;
-    `throughput` and `memory` rank by those first. 404 `urn:pnmix:problem:no-feasible-point`
-    when nothing fits, with `smallest_feasible_bits`.
+    `optimize=accuracy`: the most accurate point and those statistically tied with it (`ties`:
+    accuracy within 2 standard errors of the difference); among them the one with the fewest key
+    bits, then the highest decode throughput, then the fewest KV bytes. `throughput` and `memory`
+    rank by those first. 404 `urn:pnmix:problem:no-feasible-point` when nothing fits, with
+    `smallest_feasible_bits`.
     """
-    point = read.recommend(session, model, target_bits, optimize, min_accuracy, campaign_id)
+    point, ties = read.recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id)
     body = Recommendation(
         model=model, target_bits=target_bits, optimize=optimize, min_accuracy=min_accuracy,
         point=PointPublic.of(point), pnmix_config=point.config.to_json(),
+        ties=[PointPublic.of(p) for p in ties] if optimize == "accuracy" else [],
     )
     # The hot route: the body is already a validated Recommendation, so serialize it once here
     # instead of letting FastAPI validate it again against response_model.

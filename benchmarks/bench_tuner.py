@@ -1,0 +1,304 @@
+"""Searches replayed against a ground-truth sweep: how close to the true front, for how many seconds.
+
+    python benchmarks/bench_tuner.py --out DIR                      # >= 20 seeds, every strategy
+    python benchmarks/bench_tuner.py --seeds 2 --quick --out DIR    # the CI run
+
+The evaluator looks every config's score up in the sweep (`pnmix sweep`, committed under
+benchmarks/ground_truth/) and charges it the seconds that config took there, so a search of
+hundreds of trials replays on the CPU in seconds. A config scored twice is charged once (the
+campaign reuses scores; the single-study strategies look them up again). For every strategy and
+seed it records, after each charged evaluation, the hypervolume of the front of what was scored
+within each budget (reference point: the budget's bits and accuracy 0) as a fraction of the true
+front's. Strategies:
+- campaign: the product's campaign (tuner.campaign.CampaignRunner, one TPE study per budget with
+  warm starts, on a real SQLite database), 30 trials a budget, without the proxy screen (a sweep
+  holds no proxy values);
+- random, tpe, nsga2, gp: one Optuna study over the whole space (accuracy up, key bits down);
+  its front serves every budget;
+- grid: the brute-force sweep in the space's enumeration order (bit pair, G, r, sinks);
+- tpe+racing: tpe, each candidate raced (tuner/racing.py) against the scored front points of no
+  more bits on a growing share of its items, charged that share of its seconds.
+Writes bench_tuner.json and bench_tuner.png to --out and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from pnmix.bits import key_bits
+from pnmix.config import PNMixConfig
+from tuner import racing
+from tuner.profiles import EvalError
+from tuner.space import SearchSpace
+from tuner.sweep import config_key, front, read_sweep
+
+DATASET = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
+BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
+SHARES = (0.025, 0.05, 0.1, 0.2, 0.3)  # of the sweep's evaluation seconds, where the tables read
+TARGET = 0.98
+STRATEGIES = ("campaign", "random", "tpe", "nsga2", "gp", "grid", "tpe+racing")
+
+
+def hypervolume(points: list[tuple[float, float]], budget: float) -> float:
+    """Area dominated by (bits, accuracy) points within `budget` bits, above accuracy 0."""
+    inside = sorted((b, a) for b, a in points if b <= budget + 1e-9)
+    area, best = 0.0, 0.0
+    edges = [b for b, _ in inside] + [budget]
+    for (b, a), nxt in zip(inside, edges[1:], strict=True):
+        best = max(best, a)
+        area += (nxt - b) * best
+    return area
+
+
+class Replay:
+    """A lookup evaluator with a ledger: what was scored, in order, and what it cost."""
+
+    def __init__(self, records: list[dict[str, Any]], head_dim: int, profile: str, seed: int) -> None:
+        self.by_key = {config_key(r["config"]): r for r in records}
+        self.head_dim, self.model_name, self.seed = head_dim, "replay", seed
+        self.profile = type("P", (), {"name": profile})()
+        self.ledger: list[tuple[str, float, bool]] = []  # (config key, seconds charged, fully scored)
+        self._full: set[str] = set()
+
+    def record(self, config: PNMixConfig) -> dict[str, Any]:
+        key = config_key(config)
+        if key not in self.by_key:
+            raise EvalError(f"config not in the sweep: {key}")
+        return self.by_key[key]
+
+    def charge(self, config: PNMixConfig, share: float = 1.0) -> dict[str, Any]:
+        r = self.record(config)
+        key = config_key(config)
+        if share >= 1.0:
+            if key not in self._full:
+                self._full.add(key)
+                self.ledger.append((key, r["seconds"], True))
+        else:
+            self.ledger.append((key, share * r["seconds"], False))
+        return r
+
+    def evaluate(self, config: PNMixConfig, measure: bool = True) -> Any:
+        from tuner.evaluate import Score
+
+        r = self.charge(config)
+        return Score(config=config.to_dict(), accuracy=r["accuracy"], parts=r["parts"],
+                     fidelity_agreement=r["fidelity_agreement"], fidelity_kl=r["fidelity_kl"],
+                     key_bits=r["key_bits"], kv_bytes=0, decode_tokens_per_s=0.0, peak_memory_bytes=None,
+                     backend="replay", device="replay", versions={}, seconds=r["seconds"], profile="full",
+                     accuracy_se=r["accuracy_se"], parts_se=r["parts_se"], units=r["units"], timings={})
+
+    def proxy(self, config: PNMixConfig) -> float:
+        raise EvalError("a sweep holds no proxy values: replay campaigns with multi_fidelity off")
+
+
+def curve(replay: Replay, total_seconds: float) -> dict[str, Any]:
+    """Hypervolume fraction at each budget after each fully scored evaluation, by seconds spent."""
+    truth = {b: hypervolume([(r["key_bits"], r["accuracy"]) for r in front(replay.by_key.values(), b)], b)
+             for b in BUDGETS}
+    seconds, points = 0.0, []
+    xs: list[float] = []
+    ys: dict[float, list[float]] = {b: [] for b in BUDGETS}
+    for key, s, full in replay.ledger:
+        seconds += s
+        if full:
+            r = replay.by_key[key]
+            points.append((r["key_bits"], r["accuracy"]))
+        xs.append(seconds / total_seconds)
+        for b in BUDGETS:
+            ys[b].append(hypervolume(points, b) / truth[b])
+    return {"share": xs, "fraction": {f"{b:g}": ys[b] for b in BUDGETS}, "evaluations": len(replay.ledger)}
+
+
+def at_share(c: dict[str, Any], budget: float, share: float) -> float:
+    """The fraction reached once `share` of the sweep's seconds is spent (0 before the first)."""
+    best = 0.0
+    for x, y in zip(c["share"], c["fraction"][f"{budget:g}"], strict=True):
+        if x > share + 1e-12:
+            break
+        best = y
+    return best
+
+
+def share_to_reach(c: dict[str, Any], target: float) -> float:
+    """Share of the sweep's seconds after which every budget is at >= target (inf: never)."""
+    for i, x in enumerate(c["share"]):
+        if all(c["fraction"][f"{b:g}"][i] >= target for b in BUDGETS):
+            return x
+    return math.inf
+
+
+# -- strategies ---------------------------------------------------------------------------------
+
+def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, replay: Replay, n_trials: int,
+                 race: bool = False) -> None:
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    scored: list[tuple[float, dict[str, Any]]] = []  # fully scored (bits, units)
+    stopped: dict[str, float] = {}  # raced and stopped: the partial accuracy
+
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
+        cfg = space.suggest(trial)
+        bits = key_bits(cfg, replay.head_dim).total
+        if not race:
+            r = replay.charge(cfg)
+            return r["accuracy"], bits
+        r = replay.record(cfg)
+        key = config_key(cfg)
+        if key in replay._full:  # seen before: no charge
+            return r["accuracy"], bits
+        if key in stopped:
+            return stopped[key], bits
+        for share in racing.RUNGS[:-1]:  # the last rung is the full score: nothing left to save
+            verdict = racing.judge(r["units"], bits, scored, share)
+            if verdict.stop:
+                replay.charge(cfg, share)
+                stopped[key] = verdict.accuracy
+                return verdict.accuracy, bits  # the partial score (an estimate on fewer items)
+        replay.charge(cfg)  # the rungs are nested: all of them cost one full score
+        scored.append((bits, r["units"]))
+        return r["accuracy"], bits
+
+    study.optimize(objective, n_trials=n_trials)
+
+
+def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int) -> None:
+    """The product's campaign over the replay evaluator, `trials` a budget."""
+    from tuner.campaign import CampaignRunner, CampaignSpec
+    from tuner.session import find_or_create_campaign, open_db
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+        db = open_db(f"sqlite:///{tmp}/replay.db", upgrade=True)
+        spec = CampaignSpec(model="smollm2-135m", budgets=BUDGETS, n_trials=trials, method=space.method,
+                            profile="full", seed=seed, multi_fidelity=False, space=space)
+        cid = find_or_create_campaign(db, spec)
+        runner = CampaignRunner(db, db.url, cid, spec, replay)
+        runner.collect_garbage = False
+        runner.run()
+        db.engine.dispose()
+
+
+def run(strategy: str, space: SearchSpace, replay: Replay, seed: int, n_trials: int) -> None:
+    samplers: dict[str, Callable[[], optuna.samplers.BaseSampler]] = {
+        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=10),
+        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed, population_size=20),
+        "gp": lambda: optuna.samplers.GPSampler(seed=seed, n_startup_trials=10),
+    }
+    if strategy.startswith("campaign"):  # "campaign" (30 trials a budget, the default) or "campaign-N"
+        run_campaign(space, replay, seed, trials=int(strategy.partition("-")[2] or 30))
+    elif strategy == "grid":
+        for cfg in space.configs():
+            replay.charge(cfg)
+    elif strategy == "tpe+racing":
+        single_study(samplers["tpe"](), space, replay, n_trials, race=True)
+    else:
+        single_study(samplers[strategy](), space, replay, n_trials if strategy != "gp" else min(n_trials, 150))
+
+
+def head_dim_of(records: list[dict[str, Any]]) -> int:
+    """The head dimension under which the recorded key bits follow from the formula."""
+    r = records[0]
+    for d in (32, 64, 80, 96, 128, 256):
+        if math.isclose(key_bits(PNMixConfig.from_dict(r["config"]), d).total, r["key_bits"], rel_tol=1e-9):
+            return d
+    raise EvalError("no head dimension reproduces the sweep's key bits")
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(4 * len(BUDGETS), 3.6), sharey=True)
+    grid = [i / 400 for i in range(1, 161)]  # 0.25% .. 40% of the sweep's seconds
+    for ax, b in zip(axes, BUDGETS, strict=True):
+        for i, (name, curves) in enumerate(results.items()):
+            med = [statistics.median(at_share(c, b, x) for c in curves) for x in grid]
+            ax.plot([100 * x for x in grid], med, label=name, color=f"C{i}")
+        ax.axhline(TARGET, color="gray", linestyle=":", linewidth=1)
+        ax.axvline(10, color="gray", linestyle=":", linewidth=1)
+        ax.set_title(f"budget {b:g} bits", fontsize=10)
+        ax.set_xlabel("% of the sweep's evaluation seconds")
+        ax.set_ylim(0.5, 1.01)
+    axes[0].set_ylabel("hypervolume / true front's (median)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", default=str(DATASET))
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=300, help="trials of the single-study strategies")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--quick", action="store_true", help="CI: fewer trials, no GP")
+    ap.add_argument("--out", default="out/bench_tuner")
+    args = ap.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sweep = read_sweep(args.dataset)
+    records = sweep.records
+    space = SearchSpace(method=sweep.header["method"])
+    head_dim = head_dim_of(records)
+    total = sum(r["seconds"] for r in records)
+    strategies = [s for s in args.strategies.split(",") if s]
+    trials = args.trials
+    if args.quick:
+        strategies = [s for s in strategies if s not in ("gp",)]
+        trials = min(trials, 120)
+    print(f"{sweep.header['model']}: {len(records)} configs, {total:.0f} evaluation seconds in the sweep; "
+          f"{args.seeds} seeds, {trials} trials a single-study search")
+    results: dict[str, list[dict[str, Any]]] = {}
+    wall: dict[str, float] = {}
+    for name in strategies:
+        t0 = time.perf_counter()
+        results[name] = []
+        for seed in range(args.seeds if name != "grid" else 1):
+            replay = Replay(records, head_dim, sweep.header["profile"], seed)
+            run(name, space, replay, seed, trials)
+            results[name].append(curve(replay, total))
+        wall[name] = time.perf_counter() - t0
+        print(f"  {name}: {wall[name]:.1f} s")
+    summary: dict[str, Any] = {"dataset": Path(args.dataset).name, "configs": len(records), "sweep_seconds": total,
+                               "seeds": args.seeds, "trials": trials, "strategies": {}}
+    print(f"\nHypervolume fraction of the true front at 10% of the sweep's seconds ({0.1 * total:.0f} s): "
+          "median [min, max] over seeds")
+    print("| strategy | " + " | ".join(f"{b:g} bits" for b in BUDGETS) + f" | seconds to >= {TARGET} at every "
+          "budget (median share of the sweep) | evaluations |")
+    print("| --- " * (len(BUDGETS) + 3) + "|")
+    for name, curves in results.items():
+        cells, row = [], {"at_10pct": {}, "at_shares": {}}
+        for b in BUDGETS:
+            vals = [at_share(c, b, 0.1) for c in curves]
+            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]")
+            row["at_10pct"][f"{b:g}"] = vals
+            row["at_shares"][f"{b:g}"] = {f"{s:g}": statistics.median(at_share(c, b, s) for c in curves)
+                                          for s in SHARES}
+        reach = [share_to_reach(c, TARGET) for c in curves]
+        med = statistics.median(reach)
+        row["share_to_target"] = reach
+        row["evaluations"] = statistics.median(c["evaluations"] for c in curves)
+        summary["strategies"][name] = row
+        print(f"| {name} | " + " | ".join(cells) + f" | {'never' if math.isinf(med) else f'{100 * med:.1f}%'} | "
+              f"{row['evaluations']:.0f} |")
+    (out / "bench_tuner.json").write_text(json.dumps(summary, indent=1))
+    plot(results, out / "bench_tuner.png")
+    print(f"\nwrote {out / 'bench_tuner.json'} and {out / 'bench_tuner.png'}")
+
+
+if __name__ == "__main__":
+    main()

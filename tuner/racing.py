@@ -1,0 +1,66 @@
+"""Racing: stop a candidate as soon as a front point of no more bits beats it with confidence.
+
+A candidate is scored on a growing share of the units (RUNGS: the first 1/8, 1/4, 1/2, then all
+of every part's items and trajectories). After each rung it is compared, paired on the same
+units, with every fully scored point of no more key bits; it stops (its trial PRUNED, with the
+partial score and standard error kept) once one of them is better by more than Z standard errors
+of the paired difference. Pairing is what makes early rungs decisive: item difficulty cancels.
+
+With Z = 2 a config as good as the point it is compared with stops at one rung with probability
+about 2.3%; the rung comparisons are not independent, so over four rungs that stays well under
+10%, and only a config close to the front can be lost that way. A config clearly better than
+every point of no more bits is never stopped by any of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tuner import stats
+
+RUNGS = (0.125, 0.25, 0.5, 1.0)
+Z = 2.0
+MIN_UNITS = 2  # a part keeps at least this many units at any rung (a standard error needs two)
+
+Units = Mapping[str, Sequence[float]]
+
+
+def rung_sizes(units: Units, share: float) -> dict[str, int]:
+    """Units of each part in a rung of `share`: the first ceil(share * n), at least MIN_UNITS."""
+    return {name: min(len(u), max(MIN_UNITS, math.ceil(share * len(u)))) for name, u in units.items()}
+
+
+def head(units: Units, sizes: Mapping[str, int]) -> dict[str, list[float]]:
+    return {name: list(units[name][: sizes[name]]) for name in sizes if name in units}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    stop: bool
+    share: float  # the rung it was judged at
+    accuracy: float  # the candidate's accuracy on that rung's units
+    accuracy_se: float | None
+    beaten_by: int | None = None  # index of the front point that beat it
+    margin: tuple[float, float | None] | None = None  # (that point - candidate, its SE)
+
+
+def judge(candidate: Units, bits: float, front: Sequence[tuple[float, Units]], share: float,
+          z: float = Z) -> Verdict:
+    """The verdict on a candidate's units at one rung (candidate holds at least that rung's units).
+
+    front: (key bits, full per-unit outcomes) of fully scored points; only those of no more bits
+    than the candidate can stop it.
+    """
+    sizes = rung_sizes(candidate, share)
+    mine = head(candidate, sizes)
+    acc = stats.combine({name: stats.part_score(name, u) for name, u in mine.items()})
+    se = stats.combined_se(mine)
+    for i, (f_bits, f_units) in enumerate(front):
+        if f_bits > bits + 1e-9:
+            continue
+        diff, d_se = stats.paired(head(f_units, sizes), mine)["accuracy"]
+        if d_se is not None and diff > z * d_se:
+            return Verdict(True, share, acc, se, i, (diff, d_se))
+    return Verdict(False, share, acc, se)
