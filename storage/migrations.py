@@ -80,6 +80,11 @@ def _run(db: Database, direction: str, revision: str) -> tuple[str | None, str |
     return before, current_revision(db.engine)
 
 
+def has_no_pnmix_tables(db: Database) -> bool:
+    """True for a database that holds none of our tables and no revision (new, or only Optuna's)."""
+    return current_revision(db.engine) is None and not any(t.startswith("pnmix_") for t in _tables(db.engine))
+
+
 def check_schema(db: Database) -> str:
     """Returns the head revision if the database is at it; otherwise raises SchemaError saying what to run."""
     head = head_revision()

@@ -131,3 +131,17 @@ def test_lives_beside_optuna_in_one_database(tmp_path):
     reloaded = optuna.load_study(study_name="smollm2-135m@2.5", storage=url)
     assert len(reloaded.trials) == 2
     db.dispose()
+
+
+def test_a_writing_command_creates_a_new_database_but_never_migrates_an_old_one(tmp_path):
+    from tuner.session import open_db
+
+    url = sqlite_url(tmp_path)
+    db = open_db(url, create=True)  # what `tune` and `worker` do
+    assert current_revision(db.engine) == head_revision()
+    downgrade(db, "0002")
+    db.dispose()
+    with pytest.raises(SchemaError, match=r"at schema revision 0002, this pnmix needs 0003: run `pnmix db upgrade`"):
+        open_db(url, create=True)
+    with pytest.raises(SchemaError, match="has no pnmix tables"):  # commands that only read do not create
+        open_db(sqlite_url(tmp_path / "other"))

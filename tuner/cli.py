@@ -257,7 +257,7 @@ def tune(
     from pnmix import models
 
     models.resolve(model)  # unknown model: a clear error before the database is touched
-    db = open_db(storage)
+    db = open_db(storage, create=True)
     campaign_id = find_or_create_campaign(db, spec, status="queued" if enqueue else "running")
     from tuner.campaign import optuna_storage
 
@@ -330,7 +330,7 @@ def worker(
     from tuner.campaign import GRACE_S, CampaignSpec
     from tuner.session import open_db
 
-    db = open_db(storage)
+    db = open_db(storage, create=True)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     while True:
         with db.session() as s:

@@ -8,19 +8,22 @@ from tuner.campaign import CampaignSpec
 from tuner.profiles import EvalError
 
 
-def open_db(storage: str | None, upgrade: bool = False) -> Any:
+def open_db(storage: str | None, upgrade: bool = False, create: bool = False) -> Any:
     """The project database (settings, or `storage` URL); checks the schema revision first.
 
-    `upgrade=True` (the main job only) migrates a fresh database instead of refusing.
+    `create=True` (commands that write: tune, worker) creates the tables of a database that has
+    none of ours yet at the head revision, as Optuna creates its own; a database at an older
+    revision still asks for `pnmix db upgrade`. `upgrade=True` (the main job) migrates it too.
     """
     from storage import Database, check_schema, load_storage_settings
     from storage import upgrade as upgrade_schema
+    from storage.migrations import has_no_pnmix_tables
 
     settings = load_storage_settings(**({"database_url": storage} if storage else {}))
     if not storage and settings.url.startswith("sqlite:///"):
         settings.db_path.expanduser().parent.mkdir(parents=True, exist_ok=True)
     db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s)
-    if upgrade:
+    if upgrade or (create and has_no_pnmix_tables(db)):
         upgrade_schema(db)
     check_schema(db)
     return db
