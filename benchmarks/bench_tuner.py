@@ -16,8 +16,9 @@ front's. Strategies:
 - random, tpe, nsga2, gp: one Optuna study over the whole space (accuracy up, key bits down);
   its front serves every budget;
 - grid: the brute-force sweep in the space's enumeration order (bit pair, G, r, sinks);
-- tpe+racing: tpe, each candidate raced (tuner/racing.py) against the scored front points of no
-  more bits on a growing share of its items, charged that share of its seconds.
+- tpe+racing: tpe, each candidate raced (tuner/racing.py) against the front of the fully scored
+  points of no more bits on a growing share of its items, charged that share of its seconds; a
+  stopped candidate's partial accuracy is what the sampler is told.
 Writes bench_tuner.json and bench_tuner.png to --out and prints the tables.
 """
 
@@ -143,7 +144,7 @@ def share_to_reach(c: dict[str, Any], target: float) -> float:
 def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, replay: Replay, n_trials: int,
                  race: bool = False) -> None:
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
-    scored: list[tuple[float, dict[str, Any]]] = []  # fully scored (bits, units)
+    scored: list[dict[str, Any]] = []  # fully scored records
     stopped: dict[str, float] = {}  # raced and stopped: the partial accuracy
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
@@ -159,13 +160,13 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
         if key in stopped:
             return stopped[key], bits
         for share in racing.RUNGS[:-1]:  # the last rung is the full score: nothing left to save
-            verdict = racing.judge(r["units"], bits, scored, share)
+            verdict = racing.judge(r["units"], bits, [(p["key_bits"], p["units"]) for p in front(scored)], share)
             if verdict.stop:
                 replay.charge(cfg, share)
                 stopped[key] = verdict.accuracy
                 return verdict.accuracy, bits  # the partial score (an estimate on fewer items)
         replay.charge(cfg)  # the rungs are nested: all of them cost one full score
-        scored.append((bits, r["units"]))
+        scored.append(r)
         return r["accuracy"], bits
 
     study.optimize(objective, n_trials=n_trials)

@@ -462,7 +462,7 @@ def run_main_job(
     """The main job: bit-budget table, then a small real campaign (quick profile, budgets 3.0 and 2.3)."""
     from pathlib import Path
 
-    from storage import recommend as best_point
+    from storage import recommend_with_ties
     from tuner.campaign import CampaignSpec
     from tuner.plot import pareto_plot
     from tuner.session import find_or_create_campaign, open_db
@@ -477,7 +477,13 @@ def run_main_job(
     print_fronts(db, model, campaign_id)
     path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
     with db.session(readonly=True) as s:
-        p = best_point(s, model, 2.3)
+        p, ties = recommend_with_ties(s, model, 2.3)
         console.print(f"recommendation at <= 2.3 key bits: {p.config.to_json()} "
-                      f"(key bits {p.key_bits:.3f}, accuracy {p.accuracy:.3f})")
+                      f"(key bits {p.key_bits:.3f}, accuracy {_pm(p.accuracy, p.accuracy_se)}; tied with it "
+                      f"within 2 SE: {len(ties) - 1} other point(s), the fewest key bits chosen)")
+        for t in ties:
+            if t is not p:
+                c = t.config
+                console.print(f"  tied: {c.b_high}/{c.b_low} G{c.group_size} r{c.salient_ratio:g} s{c.n_sink}: "
+                              f"{t.key_bits:.3f} bits, accuracy {_pm(t.accuracy, t.accuracy_se)}")
     console.print(f"Pareto plot: {path}; the API (`pnmix serve`) and `pnmix dashboard` read {db.display_url}")

@@ -115,6 +115,10 @@ def start_file(path: Path, header: dict[str, Any]) -> Sweep:
         if theirs != ours:
             diff = ", ".join(f"{k} {theirs[k]!r} (asked {ours[k]!r})" for k in theirs if theirs[k] != ours[k])
             raise EvalError(f"{path} holds another sweep: {diff}; use another --out") from None
+        with path.open("rb+") as f:  # a line cut short by a kill: later lines start on their own
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
         return sweep
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(header) + "\n")
