@@ -186,7 +186,7 @@ def bench_shape(args: argparse.Namespace, ev: Any, res: dict[str, Any]) -> None:
         sync(args.device)
         t_all = time.perf_counter()
         t0 = time.perf_counter()
-        engine.all_outcomes(cfg, {"passkey": 0, "kv_lookup": 0})
+        engine.all_outcomes(cfg, {t: range(len(engine.items[t])) for t in ("passkey", "kv_lookup")})
         sync(args.device)
         timings["items"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -40,6 +40,7 @@ import optuna
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
 from tuner import racing
+from tuner.campaign import hypervolume_2d
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 from tuner.sweep import config_key, front, read_sweep
@@ -53,13 +54,7 @@ STRATEGIES = ("campaign", "random", "tpe", "nsga2", "gp", "grid", "tpe+racing")
 
 def hypervolume(points: list[tuple[float, float]], budget: float) -> float:
     """Area dominated by (bits, accuracy) points within `budget` bits, above accuracy 0."""
-    inside = sorted((b, a) for b, a in points if b <= budget + 1e-9)
-    area, best = 0.0, 0.0
-    edges = [b for b, _ in inside] + [budget]
-    for (b, a), nxt in zip(inside, edges[1:], strict=True):
-        best = max(best, a)
-        area += (nxt - b) * best
-    return area
+    return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)
 
 
 class Replay:

@@ -82,6 +82,7 @@ class CampaignSpec:
     objectives: tuple[str, ...] = ("accuracy", "key_bits")
     seed: int = 0
     multi_fidelity: bool = True
+    racing: bool = False  # race candidates on growing shares of the items (tuner/racing.py)
     backend: str = "auto"
     tasks: tuple[str, ...] | None = None
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -107,7 +108,8 @@ class CampaignSpec:
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def options(self) -> dict[str, Any]:
-        return {"seed": self.seed, "multi_fidelity": self.multi_fidelity, "tasks": self.tasks, "spec_key": self.key(),
+        return {"seed": self.seed, "multi_fidelity": self.multi_fidelity, "racing": self.racing, "tasks": self.tasks,
+                "spec_key": self.key(),
                 "space": {k: v for k, v in asdict(self.space).items() if k != "fixed"}}
 
     @classmethod
@@ -117,7 +119,8 @@ class CampaignSpec:
         tasks = tuple(opts["tasks"]) if opts.get("tasks") else None
         return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
                    profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
-                   multi_fidelity=opts.get("multi_fidelity", True), backend=row.backend, tasks=tasks, space=space)
+                   multi_fidelity=opts.get("multi_fidelity", True), racing=opts.get("racing", False),
+                   backend=row.backend, tasks=tasks, space=space)
 
 
 def study_name(campaign_id: int, budget: float) -> str:
@@ -344,7 +347,8 @@ class CampaignRunner:
         self.progress(f"budget {budget:g}: trial {trial.number} {config.b_high}/{config.b_low} "
                       f"G{config.group_size} r{config.salient_ratio:g} sinks {config.n_sink}: evaluating")
         try:
-            score = self.evaluator.evaluate(config)
+            have = self._race(trial, config, bits) if self.spec.racing and not warm else None
+            score = self.evaluator.evaluate(config, have=have) if have is not None else self.evaluator.evaluate(config)
         except (MemoryError, RuntimeError) as exc:  # torch's (CUDA or CPU) out of memory is a RuntimeError
             if isinstance(exc, StorageError):
                 raise
@@ -356,6 +360,39 @@ class CampaignRunner:
             trial.set_user_attr(name, getattr(score, name))
         trial.set_user_attr("accuracy", score.accuracy)
         return self._values(score.accuracy, bits, score)
+
+    def _race(self, trial: optuna.Trial, config: PNMixConfig, bits: float) -> Any:
+        """Scores `config` rung by rung (tuner/racing.py) against this study's front of no more bits;
+        raises TrialPruned (partial score kept) once a front point beats it with confidence, else
+        returns what the rungs scored for the full evaluation to complete.
+
+        Each finished rung is stored on the trial ("rung"): a trial retried after its worker died
+        inherits the attribute, so it resumes after the last finished rung."""
+        from tuner import racing
+        from tuner.evaluate import Rung
+
+        front = [(t.user_attrs["key_bits"], t.user_attrs["units"]) for t in front_trials(trial.study)
+                 if t.user_attrs.get("units")]
+        saved = trial.user_attrs.get("rung")
+        have = Rung(**saved) if saved else None
+        counts = self.evaluator.unit_counts()
+        for share in racing.RUNGS[:-1]:  # the last rung is the full evaluation
+            upto = racing.rung_sizes(counts, share)
+            if have is None or any(len(have.units.get(p, [])) < n for p, n in upto.items()):
+                have = self.evaluator.rung(config, upto, have)
+                trial.set_user_attr("rung", have.to_dict())
+            verdict = racing.judge(have.units, bits, front, share)
+            if verdict.stop:
+                diff, se = verdict.margin or (float("nan"), None)
+                trial.set_user_attr("pruned_at", share)
+                trial.set_user_attr("partial_accuracy", verdict.accuracy)
+                trial.set_user_attr("partial_accuracy_se", verdict.accuracy_se)
+                trial.set_user_attr("seconds", have.seconds)
+                self.progress(f"trial {trial.number} stopped at {share:g} of the items: a front point is "
+                              f"{diff:.3f} +- {se or 0:.3f} more accurate")
+                raise optuna.TrialPruned(f"beaten by a front point at <= {bits:.3f} bits by {diff:.3f} "
+                                         f"(z {verdict.z:.2f}) on {share:g} of the items")
+        return have
 
     def _evaluated_twin(self, study: optuna.Study,
                         config: PNMixConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:

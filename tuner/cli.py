@@ -235,6 +235,7 @@ def tune(
     backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
     seed: Annotated[int, typer.Option(help="sampler and task seed")] = 0,
     multi_fidelity: Annotated[bool, typer.Option(help="screen candidates with the proxy")] = True,
+    racing: Annotated[bool, typer.Option(help="race candidates on growing shares of the items")] = False,
     tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k")] = None,
     storage: StorageOpt = None,
     plot: Annotated[str | None, typer.Option(help="Pareto plot PNG path (default out/campaign-<id>.png)")] = None,
@@ -252,7 +253,8 @@ def tune(
     profile(profile_name)
     spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
                         method=method, profile=profile_name, objectives=_objectives(objectives), seed=seed,
-                        multi_fidelity=multi_fidelity, backend=backend, space=SearchSpace(method=method),
+                        multi_fidelity=multi_fidelity, racing=racing, backend=backend,
+                        space=SearchSpace(method=method),
                         tasks=_objectives(tasks) if tasks else None)
     from pnmix import models
 

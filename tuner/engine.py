@@ -210,24 +210,24 @@ class ScoringEngine:
     @torch.inference_mode()
     def answers(self, config: PNMixConfig, task: str, start: int = 0) -> list[str]:
         """The greedy answer under `config` of every item of `task` from index `start` on, decoded."""
-        return self._answers(config, {task: start})[task]
+        return self._answers(config, {task: range(start, len(self.items[task]))})[task]
 
     def outcomes(self, config: PNMixConfig, task: str, start: int = 0) -> list[float]:
         """1.0 for every item (from index `start` on) answered correctly under `config`, else 0.0."""
-        return self.all_outcomes(config, {task: start})[task]
+        return self.all_outcomes(config, {task: range(start, len(self.items[task]))})[task]
 
-    def all_outcomes(self, config: PNMixConfig, tasks: dict[str, int]) -> dict[str, list[float]]:
-        """`outcomes` of several tasks (task -> first item index), all their items in one batch:
-        one cache build and one captured decode graph for the lot."""
-        answers = self._answers(config, tasks)
-        return {task: [float(item.is_correct(text)) for item, text in zip(self.items[task][start:], answers[task],
-                                                                           strict=True)]
-                for task, start in tasks.items()}
+    def all_outcomes(self, config: PNMixConfig, spans: dict[str, range]) -> dict[str, list[float]]:
+        """`outcomes` of several tasks (task -> the item indices to answer), all those items in one
+        batch: one cache build and one captured decode graph for the lot."""
+        answers = self._answers(config, spans)
+        return {task: [float(self.items[task][i].is_correct(text)) for i, text in zip(span, answers[task],
+                                                                                       strict=True)]
+                for task, span in spans.items()}
 
     @torch.inference_mode()
-    def _answers(self, config: PNMixConfig, tasks: dict[str, int]) -> dict[str, list[str]]:
-        items = [it for task, start in tasks.items() for it in self.items[task][start:]]
-        states = [st for task, start in tasks.items() for st in self.states[task][start:]]
+    def _answers(self, config: PNMixConfig, spans: dict[str, range]) -> dict[str, list[str]]:
+        items = [self.items[task][i] for task, span in spans.items() for i in span]
+        states = [self.states[task][i] for task, span in spans.items() for i in span]
         texts: list[str] = []
         if items:
             new = max(item.max_new_tokens for item in items)
@@ -237,9 +237,8 @@ class ScoringEngine:
                     ended = self._until_eos(tokens[row, : items[i].max_new_tokens].tolist())
                     texts.append(str(self.tokenizer.decode(ended, skip_special_tokens=True)) if self.tokenizer else "")
         out: dict[str, list[str]] = {}
-        for task, start in tasks.items():
-            n = len(self.items[task]) - start
-            out[task], texts = texts[:n], texts[n:]
+        for task, span in spans.items():
+            out[task], texts = texts[: len(span)], texts[len(span):]
         return out
 
     def _until_eos(self, seq: list[int]) -> list[int]:
@@ -293,11 +292,13 @@ class ScoringEngine:
     # -- fidelity --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def fidelity(self, config: PNMixConfig, chunk: int | None = None) -> list[tuple[float, float]]:
-        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory under `config`.
+    def fidelity(self, config: PNMixConfig, chunk: int | None = None,
+                 rows: range | None = None) -> list[tuple[float, float]]:
+        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory (or those of `rows`)
+        under `config`.
 
         chunk: tokens a forward pass (default `replay_chunk`); any size gives the same scores."""
-        trajs = self.trajectories
+        trajs = self.trajectories if rows is None else [self.trajectories[i] for i in rows]
         if not trajs:
             return []
         n = int(trajs[0].tokens.numel())

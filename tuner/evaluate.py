@@ -65,6 +65,18 @@ class Score:
         return asdict(self)
 
 
+@dataclass
+class Rung:
+    """What a race has scored of a config so far: per-unit outcomes, fidelity agreements, seconds."""
+
+    units: dict[str, list[float]]
+    agreements: list[float]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def versions() -> dict[str, str]:
     import transformers
 
@@ -223,46 +235,74 @@ class Evaluator:
 
     # -- full evaluation -----------------------------------------------------------------------
 
-    def _units(self, config: PNMixConfig, reference: bool = False) -> tuple[dict[str, list[float]], list[float],
-                                                                            dict[str, float]]:
-        """Per-unit outcomes of every part that runs, the trajectories' agreements, seconds by part."""
-        data, engine = self.prepare(), self.engine
-        units: dict[str, list[float]] = {}
-        timings: dict[str, float] = {}
-        scored = {name: items for name, items in data["items"].items() if items and name in self.tasks}
-        if scored:
-            self.progress("items: " + ", ".join(f"{len(items)} {name}" for name, items in scored.items()))
-            t0 = time.perf_counter()
-            if reference:
-                for name, items in scored.items():
-                    units[name] = [float(item.is_correct(tasks_module.answer(self.model, self.tokenizer, config, item)))
-                                   for item in items]
-            else:  # every task's items in one batch
-                units.update(engine.all_outcomes(config, {name: 0 for name in scored}))
-            timings["items"] = time.perf_counter() - t0
-        agreements: list[float] = []
+    def unit_counts(self) -> dict[str, int]:
+        """Units of every part that runs: items per task, trajectories for fidelity."""
+        data = self.prepare()
+        counts = {name: len(items) for name, items in data["items"].items() if items and name in self.tasks}
         if "fidelity" in self.tasks and data["trajectories"]:
-            self.progress(f"long-output fidelity: {len(data['trajectories'])} trajectories")
+            counts["fidelity"] = len(data["trajectories"])
+        return counts
+
+    def _units(self, config: PNMixConfig, reference: bool = False, have: Rung | None = None,
+               upto: dict[str, int] | None = None) -> tuple[dict[str, list[float]], list[float], dict[str, float]]:
+        """Per-unit outcomes of every part that runs, the trajectories' agreements, seconds by part.
+
+        have/upto (engine only): the units already scored (a race's earlier rungs) and how many of
+        each part to hold afterwards (default all); only the units in between are scored, and the
+        outcomes returned are `have`'s followed by the new ones."""
+        data, engine = self.prepare(), self.engine
+        counts = self.unit_counts()
+        upto = upto or counts
+        held = {name: len(u) for name, u in (have.units if have else {}).items()}
+        units: dict[str, list[float]] = {name: list(u) for name, u in (have.units if have else {}).items()}
+        timings: dict[str, float] = {}
+        spans = {name: range(held.get(name, 0), upto.get(name, n)) for name, n in counts.items() if name != "fidelity"}
+        if spans:
+            self.progress("items: " + ", ".join(f"{len(span)} {name}" for name, span in spans.items()))
             t0 = time.perf_counter()
             if reference:
-                fids = [fidelity.replay(self.model, torch.tensor([prompt]), tokens, config, t.ref_logp)
-                        for (prompt, tokens), t in zip(data["trajectories"], engine.trajectories, strict=True)]
+                for name, span in spans.items():
+                    units[name] = [float(data["items"][name][i].is_correct(
+                        tasks_module.answer(self.model, self.tokenizer, config, data["items"][name][i]))) for i in span]
+            else:  # every task's items in one batch
+                for name, outcomes in engine.all_outcomes(config, spans).items():
+                    units[name] = units.get(name, []) + outcomes
+            timings["items"] = time.perf_counter() - t0
+        agreements: list[float] = list(have.agreements) if have else []
+        if "fidelity" in counts:
+            rows = range(held.get("fidelity", 0), upto.get("fidelity", counts["fidelity"]))
+            self.progress(f"long-output fidelity: {len(rows)} trajectories")
+            t0 = time.perf_counter()
+            if reference:
+                trajs = data["trajectories"]
+                fids = [fidelity.replay(self.model, torch.tensor([trajs[i][0]]), trajs[i][1], config,
+                                        engine.trajectories[i].ref_logp) for i in rows]
                 pairs = [(f.agreement, f.mean_kl) for f in fids]
             else:
-                pairs = engine.fidelity(config)
+                pairs = engine.fidelity(config, rows=rows) if len(rows) else []
             timings["fidelity"] = time.perf_counter() - t0
-            agreements = [a for a, _ in pairs]
-            units["fidelity"] = [kl for _, kl in pairs]
+            agreements += [a for a, _ in pairs]
+            units["fidelity"] = units.get("fidelity", []) + [kl for _, kl in pairs]
         return units, agreements, timings
 
-    def evaluate(self, config: PNMixConfig, reference: bool = False, measure: bool = True) -> Score:
+    def rung(self, config: PNMixConfig, upto: dict[str, int], have: Rung | None = None) -> Rung:
+        """A race's next rung: `have` extended to the first `upto[part]` units of every part."""
+        config.check_head_dim(self.head_dim)
+        start = time.perf_counter()
+        units, agreements, _ = self._units(config, have=have, upto=upto)
+        return Rung(units, agreements, (have.seconds if have else 0.0) + time.perf_counter() - start)
+
+    def evaluate(self, config: PNMixConfig, reference: bool = False, measure: bool = True,
+                 have: Rung | None = None) -> Score:
         """Scores `config` through the engine (reference=True: item by item through `generate`).
 
         measure=False skips the cost workload (bytes, tokens/s), e.g. for accuracy-only comparisons.
+        have: the units a race already scored (`rung`); only the rest are scored now, and the
+        score is the same as a full evaluation's (seconds: the rungs' and this call's).
         """
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()
-        units, agreements, timings = self._units(config, reference)
+        units, agreements, timings = self._units(config, reference, have=have)
         if not units:
             raise EvalError("no task produced a score (every item was filtered out); use more items or other tasks")
         parts = {name: stats.part_score(name, u) for name, u in units.items()}
@@ -286,7 +326,7 @@ class Evaluator:
             backend=self.backend,
             device=self._device_name(),
             versions=versions(),
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - start + (have.seconds if have else 0.0),
             profile=self.profile.name,
             items={name: len(u) for name, u in units.items()},
             accuracy_se=stats.combined_se(units),

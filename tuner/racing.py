@@ -29,9 +29,11 @@ MIN_UNITS = 2  # a part keeps at least this many units at any rung (a standard e
 Units = Mapping[str, Sequence[float]]
 
 
-def rung_sizes(units: Units, share: float) -> dict[str, int]:
-    """Units of each part in a rung of `share`: the first ceil(share * n), at least MIN_UNITS."""
-    return {name: min(len(u), max(MIN_UNITS, math.ceil(share * len(u)))) for name, u in units.items()}
+def rung_sizes(units: Units | Mapping[str, int], share: float) -> dict[str, int]:
+    """Units of each part in a rung of `share` (of per-unit outcomes, or of unit counts): the first
+    ceil(share * n), at least MIN_UNITS."""
+    counts = {name: u if isinstance(u, int) else len(u) for name, u in units.items()}
+    return {name: min(n, max(MIN_UNITS, math.ceil(share * n))) for name, n in counts.items()}
 
 
 def head(units: Units, sizes: Mapping[str, int]) -> dict[str, list[float]]:

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = str(Path(__file__).with_name("stub_worker.py"))
@@ -81,7 +82,8 @@ class Procs:
                 proc.wait(10)
 
 
-def stub_campaign(url: str, budgets: tuple[float, ...], n_trials: int, status: str = "queued") -> int:
+def stub_campaign(url: str, budgets: tuple[float, ...], n_trials: int, status: str = "queued",
+                  **spec_extra: Any) -> int:
     """A campaign of the registry model smollm2-135m (head_dim 64), as `pnmix tune --enqueue` makes it."""
     from storage import Database, upgrade
     from tuner.campaign import CampaignSpec, optuna_storage
@@ -90,7 +92,7 @@ def stub_campaign(url: str, budgets: tuple[float, ...], n_trials: int, status: s
     db = Database(url)
     try:
         upgrade(db)
-        spec = CampaignSpec(model="smollm2-135m", budgets=budgets, n_trials=n_trials, profile="smoke")
+        spec = CampaignSpec(model="smollm2-135m", budgets=budgets, n_trials=n_trials, profile="smoke", **spec_extra)
         campaign_id = find_or_create_campaign(db, spec, status=status)
     finally:
         db.dispose()

@@ -16,6 +16,8 @@ Environment knobs (all optional):
                           allocates twice that, so the allocation itself fails (a real MemoryError)
     STUB_FSIZE_BYTES      RLIMIT_FSIZE for this process, SIGXFSZ ignored (writes past it fail)
     STUB_MAX_PAGES        PRAGMA max_page_count on every SQLite connection (a full disk, to SQLite)
+    STUB_RUNG_S           seconds each racing rung sleeps (default 0); STUB_LOG gets a line as a rung
+                          starts and as it ends
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 HEAD_DIM = 64  # smollm2-135m, the registry model the stub campaigns name
+UNITS = 64  # per-unit outcomes of the stub's one part (what racing pairs)
 
 
 class StubEvaluator:
@@ -51,7 +54,36 @@ class StubEvaluator:
 
         return 1.0 / key_bits(config, HEAD_DIM).total
 
-    def evaluate(self, config: Any) -> Any:
+    def _accuracy(self, config: Any) -> float:
+        from pnmix.bits import key_bits
+
+        bits = key_bits(config, HEAD_DIM).total
+        # Deterministic and config-specific: more bits score higher, sinks and ratio break ties.
+        return round(min(1.0, 0.15 + 0.2 * bits + 0.001 * config.n_sink + 0.01 * config.salient_ratio), 6)
+
+    @staticmethod
+    def _outcomes(accuracy: float) -> list[float]:
+        """UNITS 0/1 outcomes whose every prefix answers about `accuracy` of its items."""
+        return [1.0 if (i * 0.6180339887) % 1.0 < accuracy else 0.0 for i in range(UNITS)]
+
+    def _log(self, **row: Any) -> None:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), **row}) + "\n")
+
+    def unit_counts(self) -> dict[str, int]:
+        return {"passkey": UNITS}
+
+    def rung(self, config: Any, upto: dict[str, int], have: Any = None) -> Any:
+        from tuner.evaluate import Rung
+
+        held = len(have.units["passkey"]) if have else 0
+        self._log(event="rung_start", config=config.to_dict(), held=held, upto=upto["passkey"])
+        time.sleep(float(os.environ.get("STUB_RUNG_S", "0")))
+        self._log(event="rung_done", config=config.to_dict(), held=held, upto=upto["passkey"])
+        return Rung({"passkey": self._outcomes(self._accuracy(config))[: upto["passkey"]]}, [], 0.0)
+
+    def evaluate(self, config: Any, have: Any = None) -> Any:
         from pnmix.bits import key_bits
 
         self.calls += 1
@@ -64,16 +96,15 @@ class StubEvaluator:
                 del block
             raise MemoryError("stub: allocation refused")
         bits = key_bits(config, HEAD_DIM).total
-        # Deterministic and config-specific: more bits score higher, sinks and ratio break ties.
-        accuracy = round(min(1.0, 0.15 + 0.2 * bits + 0.001 * config.n_sink + 0.01 * config.salient_ratio), 6)
+        accuracy = self._accuracy(config)
         versions = {"stub": "1", **({"payload": self.payload} if self.payload else {})}
         score = SimpleNamespace(accuracy=accuracy, parts={"stub": accuracy}, kv_bytes=int(bits * 1000),
                                 decode_tokens_per_s=100.0 / bits, backend="stub", device="stub", versions=versions,
                                 fidelity_kl=0.0, fidelity_agreement=1.0, seconds=self.sleep_s, accuracy_se=0.01,
-                                parts_se={"stub": 0.01}, units={"stub": [accuracy]}, timings={"stub": self.sleep_s})
-        if self.log:
-            with open(self.log, "a") as f:
-                f.write(json.dumps({"pid": os.getpid(), "config": config.to_dict(), "accuracy": accuracy}) + "\n")
+                                parts_se={"stub": 0.01}, units={"passkey": self._outcomes(accuracy)},
+                                timings={"stub": self.sleep_s})
+        self._log(config=config.to_dict(), accuracy=accuracy, **({"from_rung": len(have.units["passkey"])} if have
+                                                                 else {}))
         return score
 
 
