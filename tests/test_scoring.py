@@ -148,6 +148,15 @@ def test_evaluation_on_the_embedded_model(embedded):
     assert again.units["passkey"] == one_bit.units["passkey"] and len(one_bit.units["fidelity"]) == 2
     assert one_bit.accuracy_se is not None and 0 < one_bit.accuracy_se < 0.5
     assert fp16.accuracy_se < 1e-6 and one_bit.parts_se["fidelity"] > 0
+    # A race's first rung (one unit of each part), completed later, scores as one full evaluation.
+    counts = ev.unit_counts()
+    assert counts == {"passkey": len(data["items"]["passkey"]), "kv_lookup": len(data["items"]["kv_lookup"]),
+                      "fidelity": 2}
+    first = ev.rung(preset("kivi1"), dict.fromkeys(counts, 1))
+    assert {k: len(u) for k, u in first.units.items()} == dict.fromkeys(counts, 1) and first.seconds > 0
+    done = ev.evaluate(preset("kivi1"), have=first)
+    assert done.units == one_bit.units and done.accuracy == one_bit.accuracy
+    assert done.fidelity_agreement == one_bit.fidelity_agreement
     assert ev.proxy(preset("kivi1")) > ev.proxy(preset("kivi2")) > 0
 
 
