@@ -331,7 +331,7 @@ class PNMixLayer(SeenTokensLayer):
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Decode-time append: key/value [B, H_kv, n, d], every token real."""
-        self.flushed: list[Flushed] = []  # what this step quantizes, if it has several tokens
+        self.flushed = []  # what this step quantizes, if it has several tokens
         for b in range(self.batch):
             self._append(b, key[b], value[b], keep_flushed=key.shape[-2] > 1)
 

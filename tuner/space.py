@@ -56,7 +56,7 @@ class SearchSpace:
 
     def configs(self) -> list[PNMixConfig]:
         """Every config of the space, each once: bit pair, then G, then r, then sinks."""
-        out = []
+        out: list[PNMixConfig] = []
         for pair in self.bit_pairs():
             hi, lo = (int(x) for x in pair.split("/"))
             ratios = [0.0] if self.method == "kivi" or hi == lo else list(RATIOS)
