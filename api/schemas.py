@@ -171,7 +171,7 @@ class CampaignCreate(BaseModel):
 
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name")
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
-    n_trials: int = Field(default=30, ge=1, le=10_000, description="trials per budget")
+    n_trials: int = Field(default=45, ge=1, le=10_000, description="trials per budget (the default is `pnmix tune`'s)")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
     profile: Literal[PROFILES] = "quick"  # type: ignore[valid-type]
     objectives: list[Literal[OBJECTIVES]] = Field(  # type: ignore[valid-type]
