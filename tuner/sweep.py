@@ -105,8 +105,10 @@ def start_file(path: Path, header: dict[str, Any]) -> Sweep:
     """Creates the sweep file with its header, or checks that an existing one is this sweep."""
     if path.suffix == ".gz":
         raise EvalError(f"{path}: a sweep is written uncompressed; compress it once it is complete")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise EvalError(f"{path} is a directory: --out takes a file, e.g. {path / 'sweep.jsonl'}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         sweep = read_sweep(path)
@@ -120,6 +122,8 @@ def start_file(path: Path, header: dict[str, Any]) -> Sweep:
             if f.read(1) != b"\n":
                 f.write(b"\n")
         return sweep
+    except OSError as exc:
+        raise EvalError(f"cannot write the sweep file {path}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(header) + "\n")
     return Sweep(header, [])
