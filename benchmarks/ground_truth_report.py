@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pnmix.config import preset
+from pnmix.config import PNMixConfig, preset
 from tuner.sweep import config_key, front, read_sweep
 
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -26,7 +26,7 @@ PRESETS = ("pnmix-paper", "kivi2", "kitty", "kivi1")
 
 
 def label(cfg: dict[str, Any]) -> str:
-    return f"{cfg['b_high']}/{cfg['b_low']} G{cfg['group_size']} r{cfg['salient_ratio']:g} s{cfg['n_sink']}"
+    return PNMixConfig.from_dict(cfg).label
 
 
 def ranks(xs: list[float]) -> list[float]:
@@ -35,12 +35,6 @@ def ranks(xs: list[float]) -> list[float]:
     for r, i in enumerate(order):
         out[i] = float(r)
     return out
-
-
-def pearson(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
-    return cov / math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
 
 
 def plot(records: list[dict[str, Any]], fronts: dict[float, list[dict[str, Any]]], marks: dict[str, Any],
@@ -119,8 +113,9 @@ def main() -> None:
         within = sum(abs(by_key[k]["accuracy"] - other[k]["accuracy"]) <= 2 * math.hypot(
             by_key[k]["accuracy_se"], other[k]["accuracy_se"]) for k in common) / len(common)
         rep_stats: dict[str, Any] = {
-            "seed": rep.header["seed"], "common_configs": len(common), "pearson": pearson(a, b_),
-            "spearman": pearson(ranks(a), ranks(b_)), "mean_abs_diff": statistics.fmean(abs(x) for x in diffs),
+            "seed": rep.header["seed"], "common_configs": len(common), "pearson": statistics.correlation(a, b_),
+            "spearman": statistics.correlation(ranks(a), ranks(b_)),
+            "mean_abs_diff": statistics.fmean(abs(x) for x in diffs),
             "mean_diff": statistics.fmean(diffs), "within_2se_share": within, "budgets": {}}
         print(f"\nrepeat with seed {rep.header['seed']} on {len(common)} common configs: Pearson "
               f"{rep_stats['pearson']:.4f}, Spearman {rep_stats['spearman']:.4f}, mean |diff| "

@@ -106,6 +106,11 @@ class PNMixConfig:
         return self.value_bits != UNQUANTIZED_BITS
 
     @property
+    def label(self) -> str:
+        """The searched knobs in one short line: "3/1 G128 r0.5 s32" (b_high/b_low, G, r, sinks)."""
+        return f"{self.b_high}/{self.b_low} G{self.group_size} r{self.salient_ratio:g} s{self.n_sink}"
+
+    @property
     def high_planes(self) -> int:
         """Extra bit planes stored for salient channels only."""
         return self.b_high - self.b_low if self.keys_quantized else 0

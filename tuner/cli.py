@@ -308,9 +308,8 @@ def sweep(
     evaluator = _load_evaluator(model, profile_name, seed, None, backend, progress=lambda message: None)
 
     def say(k: int, n: int, cfg: Any, row: dict[str, Any]) -> None:
-        console.print(f"[{k}/{n}] {cfg.b_high}/{cfg.b_low} G{cfg.group_size} r{cfg.salient_ratio:g} "
-                      f"s{cfg.n_sink}: {row['key_bits']:.3f} bits, accuracy {_pm(row['accuracy'], row['accuracy_se'])}"
-                      f" ({row['seconds']:.2f} s)")
+        console.print(f"[{k}/{n}] {cfg.label}: {row['key_bits']:.3f} bits, accuracy "
+                      f"{_pm(row['accuracy'], row['accuracy_se'])} ({row['seconds']:.2f} s)")
 
     scored = run_sweep(evaluator, space, Path(out), part, limit, measure, on_score=say)
     console.print(f"{out}: {scored} configs scored by shard {part[0]}/{part[1]}")
@@ -398,6 +397,7 @@ def recommend(
                     "throughput": q.throughput, "campaign": q.campaign_id, "trial": q.trial_number}
 
         row = {"model": model, "budget": bits, **row_of(p), "ties": [row_of(q) for q in ties]}
+        others = [(q.config, q.key_bits, q.accuracy, q.accuracy_se) for q in ties if q is not p]
     if as_json:
         print(json.dumps(row))
         return
@@ -405,15 +405,18 @@ def recommend(
                   f"G={config.group_size}, r={config.salient_ratio:g}, {config.n_sink} sinks -> key bits "
                   f"{row['key_bits']:.3f}, accuracy {_pm(row['accuracy'], row['accuracy_se'])} "
                   f"(campaign {row['campaign']}, trial {row['trial']})")
-    others = [t for t in row["ties"] if t["config"] != row["config"]]
-    if others:
-        console.print(f"tied with it (accuracy within 2 SE of the most accurate; chosen: fewest key bits, then "
-                      f"throughput): {len(others)} more")
-        for t in others:
-            c = t["config"]
-            console.print(f"  {c['b_high']}/{c['b_low']} G{c['group_size']} r{c['salient_ratio']:g} "
-                          f"s{c['n_sink']}: {t['key_bits']:.3f} bits, accuracy {_pm(t['accuracy'], t['accuracy_se'])}")
+    _print_ties(others)
     console.print(config.to_json())
+
+
+def _print_ties(others: list[tuple[Any, float, float, float | None]]) -> None:
+    """The points tied with a recommendation: (config, key bits, accuracy, its SE) each."""
+    if not others:
+        return
+    console.print(f"tied with it (accuracy within 2 SE of the most accurate; chosen: fewest key bits, then "
+                  f"throughput): {len(others)} more")
+    for cfg, bits, acc, se in others:
+        console.print(f"  {cfg.label}: {bits:.3f} bits, accuracy {_pm(acc, se)}")
 
 
 def export(
@@ -483,11 +486,6 @@ def run_main_job(
     with db.session(readonly=True) as s:
         p, ties = recommend_with_ties(s, model, 2.3)
         console.print(f"recommendation at <= 2.3 key bits: {p.config.to_json()} "
-                      f"(key bits {p.key_bits:.3f}, accuracy {_pm(p.accuracy, p.accuracy_se)}; tied with it "
-                      f"within 2 SE: {len(ties) - 1} other point(s), the fewest key bits chosen)")
-        for t in ties:
-            if t is not p:
-                c = t.config
-                console.print(f"  tied: {c.b_high}/{c.b_low} G{c.group_size} r{c.salient_ratio:g} s{c.n_sink}: "
-                              f"{t.key_bits:.3f} bits, accuracy {_pm(t.accuracy, t.accuracy_se)}")
+                      f"(key bits {p.key_bits:.3f}, accuracy {_pm(p.accuracy, p.accuracy_se)})")
+        _print_ties([(t.config, t.key_bits, t.accuracy, t.accuracy_se) for t in ties if t is not p])
     console.print(f"Pareto plot: {path}; the API (`pnmix serve`) and `pnmix dashboard` read {db.display_url}")
