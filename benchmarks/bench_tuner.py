@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -65,9 +66,9 @@ class Replay:
     def __init__(self, records: list[dict[str, Any]], head_dim: int, profile: str, seed: int) -> None:
         self.by_key = {config_key(r["config"]): r for r in records}
         self.head_dim, self.model_name, self.seed = head_dim, "replay", seed
-        self.profile = type("P", (), {"name": profile})()
+        self.profile = SimpleNamespace(name=profile)
         self.ledger: list[tuple[str, float, bool]] = []  # (config key, seconds charged, fully scored)
-        self._full: set[str] = set()
+        self.full: set[str] = set()
 
     def record(self, config: PNMixConfig) -> dict[str, Any]:
         key = config_key(config)
@@ -79,8 +80,8 @@ class Replay:
         r = self.record(config)
         key = config_key(config)
         if share >= 1.0:
-            if key not in self._full:
-                self._full.add(key)
+            if key not in self.full:
+                self.full.add(key)
                 self.ledger.append((key, r["seconds"], True))
         else:
             self.ledger.append((key, share * r["seconds"], False))
@@ -152,7 +153,7 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
             return r["accuracy"], bits
         r = replay.record(cfg)
         key = config_key(cfg)
-        if key in replay._full:  # seen before: no charge
+        if key in replay.full:  # seen before: no charge
             return r["accuracy"], bits
         if key in stopped:
             return stopped[key], bits

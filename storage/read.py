@@ -139,8 +139,9 @@ def recommend_with_ties(
     """
     if optimize not in OPTIMIZE:
         raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
-    # One query on the hot path: the model is joined by name; the slower queries that explain an
-    # empty answer (unknown model, or the smallest bits that would fit) run only when it is empty.
+    # On the hot path: one query for the best point (the model joined by name) and, for accuracy,
+    # one for the points that may tie with it; the slower queries that explain an empty answer
+    # (unknown model, or the smallest bits that would fit) run only when it is empty.
     conditions = [FrontPoint.accuracy >= min_accuracy]
     if campaign_id is not None:
         conditions.append(FrontPoint.campaign_id == campaign_id)
