@@ -123,6 +123,16 @@ def _with_flushed(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: t
     return torch.cat([k, ek], dim=2), torch.cat([v, ev], dim=2), torch.cat([mask, extra], dim=2)
 
 
+def _scatter_tokens(buf: torch.Tensor, at: torch.Tensor, new: torch.Tensor) -> None:
+    """buf[b, :, at[b, j]] = new[b, :, j] for buf [B, H, T, d], at [B, n], new [B, H, n, d]."""
+    buf.scatter_(2, at[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]), new)
+
+
+def _gather_tokens(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """buf[b, :, at[b, j]] for buf [B, H, T, d], at [B, n] -> [B, H, n, d]."""
+    return buf.gather(2, at[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
+
+
 class SeenTokensLayer(CacheLayerMixin):
     """transformers' layer protocol for layers whose masks count every token seen (`seen`)."""
 
@@ -332,8 +342,90 @@ class PNMixLayer(SeenTokensLayer):
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Decode-time append: key/value [B, H_kv, n, d], every token real."""
         self.flushed = []  # what this step quantizes, if it has several tokens
+        if self.flushes and min(self.lengths) >= self.config.n_sink:
+            self._append_past_sinks(key, value)
+            return
         for b in range(self.batch):
             self._append(b, key[b], value[b], keep_flushed=key.shape[-2] > 1)
+
+    def _append_past_sinks(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """What `_append(b, ...)` does for every sequence b once all sinks are held, batched: the
+        step's tokens go into the residual buffers, then every full residual block of every
+        sequence is quantized in one call per layer (a replay step flushes several blocks a row;
+        quantizing them one row and block at a time made it launch-bound)."""
+        cfg, dev = self.config, self.device
+        n, r = key.shape[-2], cfg.residual_len
+        steps = torch.arange(n, device=dev)
+        if self.keep_view:
+            self._grow_view(max(self.lengths) + n)
+            at = torch.tensor(self.lengths, device=dev)[:, None] + steps  # [B, n]
+            _scatter_tokens(self.view_k, at, key)
+            _scatter_tokens(self.view_v, at, value)
+        self._grow_residual(max(self.res_len) + n)
+        held = torch.tensor(self.res_len, device=dev)[:, None] + steps  # [B, n]
+        _scatter_tokens(self.k_res, held, key)
+        _scatter_tokens(self.v_res, held, value)
+        totals = [h + n for h in self.res_len]
+        blocks = [t // r for t in totals]  # full residual blocks to quantize, per sequence
+        if max(blocks):
+            self._flush_blocks(blocks, keep_flushed=n > 1)
+            cap = self.k_res.shape[-2]
+            shift = torch.tensor([f * r for f in blocks], device=dev)[:, None] + torch.arange(cap, device=dev)
+            rest = shift.clamp_max(cap - 1)  # [B, cap]: each row's remaining tokens move to the front
+            self.k_res.copy_(_gather_tokens(self.k_res, rest))
+            self.v_res.copy_(_gather_tokens(self.v_res, rest))
+        self.lengths = [length + n for length in self.lengths]
+        self.res_len = [t - f * r for t, f in zip(totals, blocks, strict=True)]
+
+    def _flush_blocks(self, blocks: list[int], keep_flushed: bool) -> None:
+        """Quantizes the first blocks[b] residual blocks of every sequence b into its packed region,
+        all sequences in one quantize call; the residual buffers are left as they were."""
+        cfg, dev, p = self.config, self.device, self.packed
+        g, r = cfg.group_size, cfg.residual_len
+        most = max(blocks)
+        k = self.k_res[:, :, : most * r].clone()  # [B, H_kv, most * R, d]; rows past their blocks unused
+        v = self.v_res[:, :, : most * r].clone()
+        if keep_flushed:
+            for b, count in enumerate(blocks):
+                for f in range(count):
+                    start = cfg.n_sink + (self.n_groups[b] + f * r // g) * g
+                    self.flushed.append(Flushed(b, start, k[b, :, f * r : (f + 1) * r], v[b, :, f * r : (f + 1) * r]))
+        new_groups = [f * r // g for f in blocks]
+        self._grow_packed(max(g0 + m for g0, m in zip(self.n_groups, new_groups, strict=True)))
+        # (row, index in this flush) of every group and every token written, and where each lands
+        g_row, g_src, g_dst, t_row, t_src, t_dst = ([] for _ in range(6))
+        for b, m in enumerate(new_groups):
+            g_row += [b] * m
+            g_src += range(m)
+            g_dst += range(self.n_groups[b], self.n_groups[b] + m)
+            t_row += [b] * (m * g)
+            t_src += range(m * g)
+            t_dst += range(self.n_groups[b] * g, (self.n_groups[b] + m) * g)
+        gr, gs, gd, tr, ts, td = (torch.tensor(i, device=dev) for i in (g_row, g_src, g_dst, t_row, t_src, t_dst))
+        quantize_keys, quantize_values = backend.quantizers(self.use_kernels)
+        if cfg.keys_quantized:
+            channels = self.salient_channels_all()
+            pk = quantize_keys(k, channels, cfg.b_low, cfg.b_high, g)
+            for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
+                p[name][gr, :, gd] = new[gr, :, gs]
+            if self.keep_view:
+                k = packing.dequantize_keys(packing.PackedKeys(pk.low, pk.high, pk.scale, pk.zero), channels,
+                                            cfg.b_low).to(self.dtype)
+        else:
+            p["k_raw"][tr, :, td] = k[tr, :, ts]
+        if cfg.values_quantized:
+            pv = quantize_values(v, cfg.value_bits, cfg.value_group_size)
+            for name, new in (("v_packed", pv.packed), ("v_scale", pv.scale), ("v_zero", pv.zero)):
+                p[name][tr, :, td] = new[tr, :, ts]
+            if self.keep_view:
+                v = packing.dequantize_values(packing.PackedValues(pv.packed, pv.scale, pv.zero), cfg.value_bits,
+                                              cfg.value_group_size).to(self.dtype)
+        else:
+            p["v_raw"][tr, :, td] = v[tr, :, ts]
+        if self.keep_view:  # the view's slots of these tokens hold what their bytes decode to
+            self.view_k[tr, :, cfg.n_sink + td] = k[tr, :, ts]
+            self.view_v[tr, :, cfg.n_sink + td] = v[tr, :, ts]
+        self.n_groups = [g0 + m for g0, m in zip(self.n_groups, new_groups, strict=True)]
 
     def _append(self, b: int, k: torch.Tensor, v: torch.Tensor, prefill: bool = False,
                 keep_flushed: bool = False) -> None:

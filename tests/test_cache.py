@@ -153,3 +153,47 @@ def test_quantized_cache_changes_logits_but_stays_close(embedded):
     kl = [(a.softmax(-1) * (a.log_softmax(-1) - b.log_softmax(-1))).sum().item()
           for a, b in zip(ref.logits[1:], out.logits[1:], strict=True)]
     assert 0 < max(kl) < 1.0, kl
+
+
+@pytest.mark.parametrize("config", [
+    preset("pnmix-paper"),
+    preset("kivi2"),
+    PNMixConfig(b_high=4, b_low=2, group_size=32, salient_ratio=0.25, n_sink=4, residual_len=64),
+], ids=lambda c: c.label)
+def test_batched_append_equals_appending_each_sequence(config):
+    """The batched decode-time append (every sequence's full residual blocks quantized in one call)
+    leaves exactly what appending sequence by sequence leaves: bytes, view, residual, flushed blocks."""
+    from pnmix.cache import PNMixLayer
+    from pnmix.saliency import Pairing
+
+    heads, d, lengths = 2, 64, [40, 170, 300]
+    keys = [torch.randn(heads, t, d) for t in lengths]
+    values = [torch.randn(heads, t, d) for t in lengths]
+    scores = torch.rand(len(lengths), heads, d // 2)
+    batched, per_row = (PNMixLayer(config, next(iter(Pairing)), 0) for _ in range(2))
+    for layer in (batched, per_row):
+        layer.multi_token = True
+        layer.load_prefill(keys, values, scores)
+    flushes = 0
+    for n in [1, 7, 130, 300, 1, 255]:
+        k, v = torch.randn(len(lengths), heads, n, d), torch.randn(len(lengths), heads, n, d)
+        batched.append(k, v)
+        per_row.flushed = []
+        for b in range(len(lengths)):
+            per_row._append(b, k[b], v[b], keep_flushed=n > 1)
+        assert (batched.lengths, batched.res_len, batched.n_groups) == (per_row.lengths, per_row.res_len,
+                                                                         per_row.n_groups)
+        for name, t in batched.packed.items():
+            assert torch.equal(t, per_row.packed[name]), name
+        end = max(batched.lengths)
+        assert torch.equal(batched.view_k[:, :, :end], per_row.view_k[:, :, :end])
+        assert torch.equal(batched.view_v[:, :, :end], per_row.view_v[:, :, :end])
+        for b, held in enumerate(batched.res_len):
+            assert torch.equal(batched.k_res[b, :, :held], per_row.k_res[b, :, :held])
+            assert torch.equal(batched.v_res[b, :, :held], per_row.v_res[b, :, :held])
+        assert [(f.row, f.start) for f in batched.flushed] == [(f.row, f.start) for f in per_row.flushed]
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                   for a, b in zip(batched.flushed, per_row.flushed, strict=True))
+        assert batched.nbytes() == per_row.nbytes()
+        flushes += len(batched.flushed)
+    assert flushes >= 6  # the steps above do quantize blocks
