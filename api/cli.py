@@ -1,7 +1,7 @@
 """The `pnmix` command: the root Typer app that gathers every package's commands.
 
 It lives in `api/`, the outermost layer, because only this layer may depend on all the others
-(DESIGN.md section 1). Commands import their heavy dependencies lazily, so `pnmix bits` starts
+(docs/design.md, "How the parts fit"). Commands import their heavy dependencies lazily, so `pnmix bits` starts
 without loading torch.
 """
 

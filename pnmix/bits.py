@@ -1,4 +1,4 @@
-"""Bit-width accounting: the tuner's constraint (DESIGN.md section 3) and KV byte totals.
+"""Bit-width accounting: the tuner's constraint (docs/design.md, same title) and KV byte totals.
 
 Average key bits per cached key element, counted as the paper does: the fp16 residual buffer is
 left out of storage and element count; `quantized_tokens` (T_q) tokens sit in the packed region

@@ -79,7 +79,7 @@ def bits(
     seq_len: Annotated[int, typer.Option(help="sequence length for the KV byte total")] = 8192,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Bit-width breakdown of one PN-Mix config (DESIGN.md section 3)."""
+    """Bit-width breakdown of one PN-Mix config (docs/design.md, "Bit-width accounting")."""
     config = config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
     )

@@ -3,7 +3,7 @@
 This module is the one definition of the stored bytes. The Triton kernels (kernels/) must
 produce and read exactly this layout; tests compare them bit for bit.
 
-Quantizer (asymmetric, per group, DESIGN.md section 2):
+Quantizer (asymmetric, per group; docs/design.md, "The method"):
     z = fp16(min(x)),  s = fp16((max(x) - min(x)) / (2^b - 1))          over the group
     q = clamp(floor((x - z) / s + 0.5), 0, 2^b - 1)                       in fp32; s == 0 -> q = 0
     x^ = q * s + z                                                        in fp32

@@ -1,4 +1,4 @@
-"""Saliency: which RoPE channel pairs of a KV head keep b_high bits (DESIGN.md section 2).
+"""Saliency: which RoPE channel pairs of a KV head keep b_high bits (docs/design.md, "The method").
 
 Scores are computed once, from the prefill's post-RoPE queries and keys, per (sequence, KV head):
 

@@ -1,7 +1,7 @@
 """Static-shape decoding: a preallocated cache and one decode step replayed as a CUDA graph.
 
 `generate` with a dynamic cache spends most of a decode step on host work (tens of ms for an 8B
-shape on an H200, ../shared/GPU.md). Here every buffer is allocated once to `max_len` tokens,
+shape on an H200). Here every buffer is allocated once to `max_len` tokens,
 every length lives in a device tensor, and the whole step (embedding, the model's own decoder
 layers, cache append, attention, final norm, LM head, greedy argmax) is captured once in a CUDA
 graph and replayed. Prefill runs eagerly through the ordinary path (`PNMixCache` and the "pnmix"
