@@ -145,7 +145,7 @@ def registry_model(name: str) -> ModelIn | None:
 
     if name in models.EMBEDDED:
         shape = models.EMBEDDED[name].shape
-        # The embedded SmolLM2 is a Llama-architecture model (DESIGN.md section 6).
+        # The embedded SmolLM2 is a Llama-architecture model (docs/design.md, "Models").
         family, source = "llama", "embedded"
     elif name in models.SHAPE_MODELS:
         spec = models.SHAPE_MODELS[name]
