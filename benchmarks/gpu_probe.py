@@ -1,12 +1,13 @@
 """GPU pre-flight for a campaign: per-forward cost of the tuner's workloads on the embedded model's shape.
 
-The embedded model's weights take two device runs to carry (../shared/GPU.md), so the first run
-checks the campaign path and sizes the campaign with what needs no weights:
+It needs no model weights, only the embedded model's tokenizer saved as a directory, so it can
+check a GPU host and size a campaign before the model is installed there:
   1. writes a tiny random Llama with the embedded tokenizer (for a smoke campaign on CUDA), and
-  2. times, on a random-weight model of SmolLM2-135M's exact shape (bf16, CUDA), the three
-     workloads a trial repeats: a 32-token greedy generation after a 512-token prompt (task
-     answers, cost measurement) and a 512-token teacher-forced replay in 16-token chunks (fidelity),
-     for fp16 keys, pnmix-paper on the Triton kernels and pnmix-paper on the torch path.
+  2. times, on a random-weight model of SmolLM2-135M's exact shape (bf16, CUDA), the per-item
+     workloads of the reference scoring path: a 32-token greedy generation after a 512-token
+     prompt (one item's answer, the cost workload) and a 512-token teacher-forced replay in
+     16-token chunks (one fidelity trajectory), for fp16 keys, pnmix-paper on the Triton kernels
+     and pnmix-paper on the torch path.
 
     python benchmarks/gpu_probe.py --tokenizer DIR --tiny-out DIR [--json FILE]
 """
@@ -33,7 +34,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 
 
 def write_tiny(tokenizer_dir: str, out: str) -> None:
-    """The tests' tiny Llama (tests/tiny.py), built here so that it need not be carried."""
+    """The tests' tiny Llama (tests/tiny.py), written with the given tokenizer."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny import save_tiny_llama
 

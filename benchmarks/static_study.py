@@ -1,4 +1,4 @@
-"""The memory/throughput study of issue 8: fp16 vs KIVI-2 vs pnmix-paper on the static decode path.
+"""The memory/throughput study: fp16 vs KIVI-2 vs pnmix-paper on the static decode path.
 
 On `qwen3-8b-shape` (random bf16 weights; performance only), prompt 141 tokens, greedy, under a
 40 GiB memory budget enforced in-process (`torch.cuda.set_per_process_memory_fraction`), with
@@ -300,7 +300,7 @@ def part_latency(model: Any, res: dict) -> None:
 
 
 def part_fullkernel(res: dict) -> None:
-    """The fp16 baseline's decode kernel vs SDPA (no mask) on issue 4's shapes, bf16, 32/8 heads, d 128."""
+    """The fp16 baseline's decode kernel vs SDPA (no mask) on bench_decode.py's shapes, bf16, 32/8 heads, d 128."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
