@@ -124,7 +124,7 @@ def recommend_params(rng: random.Random, models: list[str], i: int) -> dict[str,
 
 class Connection:
     """A minimal HTTP/1.1 keep-alive client on one socket: the load generator must use little CPU,
-    since it shares the 2 cores with the server (httpx costs about as much per request as the server)."""
+    since it shares the machine's cores with the server (httpx costs about as much per request as the server)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
