@@ -8,13 +8,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from storage.orm import Campaign, FrontPoint
-from storage.read import ModelSummary
-from storage.write import BACKENDS, MAX_BITS, METHODS, OBJECTIVES, PROFILES
+from pnmix.names import BACKENDS, METHODS
+from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
+from storage.read import OPTIMIZE, ModelSummary
+from storage.write import MAX_BITS, OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
+from tuner.profiles import PROFILES
 
 Budget = Annotated[float, Field(gt=0, le=MAX_BITS, allow_inf_nan=False, description="key bits per element")]
-Status = Literal["queued", "running", "done", "failed"]
-Optimize = Literal["accuracy", "throughput", "memory"]
+Status = Literal[CAMPAIGN_STATUSES]  # type: ignore[valid-type]
+Optimize = Literal[OPTIMIZE]  # type: ignore[valid-type]
 
 
 class Health(BaseModel):
@@ -173,30 +175,29 @@ class CampaignCreate(BaseModel):
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
     n_trials: int = Field(default=45, ge=1, le=10_000, description="trials per budget (the default is `pnmix tune`'s)")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
-    profile: Literal[PROFILES] = "quick"  # type: ignore[valid-type]
-    objectives: list[Literal[OBJECTIVES]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: ["accuracy", "key_bits"], min_length=2, max_length=len(OBJECTIVES),
-        description="distinct names; must include accuracy and key_bits",
+    profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]
+    objectives: list[Literal[tuple(OBJECTIVES)]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(REQUIRED_OBJECTIVES), min_length=2, max_length=len(OBJECTIVES),
+        description=f"distinct names; must include {' and '.join(REQUIRED_OBJECTIVES)}",
         json_schema_extra={
             "uniqueItems": True,
-            "allOf": [{"contains": {"const": "accuracy"}}, {"contains": {"const": "key_bits"}}],
+            "allOf": [{"contains": {"const": name}} for name in REQUIRED_OBJECTIVES],
         },
     )
     backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
 
+    # The schema above documents the rules; the checks themselves are the storage's (an
+    # InvalidValueError is a ValueError, so pydantic answers it as a 422).
     @field_validator("budgets")
     @classmethod
-    def _distinct_budgets(cls, v: list[float]) -> list[float]:
-        if len(set(v)) != len(v):
-            raise ValueError("budgets must be distinct")
+    def _budgets(cls, v: list[float]) -> list[float]:
+        check_budgets(v)
         return v
 
     @field_validator("objectives")
     @classmethod
     def _objectives(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v) or not {"accuracy", "key_bits"} <= set(v):
-            raise ValueError("objectives must be distinct and include accuracy and key_bits")
-        return v
+        return check_objectives(v)
 
 
 def _finite(v: Any) -> bool:

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pnmix import packing
+from pnmix.names import BACKENDS
 
 if TYPE_CHECKING:
     from kernels.layout import DecodeCache
 
-BACKENDS = ("auto", "torch", "triton")
 DECODE_KERNELS = ("auto", "triton", "mma")
 _override: str | None = None
 

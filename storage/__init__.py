@@ -25,9 +25,11 @@ from storage.read import (
 )
 from storage.settings import StorageSettings, load_storage_settings
 from storage.write import (
+    OBJECTIVES,
     FrontPointIn,
     ModelIn,
     check_budgets,
+    check_objectives,
     claim_next_queued_campaign,
     create_campaign,
     registry_model,
@@ -38,6 +40,7 @@ from storage.write import (
 )
 
 __all__ = [
+    "OBJECTIVES",
     "OPTIMIZE",
     "Base",
     "Campaign",
@@ -55,6 +58,7 @@ __all__ = [
     "StorageError",
     "StorageSettings",
     "check_budgets",
+    "check_objectives",
     "check_schema",
     "claim_next_queued_campaign",
     "create_campaign",

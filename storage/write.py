@@ -21,20 +21,22 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
+from pnmix.names import BACKENDS, METHODS
 from storage.errors import InvalidValueError, NotFoundError
 from storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 
-METHODS = ("pnmix", "kivi", "kitty")
-PROFILES = ("quick", "full", "smoke")  # smoke: tiny sizes for tests and demos (tuner.profiles)
-BACKENDS = ("auto", "torch", "triton")
-OBJECTIVES = ("accuracy", "key_bits", "kv_bytes", "throughput")
+# What a campaign may optimize: measured columns of its front points, each with the direction that
+# improves it (the tuner's Optuna study directions). Every campaign optimizes accuracy and key bits.
+OBJECTIVES: dict[str, Literal["maximize", "minimize"]] = {
+    "accuracy": "maximize", "key_bits": "minimize", "kv_bytes": "minimize", "throughput": "maximize"}
+REQUIRED_OBJECTIVES = ("accuracy", "key_bits")
 MODEL_SOURCES = ("embedded", "shape", "local", "hub")
 MAX_BITS = 16.0
 # A budget and the formula's key bits are compared with this slack, so that a config whose bits
@@ -180,16 +182,13 @@ def create_campaign(
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials <= 0:
         raise InvalidValueError(f"invalid n_trials={n_trials!r}: a positive integer")
     _check_choice("method", method, METHODS)
-    _check_choice("profile", profile, PROFILES)
+    # Profiles are the tuner's (tuner.profiles), which sits above this layer: the tuner and the
+    # service check the name; here it only has to fit its column.
+    if not isinstance(profile, str) or not 0 < len(profile) <= 16:
+        raise InvalidValueError(f"invalid profile={profile!r}: a profile name of 1 to 16 characters")
     _check_choice("backend", backend, BACKENDS)
     _check_choice("status", status, ("queued", "running"))
-    objectives = list(objectives)
-    for name in objectives:
-        _check_choice("objective", name, OBJECTIVES)
-    if len(set(objectives)) != len(objectives) or not {"accuracy", "key_bits"} <= set(objectives):
-        raise InvalidValueError(
-            f"invalid objectives={objectives}: distinct names that include accuracy and key_bits"
-        )
+    objectives = check_objectives(objectives)
     model_row = _model_or_registry(session, model)
     now = utcnow()
     campaign = Campaign(
@@ -393,8 +392,23 @@ def replace_front(
     return rows
 
 
+def check_objectives(objectives: Sequence[str]) -> list[str]:
+    """Objectives as a list: distinct names of `OBJECTIVES` that include accuracy and key_bits."""
+    if isinstance(objectives, str | bytes) or not isinstance(objectives, Sequence):
+        raise InvalidValueError(f"invalid objectives={objectives!r}: a list of names")
+    out = list(objectives)
+    for name in out:
+        _check_choice("objective", name, tuple(OBJECTIVES))
+    if len(set(out)) != len(out) or not set(REQUIRED_OBJECTIVES) <= set(out):
+        raise InvalidValueError(
+            f"invalid objectives={out}: distinct names that include {' and '.join(REQUIRED_OBJECTIVES)}"
+        )
+    return out
+
+
 def check_budgets(budgets: Sequence[float]) -> list[float]:
-    """Budgets as floats: at least one, each finite in (0, 16], no duplicates."""
+    """Budgets as floats: at least one, each finite in (0, 16], no duplicates. The one budget check:
+    the tuner's `CampaignSpec` and the service's request bodies call it too."""
     if isinstance(budgets, str | bytes) or not isinstance(budgets, Sequence) or len(budgets) == 0:
         raise InvalidValueError(f"invalid budgets={budgets!r}: a non-empty list of key-bit budgets")
     out: list[float] = []

@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import optuna
 from optuna.exceptions import ExperimentalWarning
@@ -48,13 +48,13 @@ from optuna.exceptions import ExperimentalWarning
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
 from storage.errors import StorageError
+from storage.write import OBJECTIVES, check_budgets, check_objectives
+from tuner import profiles
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 
 warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats and metric names are stable enough
 
-OBJECTIVES: dict[str, Literal["maximize", "minimize"]] = {
-    "accuracy": "maximize", "key_bits": "minimize", "kv_bytes": "minimize", "throughput": "maximize"}
 # Stored on every scored trial; "units" (each item's 1/0, each trajectory's KL) make scores comparable
 # item by item across trials, and "accuracy_se" / "parts_se" are their standard errors (tuner/stats.py).
 SCORE_ATTRS = ("parts", "kv_bytes", "decode_tokens_per_s", "backend", "device", "versions", "fidelity_kl",
@@ -88,18 +88,13 @@ class CampaignSpec:
     space: SearchSpace = field(default_factory=SearchSpace)
 
     def __post_init__(self) -> None:
-        if not self.budgets:
-            raise EvalError("give at least one bit budget")
-        for b in self.budgets:
-            if not 0 < b <= 16:
-                raise EvalError(f"invalid budget {b:g}: allowed key bits in (0, 16]")
+        """Budgets and objectives get the storage's checks (the campaign row holds them); the
+        profile, a name of this layer, is checked here (the method is checked by the space)."""
+        check_budgets(self.budgets)
         if self.n_trials < 1:
             raise EvalError(f"invalid trials={self.n_trials}: allowed an integer >= 1")
-        for name in self.objectives:
-            if name not in OBJECTIVES:
-                raise EvalError(f"unknown objective {name!r}: allowed {', '.join(OBJECTIVES)}")
-        if self.objectives[:2] != ("accuracy", "key_bits"):
-            raise EvalError("objectives must start with accuracy,key_bits (then kv_bytes and/or throughput)")
+        check_objectives(self.objectives)
+        profiles.profile(self.profile)
 
     def key(self) -> str:
         """Identity of the campaign: the same spec resumes the same campaign."""

@@ -23,10 +23,15 @@ from pnmix.cli import (
     config_from_options,
     console,
 )
-from tuner.profiles import EvalError
+from pnmix.names import BACKENDS, METHODS
+from tuner.profiles import PROFILES, EvalError
 
 if TYPE_CHECKING:
     from tuner.campaign import CampaignSpec
+
+
+ProfileOpt = Annotated[str, typer.Option("--profile", help=", ".join(PROFILES))]
+BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS))]
 
 
 def eval_config(
@@ -41,7 +46,7 @@ def eval_config(
     value_bits_: VBitsOpt = None,
     value_group: VGroupOpt = None,
     criterion: CriterionOpt = None,
-    profile_name: Annotated[str, typer.Option("--profile", help="quick or full")] = "quick",
+    profile_name: ProfileOpt = "quick",
     seed: Annotated[int, typer.Option(help="task seed")] = 0,
     gsm8k: Annotated[str | None, typer.Option(help="JSONL file of {question, answer} to add as a task")] = None,
     tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k")] = None,
@@ -231,10 +236,10 @@ def tune(
     # 45: in the replay against the ground truth (benchmarks/bench_tuner.py) 45 a budget reached
     # 0.97-0.98 of the true front at each budget within a tenth of a full sweep's seconds; 30, 0.88-0.95.
     trials: Annotated[int, typer.Option(help="trials per budget")] = 45,
-    method: Annotated[str, typer.Option(help="pnmix, kivi or kitty (each method's own knobs)")] = "pnmix",
-    profile_name: Annotated[str, typer.Option("--profile", help="quick, full or smoke")] = "quick",
+    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)} (each method's own knobs)")] = "pnmix",
+    profile_name: ProfileOpt = "quick",
     objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput]")] = "accuracy,key_bits",
-    backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
+    backend: BackendOpt = "auto",
     seed: Annotated[int, typer.Option(help="sampler and task seed")] = 0,
     multi_fidelity: Annotated[bool, typer.Option(help="screen candidates with the proxy")] = True,
     racing: Annotated[bool, typer.Option(help="race candidates on growing shares of the items")] = False,
@@ -248,11 +253,9 @@ def tune(
 
     from tuner.campaign import CampaignSpec
     from tuner.plot import pareto_plot
-    from tuner.profiles import profile
     from tuner.session import find_or_create_campaign, open_db
     from tuner.space import SearchSpace
 
-    profile(profile_name)
     spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
                         method=method, profile=profile_name, objectives=_objectives(objectives), seed=seed,
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
@@ -280,13 +283,13 @@ def tune(
 def sweep(
     out: Annotated[str, typer.Option("--out", help="sweep file (JSON Lines); resumed when it exists")],
     model: Annotated[str, typer.Option(help="model to sweep")] = "smollm2-135m",
-    method: Annotated[str, typer.Option(help="pnmix, kivi or kitty: the search space to cover")] = "pnmix",
-    profile_name: Annotated[str, typer.Option("--profile", help="quick, full or smoke")] = "full",
+    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: the search space to cover")] = "pnmix",
+    profile_name: ProfileOpt = "full",
     seed: Annotated[int, typer.Option(help="task seed")] = 0,
     shard: Annotated[str, typer.Option(help="I/N: score shard I of N (N processes may fill one file)")] = "0/1",
     limit: Annotated[int | None, typer.Option(help="score at most this many configs, then stop")] = None,
     measure: Annotated[bool, typer.Option(help="also measure bytes held and decode tokens/s")] = False,
-    backend: Annotated[str, typer.Option(help="auto, torch or triton")] = "auto",
+    backend: BackendOpt = "auto",
 ) -> None:
     """Score every config of a method's search space (the ground truth a search is measured against)."""
     from pathlib import Path

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pnmix.config import GROUP_SIZES, PNMixConfig
+from pnmix.names import METHODS
 from tuner.profiles import EvalError
 
-METHODS = ("pnmix", "kivi", "kitty")
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SINKS = (0, 8, 16, 32, 64)
 

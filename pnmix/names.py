@@ -1,0 +1,15 @@
+"""Names chosen outside a `PNMixConfig`: which method a campaign tunes, which implementation runs.
+
+The one home of each tuple. This module imports nothing, so that the storage layer and the
+service check these names without loading torch (`pnmix.backend` imports it).
+
+METHODS:  the methods a campaign tunes and compares on one model, each a restriction of the
+          config's knobs (`tuner.space` gives each its search space): PN-Mix itself, KIVI
+          (uniform key bits, no salient channels, no sinks) and a Kitty-like method (4/2 bits on
+          high-magnitude channels).
+BACKENDS: which implementation runs the decode path (`pnmix.backend`, `PNMIX_BACKEND`): `auto`
+          picks the Triton kernels for CUDA tensors and the torch reference elsewhere.
+"""
+
+METHODS = ("pnmix", "kivi", "kitty")
+BACKENDS = ("auto", "torch", "triton")
