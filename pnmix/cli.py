@@ -16,6 +16,7 @@ from rich.table import Table
 
 from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
 from pnmix.config import PRESETS, ConfigError, PNMixConfig, preset
+from pnmix.models import chat_ids
 
 # Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -220,16 +221,6 @@ def generate(
     console.print(tok.decode(out[0], skip_special_tokens=True))
     console.print(f"[dim]{out.shape[1]} tokens in {seconds:.1f} s ({path}) | prompt {ids['input_ids'].shape[1]} "
                   f"tokens | {summary}[/dim]")
-
-
-def chat_ids(tokenizer: object, prompt: str) -> dict:
-    """Tokenized single-turn chat (plain text when the tokenizer has no chat template)."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-    return tokenizer(prompt, return_tensors="pt")  # type: ignore[operator]
 
 
 ANALYZE_PROMPT = (

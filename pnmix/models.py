@@ -194,6 +194,15 @@ def load(
     return LoadedModel(source, model, tokenizer)
 
 
+def chat_ids(tokenizer: Any, prompt: str) -> dict:
+    """Tokenized single-turn chat (plain text when the tokenizer has no chat template)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)
+    return tokenizer(prompt, return_tensors="pt")
+
+
 def _build_shape_model(spec: ShapeModel, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pnmix import models
-from pnmix.cli import chat_ids
+from pnmix.models import chat_ids
 
 
 def test_registry_resolves_every_kind(tmp_path):

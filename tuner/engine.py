@@ -132,7 +132,7 @@ class ScoringEngine:
         prompt_ids, if given, are the token ids to prefill instead of the tokenized chat prompts
         (synthetic timing workloads on models without a tokenizer).
         """
-        from pnmix.cli import chat_ids
+        from pnmix.models import chat_ids
 
         have = len(self.items.get(task, []))
         if prompt_ids is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig
+from pnmix.models import chat_ids
 from tuner.profiles import EvalError
 
 NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
@@ -189,7 +190,6 @@ def _same_number(a: str, b: str) -> bool:
 
 def answer(model: Any, tokenizer: Any, config: PNMixConfig, item: Item) -> str:
     """Greedy answer of the model with a PN-Mix cache of `config`."""
-    from pnmix.cli import chat_ids
     from pnmix.generation import generate
 
     ids = chat_ids(tokenizer, item.prompt)
