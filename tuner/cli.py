@@ -166,8 +166,8 @@ def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, 
     from tuner.evaluate import Evaluator
     from tuner.profiles import profile
 
-    if backend not in ("auto", "torch", "triton"):
-        raise EvalError(f"unknown backend {backend!r}: allowed auto, torch, triton")
+    if backend not in BACKENDS:
+        raise EvalError(f"unknown backend {backend!r}: allowed {', '.join(BACKENDS)}")
     if backend == "triton" and not torch.cuda.is_available():
         raise EvalError("backend triton needs a CUDA GPU; use --backend torch (or auto) here")
     device = "cuda" if torch.cuda.is_available() and backend != "torch" else "cpu"
