@@ -1,6 +1,6 @@
 """PNMixCache: a `transformers.Cache` holding keys and values in the PN-Mix storage format.
 
-Per layer and sequence, in token order (DESIGN.md section 2):
+Per layer and sequence, in token order (docs/design.md, "Storage format"):
     [ n_sink fp sinks | packed region, whole groups of G tokens | fp residual buffer ]
 The residual buffer is quantized into the packed region when it reaches `residual_len` tokens.
 Sinks and residual stay in the model's dtype (fp16/bf16 on GPU; fp32 on the CPU reference).
@@ -101,25 +101,46 @@ def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor,
 
 def _with_flushed(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: torch.Tensor,
                   flushed: list[Flushed]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The view's keys/values and mask [B, q_len, L] extended by the flushed blocks' copies."""
-    b, h, _, d = k.shape
-    per_row = [[f for f in flushed if f.row == row] for row in range(b)]
-    slots = max(sum(f.keys.shape[-2] for f in fs) for fs in per_row)
-    ek = k.new_zeros((b, h, slots, d))
-    ev = v.new_zeros((b, h, slots, d))
-    extra = torch.zeros((b, q_pos.shape[1], slots), dtype=torch.bool, device=k.device)
-    mask = mask.clone()
-    for row, fs in enumerate(per_row):
-        at = 0
-        for f in fs:
-            n = f.keys.shape[-2]
-            early = q_pos[row] < f.quantized_from  # [q_len]: queries that saw the block unquantized
-            ek[row, :, at : at + n], ev[row, :, at : at + n] = f.keys, f.values
-            tokens = torch.arange(f.start, f.start + n, device=k.device)
-            seen = tokens[None, :] <= q_pos[row][:, None]  # [q_len, n]
-            extra[row, :, at : at + n] = seen & early[:, None]
-            mask[row, :, f.start : f.start + n] &= ~early[:, None]
-            at += n
+    """The view's keys/values and mask [B, q_len, L] extended by the flushed blocks' copies.
+
+    A query at position q sees a block's view slots (its quantized tokens) only from the block's
+    `quantized_from` on, and its extra slots (the unquantized copy) only before it. Index lists are
+    built on the host, so a step costs a few batched ops however many blocks it flushed.
+    """
+    b, h, length, d = k.shape
+    dev = k.device
+    n = flushed[0].keys.shape[-2]
+    per_row = [0] * b  # blocks placed so far in each row's extra slots
+    rows: list[int] = []
+    slots: list[int] = []
+    tokens: list[int] = []
+    until: list[int] = []
+    for f in flushed:
+        rows += [f.row] * n
+        slots += range(per_row[f.row] * n, (per_row[f.row] + 1) * n)
+        tokens += range(f.start, f.start + n)
+        until += [f.quantized_from] * n
+        per_row[f.row] += 1
+    width = max(per_row) * n
+    row_t, slot_t, token_t, until_t = (torch.tensor(x, device=dev) for x in (rows, slots, tokens, until))
+    copies_k = torch.stack([f.keys for f in flushed]).transpose(1, 2).reshape(-1, h, d)  # [blocks * n, H, d]
+    copies_v = torch.stack([f.values for f in flushed]).transpose(1, 2).reshape(-1, h, d)
+    ek = k.new_zeros((b, h, width, d))
+    ev = v.new_zeros((b, h, width, d))
+    ek[row_t, :, slot_t] = copies_k
+    ev[row_t, :, slot_t] = copies_v
+    never = torch.iinfo(torch.long).max
+    # Per extra slot: its token's position and the first query that no longer sees the copy.
+    slot_token = torch.full((b, width), never, dtype=torch.long, device=dev)
+    slot_until = torch.zeros((b, width), dtype=torch.long, device=dev)
+    slot_token[row_t, slot_t] = token_t
+    slot_until[row_t, slot_t] = until_t
+    q = q_pos[:, :, None]  # [B, q_len, 1]
+    extra = (slot_token[:, None, :] <= q) & (q < slot_until[:, None, :])
+    # Per view slot: the first query that sees it (its block's flush; -1 for slots of no flushed block).
+    view_from = torch.full((b, length), -1, dtype=torch.long, device=dev)
+    view_from[row_t, token_t] = until_t  # every flushed token is held, so inside the view
+    mask = mask & (q >= view_from[:, None, :])
     return torch.cat([k, ek], dim=2), torch.cat([v, ev], dim=2), torch.cat([mask, extra], dim=2)
 
 
@@ -393,7 +414,12 @@ class PNMixLayer(SeenTokensLayer):
         new_groups = [f * r // g for f in blocks]
         self._grow_packed(max(g0 + m for g0, m in zip(self.n_groups, new_groups, strict=True)))
         # (row, index in this flush) of every group and every token written, and where each lands
-        g_row, g_src, g_dst, t_row, t_src, t_dst = ([] for _ in range(6))
+        g_row: list[int] = []
+        g_src: list[int] = []
+        g_dst: list[int] = []
+        t_row: list[int] = []
+        t_src: list[int] = []
+        t_dst: list[int] = []
         for b, m in enumerate(new_groups):
             g_row += [b] * m
             g_src += range(m)

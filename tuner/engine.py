@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from pnmix.cache import PNMixLayer
 from pnmix.config import PNMixConfig
 from pnmix.generation import cache_kwargs
-from pnmix.prefill import PrefillState, build_cache, record_prefill
+from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill
 from pnmix.static import StaticGenerator, static_method
 from tuner.profiles import EvalError
 from tuner.tasks import Item
@@ -352,15 +351,14 @@ class ScoringEngine:
             ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng)
             self._cost_state = record_prefill(self.model, ids)
         state = self._on_device([self._cost_state])[0]
-        cache = build_cache(self.model, config, [state])
-        layers = [la for la in cache.layers if isinstance(la, PNMixLayer)]
         # Every layer holds the same token counts in the same format, so one layer's appends give
         # the bytes of all of them.
+        layer = build_layer(self.model, config, [state])
         k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
         for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-            layers[0].append(k, v)
-        kv_bytes = len(layers) * sum(layers[0].nbytes().values())
-        del cache, layers
+            layer.append(k, v)
+        kv_bytes = len(state.keys) * sum(layer.nbytes().values())
+        del layer
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
