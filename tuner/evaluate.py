@@ -204,7 +204,7 @@ class Evaluator:
                     break
                 engine.keep_items(name, [i for i, hit in enumerate(hits) if hit])
             kept[name] = engine.items[name]
-        from pnmix.cli import chat_ids
+        from pnmix.models import chat_ids
 
         prompts = [chat_ids(self.tokenizer, prompt)["input_ids"][0].tolist()
                    for prompt in fidelity.FIDELITY_PROMPTS[: p.fidelity_prompts]]
@@ -224,7 +224,7 @@ class Evaluator:
             if path.is_file():
                 self._trace = torch.load(path, weights_only=False)
             else:
-                from pnmix.cli import chat_ids
+                from pnmix.models import chat_ids
 
                 self.progress("recording the proxy's Q/K trace")
                 ids = chat_ids(self.tokenizer, fidelity.FIDELITY_PROMPTS[-1])["input_ids"]
