@@ -186,17 +186,23 @@ class StaticFullLayer(_StaticLayer):
     """One layer's unquantized cache (the fp16 baseline): [B, H_kv, max_len, d] keys and values."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, max_len: int,
-                 layer_idx: int) -> None:
-        """keys/values [B, H_kv, T, d] of a prefill with left padding; real bool [B, T]: real tokens."""
+                 layer_idx: int, prefix: bool = False) -> None:
+        """keys/values [B, H_kv, T, d] of a prefill with left padding; real bool [B, T]: real tokens.
+        prefix: every row's real tokens are its first ones (a built cache holds no padding)."""
         super().__init__()
-        b, h, _, d = keys.shape
+        b, h, t, d = keys.shape
         self.layer_idx = layer_idx
         self.k = torch.zeros((b, h, max_len, d), dtype=keys.dtype, device=keys.device)
         self.v = torch.zeros_like(self.k)
-        for i in range(b):  # drop the left padding: sequence i holds its real tokens from slot 0
-            cols = real[i].nonzero().squeeze(-1)
-            self.k[i, :, : cols.numel()] = keys[i][:, cols]
-            self.v[i, :, : cols.numel()] = values[i][:, cols]
+        if prefix:  # one copy for the batch, slots past a row's tokens zero as below
+            keep, zero = real[:, None, :, None], torch.zeros((), dtype=keys.dtype, device=keys.device)
+            self.k[:, :, :t] = torch.where(keep, keys, zero)
+            self.v[:, :, :t] = torch.where(keep, values, zero)
+        else:
+            for i in range(b):  # drop the left padding: sequence i holds its real tokens from slot 0
+                cols = real[i].nonzero().squeeze(-1)
+                self.k[i, :, : cols.numel()] = keys[i][:, cols]
+                self.v[i, :, : cols.numel()] = values[i][:, cols]
         self.lengths = real.sum(-1).to(torch.int32)
         # The flash-decoding kernel (kernels/decode_full.py) where the quantized layers use theirs;
         # SDPA with a length mask otherwise (with a mask SDPA does not split long sequences).
@@ -323,8 +329,8 @@ class StaticGenerator:
         else:  # an unquantized PN-Mix cache holds every token in its residual buffer
             width = int(lengths.max())
             real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-            layers = [StaticFullLayer(la.k_res[:, :, :width], la.v_res[:, :, :width], real, self.max_len, i)
-                      for i, la in enumerate(cache.layers)]
+            layers = [StaticFullLayer(la.k_res[:, :, :width], la.v_res[:, :, :width], real, self.max_len, i,
+                                      prefix=True) for i, la in enumerate(cache.layers)]
         use_pnmix_attention(self.model)
         self._begin(layers, first.to(self.model.device), lengths)
 
