@@ -45,6 +45,7 @@ COST_NEW_TOKENS = 32
 STATE_DEVICE_SHARE = 0.4  # of the device's free memory that the recorded states may take
 BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decode batch may take
 DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
+EOS_CHECK_EVERY = 4  # static decode steps between looks at whether every row has ended
 LOGIT_COPIES = 4  # a replay's logits are held about this many times (float32, log-softmax, KL terms)
 
 Progress = Callable[[str], None]
@@ -266,8 +267,16 @@ class ScoringEngine:
             gen.start(cache, first)
             del cache
             steps = [first]
-            for _ in range(new_tokens - 1):
+            done = torch.isin(first, eos)
+            for i in range(new_tokens - 1):
                 steps.append(gen.step().clone())
+                done |= torch.isin(steps[-1], eos)
+                # Replays run ahead of the host; a look every few steps ends the batch soon after
+                # its last row has, without waiting on every step.
+                if i % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and bool(done.all()):
+                    break
+            ended = first.new_full(first.shape, int(eos[0])) if len(self.eos) else first
+            steps += [ended] * (new_tokens - len(steps))  # cut off by the end of sequence anyway
             return torch.stack(steps, dim=1)
         kw = cache_kwargs(self.model, cache)
         ids = first[:, None]
