@@ -1,22 +1,24 @@
 """PN-Mix decode kernels on the GPU: build, check against the torch reference, time, compare with SDPA.
 
-    python benchmarks/bench_decode.py [--out DIR] [--shapes 1x32768,32x8192,...] [--quick]
+    python benchmarks/bench_decode.py [--out DIR] [--shapes 1x32768,32x8192,...] [--kernels gluon,triton]
 
 For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pnmix-paper` config
 (3/1 bits, r = 0.5, G = 128, 32 sinks, residual 128, 2-bit values in groups of 32):
 1. draws fresh random bf16 keys/values, packs them with the Triton quantize+pack kernels (checked
    bit for bit against `pnmix.packing` on a slice);
-2. runs the fused decode kernel and checks it against `pnmix.backend.decode_reference`
-   (dequantize-then-attend in fp32) on a few sequences, output poisoned before the run;
-3. times it for a few launch configurations of the Triton kernel (`VARIANTS`) and of the Gluon
-   kernel (`MMA_VARIANTS`, kernels/decode_mma.py; checked the same way), and SDPA on bf16 K/V of
-   the same shape in the same run. Every operation is timed as a CUDA graph replay (what a
+2. runs each fused decode kernel (`KERNELS`: the Gluon kernels of `kernels.gluon`, the default on
+   CUDA, and the Triton fallback of `kernels.decode`) and checks it against
+   `pnmix.backend.decode_reference` (dequantize-then-attend in fp32) on a few sequences, output
+   poisoned before the run;
+3. times each kernel, and SDPA on bf16 K/V of the same shape in the same run. Every operation is
+   timed as a CUDA graph replay (what a
    captured decode step runs; the static path of `pnmix` captures its steps) with
    triton.testing.do_bench (median; it flushes L2 before every call), and also eagerly, with the
    host time per eager call, since a launch that costs more host time than GPU time is
    host-bound when not captured;
 4. reports time, bytes read, GB/s, share of the measured device copy bandwidth, speedup over SDPA.
-Also the quantize+pack throughput of a 32K-token prefill (1 sequence, 8 KV heads).
+Also the quantize+pack throughput of a 32K-token prefill (1 sequence, 8 KV heads), and first a
+correctness sweep of both kernels over small configs that use every code-expansion path.
 Imports only `kernels` and the torch-only `pnmix.packing` / `pnmix.backend` (no transformers).
 Prints a table, then one JSON line last.
 """
@@ -24,6 +26,7 @@ Prints a table, then one JSON line last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -41,9 +44,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import gluon  # noqa: E402
 from kernels.decode import decode_attention  # noqa: E402
-from kernels.decode_mma import decode_attention_mma  # noqa: E402
-from kernels.decode_mma import supports as mma_supports  # noqa: E402
 from kernels.layout import DecodeCache, channel_order  # noqa: E402
 from kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
 from pnmix import packing  # noqa: E402
@@ -52,43 +54,14 @@ from pnmix.backend import decode_reference  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 B_LOW, B_HIGH, G, N_SALIENT_PAIRS, N_SINK, RESIDUAL, V_BITS, V_GROUP = 1, 3, 128, 32, 32, 128, 2, 32
 SHAPES = [(1, 32768), (32, 8192), (32, 32768), (110, 8192)]
-# Launch variants of the decode kernel: (block_t, num_warps, num_stages, max_registers, fast_unpack);
-# the first is the launcher's default. Run 2 (2026-11-30) also tried (64, 4, 1, None), (64, 8, 1, 128),
-# (128, 8, 1, None) and (32, 4, 1, 128): each slower than one of these on every shape.
-VARIANTS = [
-    (64, 2, 1, None, True),
-    (64, 4, 1, 128, True),  # the default until 2026-11-30 (third session)
-    (64, 4, 2, None, True),
-    (64, 4, 2, None, False),  # portable Triton code expansion (what the CPU tests run)
-]
+# The decode kernels timed: the Gluon kernels (G a multiple of 128 runs `kernels.gluon.block`'s)
+# and the Triton kernel, the fallback for shapes the Gluon kernels do not take.
+KERNELS = {"gluon": gluon.decode_attention, "triton": decode_attention}
 
 
-# Variants of the Gluon kernel (kernels/decode_mma.py): ("mma", one-warp programs per SM or None for
-# splits that fill whole waves, register cap, shared-memory ring slots (>= 3) or None for 4); the first
-# is the launcher's default. Uncapped it takes 225 registers (8 warps per SM); caps of 168 and 200 were
-# 6% and 48% slower at 32 x 32K, 6 slots timed like 4 (within 1%, 2026-12-01).
-MMA_VARIANTS = [("mma", None, None), ("mma", None, 168), ("mma", 32, None)]
-
-
-def parse_variant(text: str) -> tuple:
-    """'64,2,1,none' (Triton: block_t, warps, stages, register cap) or 'mma,16,none' (Gluon:
-    programs per SM, register cap)."""
-    fields = [None if x == "none" else x for x in text.split(",")]
-    if fields[0] == "mma":
-        return ("mma",) + tuple(None if x is None else int(x) for x in fields[1:])
-    return tuple(None if x is None else int(x) for x in fields) + (True,)
-
-
-def variant_kwargs(variant: tuple) -> dict:
-    bt, nw, ns, regs, fast = variant
-    return {"block_t": bt, "num_warps": nw, "num_stages": ns, "max_registers": regs, "fast_unpack": fast}
-
-
-def attend(variant: tuple, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
-    """One decode attention with a Triton launch variant or a Gluon ("mma", ...) variant."""
-    if variant[0] == "mma":
-        return decode_attention_mma(q, cache, scale, programs_per_sm=variant[1], max_registers=variant[2], out=out)
-    return decode_attention(q, cache, scale, out=out, **variant_kwargs(variant))
+def attend(kernel: str, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
+    """One decode attention with the kernel named `kernel` (a key of KERNELS)."""
+    return KERNELS[kernel](q, cache, scale, out=out)
 
 
 def time_us(fn) -> dict:
@@ -156,9 +129,11 @@ def build(bsz: int, ctx: int, gen: torch.Generator) -> tuple[DecodeCache, torch.
     v_res[:, :, :res] = v[:, :, N_SINK + n_groups * G :]
     full = lambda n: torch.full((bsz,), n, dtype=torch.int32, device="cuda")  # noqa: E731
     cache = DecodeCache(
-        k[:, :, :N_SINK].contiguous(), v[:, :, :N_SINK].contiguous(), k_res, v_res,
-        pk.low, pk.high, pk.scale, pk.zero, pv.packed, pv.scale, pv.zero, channel_order(sal, D),
-        full(N_SINK), full(n_groups), full(res), B_LOW, B_HIGH, G, V_BITS, V_GROUP,
+        k_sink=k[:, :, :N_SINK].contiguous(), v_sink=v[:, :, :N_SINK].contiguous(), k_res=k_res, v_res=v_res,
+        k_low=pk.low, k_high=pk.high, k_scale=pk.scale, k_zero=pk.zero,
+        v_packed=pv.packed, v_scale=pv.scale, v_zero=pv.zero, channel_order=channel_order(sal, D),
+        sink_len=full(N_SINK), n_groups=full(n_groups), res_len=full(res),
+        b_low=B_LOW, b_high=B_HIGH, group_size=G, value_bits=V_BITS, value_group_size=V_GROUP,
     )
     q = torch.randn((bsz, HQ, D), generator=gen, device="cuda", dtype=torch.bfloat16)
     info = {"n_groups": n_groups, "residual": res, "salient": sal}
@@ -197,12 +172,12 @@ def poisoned_rel_err(run, q: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, variant: tuple) -> float:
+def check_decode(q: torch.Tensor, cache: DecodeCache, scale: float, kernel: str) -> float:
     """Relative error of the kernel against the fp32 reference on up to 4 sequences."""
     n = min(4, q.shape[0])
-    sub = DecodeCache(*(getattr(cache, f)[:n] if isinstance(getattr(cache, f), torch.Tensor) else getattr(cache, f)
-                        for f in cache.__dataclass_fields__))
-    return poisoned_rel_err(functools.partial(attend, variant, q[:n], sub, scale), q[:n],
+    sub = dataclasses.replace(cache, **{f.name: getattr(cache, f.name)[:n] for f in dataclasses.fields(cache)
+                                        if isinstance(getattr(cache, f.name), torch.Tensor)})
+    return poisoned_rel_err(functools.partial(attend, kernel, q[:n], sub, scale), q[:n],
                             decode_reference(q[:n], sub, scale))
 
 
@@ -219,8 +194,8 @@ SWEEP = [
 
 
 def sweep_correctness(gen: torch.Generator, fh) -> list[dict]:
-    """Both expansion paths of the Triton kernel, and the Gluon kernel where its limits admit the
-    config, vs the fp32 reference on small caches with unequal lengths, per config."""
+    """The Triton kernel, and the Gluon kernels where their limits admit the config, vs the fp32
+    reference on small caches with unequal lengths, per config."""
     results = []
     for b_low, b_high, g, ratio, vbits, vgroup, d, gqa in SWEEP:
         bsz, hkv, ng_cap = 3, 2, 5
@@ -234,23 +209,23 @@ def sweep_correctness(gen: torch.Generator, fh) -> list[dict]:
         fp = functools.partial(torch.randn, generator=gen, device="cuda", dtype=torch.bfloat16)
         ints = functools.partial(torch.tensor, dtype=torch.int32, device="cuda")
         sinks, res = (bsz, hkv, 8, d), (bsz, hkv, 2 * g, d)
-        cache = DecodeCache(fp(sinks), fp(sinks), fp(res), fp(res), pk.low, pk.high, pk.scale, pk.zero, pv.packed,
-                            pv.scale, pv.zero, channel_order(sal, d), ints([8, 8, 3]), ints([5, 2, 0]),
-                            ints([g // 2, 2 * g, 1]), b_low, b_high, g, vbits, vgroup)
+        cache = DecodeCache(k_sink=fp(sinks), v_sink=fp(sinks), k_res=fp(res), v_res=fp(res), k_low=pk.low,
+                            k_high=pk.high, k_scale=pk.scale, k_zero=pk.zero, v_packed=pv.packed, v_scale=pv.scale,
+                            v_zero=pv.zero, channel_order=channel_order(sal, d), sink_len=ints([8, 8, 3]),
+                            n_groups=ints([5, 2, 0]), res_len=ints([g // 2, 2 * g, 1]), b_low=b_low, b_high=b_high,
+                            group_size=g, value_bits=vbits, value_group_size=vgroup)
         q = torch.randn((bsz, hkv * gqa, d), generator=gen, device="cuda", dtype=torch.bfloat16)
         ref = decode_reference(q, cache, d**-0.5)
         row = {"config": [b_low, b_high, g, ratio, vbits, vgroup, d, gqa]}
-        for fast in (True, False):
-            run = functools.partial(decode_attention, q, cache, d**-0.5, num_splits=2, fast_unpack=fast)
-            row["fast" if fast else "portable"] = poisoned_rel_err(run, q, ref)
-        if not mma_supports(cache, q):
-            row["mma"] = None  # outside the Gluon kernel's limits: the Triton kernel serves it
+        row["triton"] = poisoned_rel_err(functools.partial(decode_attention, q, cache, d**-0.5, num_splits=2), q, ref)
+        if not gluon.supports(cache, q):
+            row["gluon"] = None  # outside the Gluon kernels' limits: the Triton kernel serves it
         else:
             try:
-                run = functools.partial(decode_attention_mma, q, cache, d**-0.5, num_splits=2)
-                row["mma"] = poisoned_rel_err(run, q, ref)
+                run = functools.partial(gluon.decode_attention, q, cache, d**-0.5, num_splits=2)
+                row["gluon"] = poisoned_rel_err(run, q, ref)
             except Exception as exc:  # reported, not fatal: the Triton kernel's figures still come back
-                row["mma"] = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+                row["gluon"] = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
         log(f"sweep {json.dumps(row)}", fh)
         results.append(row)
     return results
@@ -279,7 +254,7 @@ def bench_pack(gen: torch.Generator, fh) -> dict:
     return pack
 
 
-def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple], copy_gbps: float, fh) -> dict:
+def bench_shape(bsz: int, ctx: int, gen: torch.Generator, kernels: list[str], copy_gbps: float, fh) -> dict:
     cache, q, k, v, info = build(bsz, ctx, gen)
     scale = D**-0.5
     exact = check_pack(k, v, info["salient"])
@@ -298,31 +273,27 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, variants: list[tuple],
         f"bytes {nbytes / 1e6:.1f} MB (bf16 K/V {sdpa_bytes / 1e6:.1f} MB); SDPA us (graph / eager / host): "
         f"gqa {t_gqa['graph']:.1f} / {t_gqa['eager']:.1f} / {t_gqa['host']:.1f}, folded {t_fold['graph']:.1f} / "
         f"{t_fold['eager']:.1f} / {t_fold['host']:.1f} (agree {sdpa_agree:.1e})", fh)
-    best = None
-    for variant in variants:
-        run = functools.partial(attend, variant, q, cache, scale)
+    row: dict = {"batch": bsz, "ctx": ctx, "pack_exact": exact, "sdpa_us": t_sdpa, "sdpa_gqa": t_gqa,
+                 "sdpa_folded": t_fold, "sdpa_GBps": sdpa_bytes / (t_sdpa * 1e-6) / 1e9, "bytes_read": nbytes,
+                 "kernels": {}}
+    for kernel in kernels:
+        run = functools.partial(attend, kernel, q, cache, scale)
         try:
-            err = check_decode(q, cache, scale, variant)
+            err = check_decode(q, cache, scale, kernel)
             out = torch.full_like(q, float("nan"))  # poisoned; the whole batch must be written, finite
             run(out=out)
             t = time_us(run)
-        except Exception as exc:  # a launch config that does not compile is reported, not fatal
-            log(f"  variant {variant}: FAILED {type(exc).__name__}: {str(exc)[:300]}", fh)
+        except Exception as exc:  # a kernel that does not compile here is reported, not fatal
+            log(f"  kernel {kernel}: FAILED {type(exc).__name__}: {str(exc)[:300]}", fh)
             continue
         us = t["graph"]
         finite = bool(torch.isfinite(out).all())
         gbps = nbytes / (us * 1e-6) / 1e9
-        log(f"  variant {variant}: graph {us:.1f} us  eager {t['eager']:.1f} us  host {t['host']:.1f} us  "
+        log(f"  kernel {kernel}: graph {us:.1f} us  eager {t['eager']:.1f} us  host {t['host']:.1f} us  "
             f"{gbps:.0f} GB/s  rel_err {err:.2e}  finite {finite}  speedup {t_sdpa / us:.2f}x", fh)
-        if err <= 1e-2 and finite and (best is None or us < best[0]):
-            best = (us, variant, err, t)
-    row = {"batch": bsz, "ctx": ctx, "pack_exact": exact, "sdpa_us": t_sdpa, "sdpa_gqa": t_gqa,
-           "sdpa_folded": t_fold, "sdpa_GBps": sdpa_bytes / (t_sdpa * 1e-6) / 1e9, "bytes_read": nbytes}
-    if best is not None:
-        us, variant, err, t = best
-        gbps = nbytes / (us * 1e-6) / 1e9
-        row.update({"pnmix_us": us, "pnmix_eager_us": t["eager"], "pnmix_host_us": t["host"], "variant": variant,
-                    "rel_err": err, "GBps": gbps, "copy_share": gbps / copy_gbps, "speedup": t_sdpa / us})
+        row["kernels"][kernel] = {"us": us, "eager_us": t["eager"], "host_us": t["host"], "rel_err": err,
+                                  "finite": finite, "passed": err <= 1e-2 and finite, "GBps": gbps,
+                                  "copy_share": gbps / copy_gbps, "speedup": t_sdpa / us}
     return row
 
 
@@ -417,14 +388,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
-    ap.add_argument("--quick", action="store_true", help="first variant only")
-    ap.add_argument("--variants", help="launch variants to time instead of VARIANTS + MMA_VARIANTS, e.g. "
-                                       "'64,1,1,none;64,2,1,128;mma,16,none' (Triton: block_t, num_warps, "
-                                       "num_stages, max_registers, inline-PTX expansion; Gluon: 'mma', "
-                                       "programs per SM, max_registers)")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"decode kernels to time, of {', '.join(KERNELS)}")
     ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
-    ap.add_argument("--variant", default="0", help="for --profile: an index into VARIANTS, or a variant as in "
-                                                   "--variants (e.g. 'mma,32,none')")
+    ap.add_argument("--kernel", default="gluon", choices=list(KERNELS), help="for --profile: the kernel")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
     args = ap.parse_args()
     if args.wiring:
@@ -438,18 +404,17 @@ def main() -> None:
     if args.profile:
         bsz, ctx = (int(x) for x in args.profile.split("x"))
         cache, q, *_ = build(bsz, ctx, torch.Generator(device="cuda").manual_seed(0))
-        variant = VARIANTS[int(args.variant)] if args.variant.isdigit() else parse_variant(args.variant)
         for _ in range(3):
-            attend(variant, q, cache, D**-0.5)
+            attend(args.kernel, q, cache, D**-0.5)
         torch.cuda.synchronize()
         return
+    kernels = args.kernels.split(",")
+    if unknown := set(kernels) - set(KERNELS):
+        ap.error(f"unknown kernels {sorted(unknown)}: allowed {', '.join(KERNELS)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     fh = open(out_dir / "bench_decode.log", "w")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    variants = VARIANTS[:1] + MMA_VARIANTS[:1] if args.quick else VARIANTS + MMA_VARIANTS
-    if args.variants:
-        variants = [parse_variant(v) for v in args.variants.split(";")]
     env = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
@@ -468,21 +433,18 @@ def main() -> None:
     pack = bench_pack(gen, fh)
     for bsz, ctx in shapes:
         torch.cuda.empty_cache()
-        rows.append(bench_shape(bsz, ctx, gen, variants, copy_gbps, fh))
+        rows.append(bench_shape(bsz, ctx, gen, kernels, copy_gbps, fh))
 
     log("", fh)
-    log("times: CUDA graph replay, L2 flushed; 'eager' and 'host': the best variant called eagerly", fh)
-    log(f"{'B x ctx':>10} | {'PN-Mix us':>9} | {'eager us':>8} | {'host us':>7} | {'MB read':>8} | "
-        f"{'GB/s':>6} | {'of copy':>7} | "
-        f"{'SDPA us':>8} | {'SDPA GB/s':>9} | {'speedup':>7} | {'rel err':>8} | variant", fh)
+    log("times: CUDA graph replay, L2 flushed; 'eager' and 'host': the kernel called eagerly", fh)
+    log(f"{'B x ctx':>10} | {'kernel':>6} | {'us':>7} | {'eager us':>8} | {'host us':>7} | {'MB read':>8} | "
+        f"{'GB/s':>6} | {'of copy':>7} | {'SDPA us':>8} | {'SDPA GB/s':>9} | {'speedup':>7} | {'rel err':>8}", fh)
     for r in rows:
-        if "pnmix_us" in r:
-            log(f"{r['batch']:>4} x {r['ctx']:<5}| {r['pnmix_us']:9.1f} | {r['pnmix_eager_us']:8.1f} | "
-                f"{r['pnmix_host_us']:7.1f} | {r['bytes_read'] / 1e6:8.1f} | "
-                f"{r['GBps']:6.0f} | {r['copy_share']:7.1%} | {r['sdpa_us']:8.1f} | {r['sdpa_GBps']:9.0f} | "
-                f"{r['speedup']:6.2f}x | {r['rel_err']:8.1e} | {r['variant']}", fh)
-        else:
-            log(f"{r['batch']:>4} x {r['ctx']:<5}| no variant passed the check", fh)
+        for kernel, k in r["kernels"].items():
+            log(f"{r['batch']:>4} x {r['ctx']:<5}| {kernel:>6} | {k['us']:7.1f} | {k['eager_us']:8.1f} | "
+                f"{k['host_us']:7.1f} | {r['bytes_read'] / 1e6:8.1f} | {k['GBps']:6.0f} | {k['copy_share']:7.1%} | "
+                f"{r['sdpa_us']:8.1f} | {r['sdpa_GBps']:9.0f} | {k['speedup']:6.2f}x | {k['rel_err']:8.1e}"
+                + ("" if k["passed"] else "  FAILED the check"), fh)
     log(json.dumps({"env": env, "copy_GBps": copy_gbps, "sweep": sweep, "pack": pack, "decode": rows}), fh)
 
 

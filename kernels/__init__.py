@@ -1,12 +1,18 @@
-"""Triton kernels for PN-Mix: quantize + bit-pack, and fused dequantize-attention for decode.
+"""GPU kernels for PN-Mix: quantize + bit-pack, and fused dequantize-attention for decode.
 
-    kernels.pack    quantize_pack_keys, quantize_pack_values   (bit-exact with pnmix.packing)
-    kernels.decode  decode_attention                           (one query token per sequence)
-    kernels.layout  DecodeCache, PackedKeyBytes, PackedValueBytes, channel_order  (torch only)
+    kernels.layout       PackedKeys, PackedValues, DecodeCache, channel_order: the tensors, named (torch only)
+    kernels.pack         quantize_pack_keys, quantize_pack_values (Triton; bit-exact with pnmix.packing)
+    kernels.operands     DecodeOperands: the operand list every decode kernel takes, spelled once
+    kernels.plan         host-side planning: SM count, splits of the packed region
+    kernels.combine      the online-softmax step and the merge of split partials (Triton)
+    kernels.gluon        the Gluon decode kernels, the default on CUDA (see its __init__)
+    kernels.decode       decode_attention: the Triton decode kernel, the fallback (and CI's)
+    kernels.decode_full  full_decode_attention: the unquantized baseline of the static path
 
 Importing this package imports nothing heavy: the names below resolve lazily, so a CPU-only
 machine (or one without a Triton GPU backend) can import `kernels` and `pnmix` freely. The torch
-references live with the format in `pnmix/packing.py` and `pnmix/backend.decode_reference`.
+references live with the format in `pnmix/packing.py` and `pnmix.backend.decode_reference`; the
+design and its measured limits in docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -16,20 +22,22 @@ from typing import Any
 
 __all__ = [
     "DecodeCache",
-    "PackedKeyBytes",
-    "PackedValueBytes",
+    "PackedKeys",
+    "PackedValues",
     "channel_order",
     "decode_attention",
+    "full_decode_attention",
     "quantize_pack_keys",
     "quantize_pack_values",
 ]
 
 _HOME = {
     "DecodeCache": "kernels.layout",
-    "PackedKeyBytes": "kernels.layout",
-    "PackedValueBytes": "kernels.layout",
+    "PackedKeys": "kernels.layout",
+    "PackedValues": "kernels.layout",
     "channel_order": "kernels.layout",
     "decode_attention": "kernels.decode",
+    "full_decode_attention": "kernels.decode_full",
     "quantize_pack_keys": "kernels.pack",
     "quantize_pack_values": "kernels.pack",
 }

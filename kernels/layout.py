@@ -1,12 +1,14 @@
-"""Operand containers and small torch helpers for the kernels (no Triton import here).
+"""The tensors the kernels read and write, named (torch only: no Triton import here).
 
-The byte layout itself is defined in `pnmix/packing.py` (the one definition); these dataclasses
-only name the tensors a kernel reads or writes, with their shapes in comments.
+The stored format is defined in `pnmix/packing.py`, with its torch reference; these containers
+hold it: `PackedKeys` and `PackedValues` what a pack writes (the kernels of `kernels.pack` and the
+reference alike), `DecodeCache` one layer as the decode kernels read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -16,15 +18,19 @@ def next_pow2(n: int) -> int:
 
 
 @dataclass
-class PackedKeyBytes:
-    low: torch.Tensor  # uint8 [..., n_groups, b_low, d, G // 8]
-    high: torch.Tensor  # uint8 [..., n_groups, b_high - b_low, n_sc, G // 8]
+class PackedKeys:
+    """Keys quantized per channel over groups of G tokens, bit planes packed along tokens."""
+
+    low: torch.Tensor  # uint8 [..., n_groups, b_low, d, G // 8]             bit p of every channel's codes
+    high: torch.Tensor  # uint8 [..., n_groups, b_high - b_low, n_sc, G // 8]  bit b_low + p, salient channels
     scale: torch.Tensor  # fp16 [..., n_groups, d]
     zero: torch.Tensor  # fp16 [..., n_groups, d]
 
 
 @dataclass
-class PackedValueBytes:
+class PackedValues:
+    """Values quantized per token over groups of G_V channels, codes packed along channels."""
+
     packed: torch.Tensor  # uint8 [..., T, d * b_V // 8]
     scale: torch.Tensor  # fp16 [..., T, d // G_V]
     zero: torch.Tensor  # fp16 [..., T, d // G_V]
@@ -33,9 +39,8 @@ class PackedValueBytes:
 def channel_order(salient_channels: torch.Tensor, head_dim: int) -> torch.Tensor:
     """int32 [..., d]: the non-salient channels ascending, then the salient ones ascending.
 
-    The decode kernel reads channels in this order so that a channel's high bit planes line up
-    with it (high rows follow the salient channels in ascending order). Computed on the device,
-    no host synchronisation.
+    The decode kernels read the salient channels (the last n_sc entries) in this order, the order
+    of their high bit-plane rows. Computed on the device, no host synchronisation.
     """
     lead = salient_channels.shape[:-1]
     is_salient = torch.zeros((*lead, head_dim), dtype=torch.int8, device=salient_channels.device)
@@ -44,24 +49,28 @@ def channel_order(salient_channels: torch.Tensor, head_dim: int) -> torch.Tensor
     return torch.sort(is_salient, dim=-1, stable=True).indices.to(torch.int32)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecodeCache:
-    """One layer's PN-Mix cache as the fused decode kernel reads it.
+    """One layer's PN-Mix cache as the decode kernels read it (built with keywords only).
 
     B sequences, H_kv KV heads, head dim d. Per sequence b, in token order:
     [k/v_sink[b, :, :sink_len[b]] | n_groups[b] packed groups of G tokens | k/v_res[b, :, :res_len[b]]].
-    Inner dimensions must be contiguous; batch and head strides are free.
+    Inner dimensions must be contiguous; batch and head strides are free. Capacities (the tensors'
+    shapes) shape a launch, lengths (device tensors) only what a program reads.
     """
+
+    # The packed fields, named as `PackedKeys` / `PackedValues` with a k_ / v_ prefix.
+    PACKED: ClassVar[tuple[str, ...]] = ("k_low", "k_high", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero")
 
     k_sink: torch.Tensor  # float [B, H_kv, S_cap, d]     (v_sink: same shape and strides)
     v_sink: torch.Tensor
     k_res: torch.Tensor  # float [B, H_kv, R_cap, d]      (v_res: same shape and strides)
     v_res: torch.Tensor
-    k_low: torch.Tensor  # uint8 [B, H_kv, NG_cap, b_low, d, G // 8]            bits along tokens
+    k_low: torch.Tensor  # uint8 [B, H_kv, NG_cap, b_low, d, G // 8]             bits along tokens
     k_high: torch.Tensor  # uint8 [B, H_kv, NG_cap, b_high - b_low, n_sc, G // 8] salient rows only
     k_scale: torch.Tensor  # fp16 [B, H_kv, NG_cap, d]
     k_zero: torch.Tensor  # fp16 [B, H_kv, NG_cap, d]
-    v_packed: torch.Tensor  # uint8 [B, H_kv, NG_cap * G, d * b_V // 8]      bits along channels
+    v_packed: torch.Tensor  # uint8 [B, H_kv, NG_cap * G, d * b_V // 8]      codes along channels
     v_scale: torch.Tensor  # fp16 [B, H_kv, NG_cap * G, d // G_V]
     v_zero: torch.Tensor  # fp16 [B, H_kv, NG_cap * G, d // G_V]
     channel_order: torch.Tensor  # int32 [B, H_kv, d], see `channel_order`

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import PackedKeyBytes, PackedValueBytes, next_pow2
+from kernels.layout import PackedKeys, PackedValues, next_pow2
 
 
 @triton.jit
@@ -64,6 +64,8 @@ def _quantize_pack_keys_kernel(
     low     uint8 [N, n_groups, B_LOW, D, G // 8]               contiguous; packed along tokens
     high    uint8 [N, n_groups, B_HIGH - B_LOW, NSC, G // 8]    contiguous; packed along tokens
     scale, zero fp16 [N, n_groups, D]                           contiguous
+    Not memory-bound: about 280 GB/s of bf16 in + packed out on an H200 (docs/kernels.md); each bit
+    plane is a reduction over the 8 tokens of a byte.
     """
     pid = tl.program_id(0)
     cb = tl.program_id(1)
@@ -115,9 +117,9 @@ def quantize_pack_keys(
     b_low: int,
     b_high: int,
     group_size: int,
-    out: PackedKeyBytes | None = None,
-) -> PackedKeyBytes:
-    """Keys k float [..., n_groups * G, d] -> bit planes (the `pnmix.packing.PackedKeys` layout).
+    out: PackedKeys | None = None,
+) -> PackedKeys:
+    """Keys k float [..., n_groups * G, d] -> `PackedKeys`: bit planes packed along tokens.
 
     salient_channels: int [..., n_sc], ascending per row, same leading dims as k (n_sc may be 0).
     Returns low uint8 [..., n_groups, b_low, d, G // 8], high uint8 [..., n_groups, b_high - b_low,
@@ -139,7 +141,7 @@ def quantize_pack_keys(
         is_sal.scatter_(-1, sal.long(), 1)
     dev, g8 = k.device, group_size // 8
     if out is None:
-        out = PackedKeyBytes(
+        out = PackedKeys(
             torch.empty((*lead, n_groups, b_low, d, g8), dtype=torch.uint8, device=dev),
             torch.empty((*lead, n_groups, b_high - b_low, n_sc, g8), dtype=torch.uint8, device=dev),
             torch.empty((*lead, n_groups, d), dtype=torch.float16, device=dev),
@@ -174,6 +176,7 @@ def _quantize_pack_values_kernel(
     v       float [n_rows, D]                     (row stride stride_vr, channels contiguous)
     packed  uint8 [n_rows, D * BITS // 8]         contiguous; packed along channels, LSB first
     scale, zero fp16 [n_rows, D // GV]            contiguous
+    About 1050 GB/s of bf16 in + packed out on an H200 (docs/kernels.md).
     """
     NVG: tl.constexpr = D // GV
     PB: tl.constexpr = 8 // BITS  # channels per byte
@@ -195,9 +198,10 @@ def _quantize_pack_values_kernel(
 
 
 def quantize_pack_values(
-    v: torch.Tensor, bits: int, group_size: int, out: PackedValueBytes | None = None
-) -> PackedValueBytes:
-    """Values v float [..., T, d] -> packed uint8 [..., T, d * bits // 8], scale/zero fp16 [..., T, d // G_V].
+    v: torch.Tensor, bits: int, group_size: int, out: PackedValues | None = None
+) -> PackedValues:
+    """Values v float [..., T, d] -> `PackedValues`: packed uint8 [..., T, d * bits // 8] (codes along
+    channels), scale/zero fp16 [..., T, d // G_V].
 
     Per token, groups of `group_size` consecutive channels; bits in {1, 2, 4, 8}; d and group_size
     powers of two (group_size divides d). `out`, if given, receives the result (contiguous).
@@ -213,7 +217,7 @@ def quantize_pack_values(
     rows = v2.shape[0]
     dev = v.device
     if out is None:
-        out = PackedValueBytes(
+        out = PackedValues(
             torch.empty((*lead, t, d * bits // 8), dtype=torch.uint8, device=dev),
             torch.empty((*lead, t, d // group_size), dtype=torch.float16, device=dev),
             torch.empty((*lead, t, d // group_size), dtype=torch.float16, device=dev),

@@ -9,14 +9,13 @@ only when the Triton path is taken, so `pnmix` imports and runs without a Triton
 
 Which fused decode kernel the Triton path runs:
 
-    PNMIX_DECODE_KERNEL=auto    (default) `kernels/decode_mma.py` (Gluon: dequantization in the
+    PNMIX_DECODE_KERNEL=auto    (default) the Gluon kernels (`kernels.gluon`: dequantization in the
                                 tensor cores' operand registers, loads through a cp.async ring) on
-                                CUDA where its limits admit the shape, else `kernels/decode.py`.
-                                On an H200 the Gluon kernel is 1.6-2.9x faster than bf16 SDPA
-                                (groups of 32 or 64 tokens: 1.6-2.3x, `decode_mma_words`; both
-                                several times faster than the Triton one; benchmarks/RESULTS.md, Kernels).
-    PNMIX_DECODE_KERNEL=triton  always `kernels/decode.py` (Triton; what CI runs under the interpreter)
-    PNMIX_DECODE_KERNEL=mma     always the Gluon kernel; a shape or device it cannot run is an error
+                                CUDA where their limits admit the shape, else `kernels.decode`.
+                                On an H200 they are 1.6-2.9x faster than bf16 SDPA and several
+                                times faster than the Triton kernel (docs/kernels.md).
+    PNMIX_DECODE_KERNEL=triton  always `kernels.decode` (Triton; what CI runs under the interpreter)
+    PNMIX_DECODE_KERNEL=mma     always the Gluon kernels; a shape or device they cannot run is an error
 
 This module also holds the torch reference of the fused decode kernel, `decode_reference`:
 dequantize the stored bytes with `pnmix.packing`, then attend in fp32. Tests and the benchmark
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -172,10 +171,25 @@ def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def layer_decode_cache(layer: Any) -> DecodeCache:
-    """A `PNMixLayer`'s state as the decode kernel's operands (views, no copies of the cache)."""
+def decode_cache(layer: Any, packed: Mapping[str, torch.Tensor], sink_len: torch.Tensor, n_groups: torch.Tensor,
+                 res_len: torch.Tensor) -> DecodeCache:
+    """A layer's buffers as the decode kernels' operands (views, no copies): its sinks, residual,
+    channel order and config, the packed tensors in `packed` (by `DecodeCache.PACKED` name; other
+    entries are ignored) and the lengths, int32 [B] on the device. The dynamic (`layer_decode_cache`)
+    and the static (`pnmix.static`) layers both build theirs here."""
     from kernels.layout import DecodeCache
 
+    cfg = layer.config
+    return DecodeCache(
+        k_sink=layer.k_sink, v_sink=layer.v_sink, k_res=layer.k_res, v_res=layer.v_res,
+        **{name: packed[name] for name in DecodeCache.PACKED}, channel_order=layer.channel_order,
+        sink_len=sink_len, n_groups=n_groups, res_len=res_len, b_low=cfg.b_low, b_high=cfg.b_high,
+        group_size=cfg.group_size, value_bits=cfg.value_bits, value_group_size=cfg.value_group_size,
+    )
+
+
+def layer_decode_cache(layer: Any) -> DecodeCache:
+    """A `PNMixLayer`'s state as the decode kernel's operands (views, no copies of the cache)."""
     cfg, p = layer.config, layer.packed
     if not p:  # nothing packed yet: zero-capacity operands of the right ranks
         b, h, d, g, dev = layer.batch, layer.kv_heads, layer.head_dim, cfg.group_size, layer.device
@@ -191,15 +205,8 @@ def layer_decode_cache(layer: Any) -> DecodeCache:
             "v_zero": torch.empty((b, h, 0, vg), dtype=f16, device=dev),
         }
     dev = layer.device
-    return DecodeCache(
-        layer.k_sink, layer.v_sink, layer.k_res, layer.v_res,
-        p["k_low"], p["k_high"], p["k_scale"], p["k_zero"], p["v_packed"], p["v_scale"], p["v_zero"],
-        layer.channel_order,
-        _device_ints([min(cfg.n_sink, n) for n in layer.lengths], dev),
-        _device_ints(layer.n_groups, dev),
-        _device_ints(layer.res_len, dev),
-        cfg.b_low, cfg.b_high, cfg.group_size, cfg.value_bits, cfg.value_group_size,
-    )
+    return decode_cache(layer, p, _device_ints([min(cfg.n_sink, n) for n in layer.lengths], dev),
+                        _device_ints(layer.n_groups, dev), _device_ints(layer.res_len, dev))
 
 
 def decode_kernel_name() -> str:
@@ -213,10 +220,10 @@ def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float) -> tor
     """The fused decode kernel that PNMIX_DECODE_KERNEL picks: query [B, H_q, d] -> [B, H_q, d]."""
     name = decode_kernel_name()
     if name != "triton":
-        from kernels import decode_mma
+        from kernels import gluon
 
-        if decode_mma.supports(cache, query):
-            return decode_mma.decode_attention_mma(query, cache, scaling)
+        if gluon.supports(cache, query):
+            return gluon.decode_attention(query, cache, scaling)
         if name == "mma":
             raise ValueError("PNMIX_DECODE_KERNEL=mma: the Gluon decode kernel cannot run here (it needs CUDA with "
                              "compute capability >= 8.0, Triton with Gluon, G a multiple of 32, head dim a multiple "

@@ -23,30 +23,17 @@ Values, quantized per token over groups of `value_group_size` channels, packed a
     packed uint8 [..., T, d * b_V // 8]   channel c in byte c // (8 // b_V), bits starting at
                                           (c % (8 // b_V)) * b_V (LSB first); b_V = 8 is one byte
     scale, zero fp16 [..., T, d // value_group_size]
+The containers of these tensors, `PackedKeys` and `PackedValues`, are defined in kernels/layout.py
+(torch only), so that the reference here and the pack kernels return the same types.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from kernels.layout import PackedKeys, PackedValues
+
 TOKENS_PER_BYTE = 8
-
-
-@dataclass
-class PackedKeys:
-    low: torch.Tensor  # uint8 [..., n_groups, b_low, d, G // 8]
-    high: torch.Tensor  # uint8 [..., n_groups, b_high - b_low, n_sc, G // 8]
-    scale: torch.Tensor  # fp16 [..., n_groups, d]
-    zero: torch.Tensor  # fp16 [..., n_groups, d]
-
-
-@dataclass
-class PackedValues:
-    packed: torch.Tensor  # uint8 [..., T, d * b_V // 8]
-    scale: torch.Tensor  # fp16 [..., T, d // value_group_size]
-    zero: torch.Tensor  # fp16 [..., T, d // value_group_size]
 
 
 def quantize_groups(x: torch.Tensor, levels: torch.Tensor | int, dim: int) -> tuple[torch.Tensor, ...]:

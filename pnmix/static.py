@@ -126,15 +126,8 @@ class StaticQuantLayer(_StaticLayer):
         self.is_initialized = True
 
     def decode_cache(self) -> Any:
-        from kernels.layout import DecodeCache
-
-        cfg = self.config
-        return DecodeCache(
-            self.k_sink, self.v_sink, self.k_res, self.v_res, self.k_low, self.k_high, self.k_scale,
-            self.k_zero, self.v_packed, self.v_scale, self.v_zero, self.channel_order,
-            self.sink_len, self.n_groups, self.res_len,
-            cfg.b_low, cfg.b_high, cfg.group_size, cfg.value_bits, cfg.value_group_size,
-        )
+        # The packed buffers are attributes named as the kernels' fields (k_low, ..., v_zero).
+        return backend.decode_cache(self, vars(self), self.sink_len, self.n_groups, self.res_len)
 
     def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Append one token per sequence (key/value [B, H_kv, 1, d]), flush if due, attend.

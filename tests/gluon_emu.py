@@ -1,4 +1,4 @@
-"""Runs the Gluon decode kernel's own source on the CPU with torch (tests only).
+"""Runs the Gluon decode kernels' own source on the CPU with torch (tests only).
 
 Gluon kernels cannot run under TRITON_INTERPRET, and CI has no GPU. A layout only says which thread
 holds which element; it changes no value. So executing the kernel function's Python body with the
@@ -9,10 +9,12 @@ truncate). What this checks is the kernel's arithmetic and indexing (bit positio
 scale offsets, splits, masks, online softmax); what it cannot check is the placement (the
 layouts) and Triton's lowering, which the sm_90 compile test and `benchmarks/bench_decode.py` on the GPU cover.
 
-Covers exactly the subset of Gluon that `kernels/decode_mma.py` and `kernels/decode_mma_words.py`
-use. The helpers it replaces are the three whose int16 <-> fp16 bitcast has no torch `.to` spelling
-(`_halves_f16`, `_low_half_f16`, `_f16_pairs`), whose replacements do the same operations with torch's `.view`, and
-the seven whose inline PTX it computes with torch (`_pack_halves`, `_byte_perm` and `_byte_perm_by`,
+Covers exactly the subset of Gluon that `kernels/gluon/` uses. Each kernel module's jit functions
+run with that module's own globals, Gluon's names replaced (`gl`, `mma_v2`, `async_copy`, ...), and
+so do the helpers they import from another module (with that module's globals). The helpers it
+replaces are the two whose int16 <-> fp16 bitcast has no torch `.to` spelling (`_halves_f16`,
+`_low_half_f16`), whose replacements do the same operations with torch's `.view`, and the seven
+whose inline PTX it computes with torch (`_pack_halves`, `_byte_perm` and `_byte_perm_by`,
 `_value_pairs`, `_mul_pairs`, `_f16_pairs_rounded`: one fp16 rounding per result, as `mul.rn.f16x2`
 and `cvt.rn.f16x2.f32`; `_transposed_blocks`: movmatrix's cross-lane transpose, as the logical
 tensor sees it).
@@ -262,26 +264,56 @@ def _transposed_blocks(x: torch.Tensor) -> torch.Tensor:
     return _f16_pairs(t[..., 0], t[..., 1]).reshape(16, 4)
 
 
-def run_split_kernel(module: Any, launch: Any) -> None:
-    """Runs `launch.kernel` (a `decode_mma.SplitLaunch`'s: `module`'s split kernel or the word
-    kernel of `decode_mma_words`, which shares `module`'s helpers) for every program of `launch`."""
-    gl = FakeGluon()
-    env_replaced = {"_halves_f16": _halves_f16, "_low_half_f16": _low_half_f16, "_f16_pairs": _f16_pairs,
-                    "_mul_pairs": _mul_pairs,
-                    "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_pack_halves": _pack_halves,
-                    "_transposed_blocks": _transposed_blocks, "_f16_pairs_rounded": _f16_pairs_rounded,
-                    "_value_pairs": _value_pairs}
-    kernel_module = sys.modules[launch.kernel.fn.__module__]
-    env = {**module.__dict__, **kernel_module.__dict__}
-    env.update(gl=gl, mma_v2=_mma_v2, async_copy=FakeAsyncCopy, _thread_barrier=lambda: None,
-               _async_load=FakeAsyncCopy.async_copy_global_to_shared, **env_replaced)
-    for name, obj in list(env.items()):  # the kernels' jit helpers, run on this namespace
-        if name.startswith("_") and name not in env_replaced and hasattr(obj, "fn") and name != "_mma_split_kernel":
-            env[name] = types.FunctionType(obj.fn.__code__, env, name)
-    kernel = types.FunctionType(launch.kernel.fn.__code__, env, "_mma_split_kernel")
-    args = [pointer(a) if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in launch.args]
+# Gluon's names in the kernel modules, and the jit helpers computed here instead (by name, in every module).
+_GLUON = {"mma_v2": _mma_v2, "async_copy": FakeAsyncCopy, "_thread_barrier": lambda: None,
+          "_async_load": FakeAsyncCopy.async_copy_global_to_shared}
+_REPLACED = {"_halves_f16": _halves_f16, "_low_half_f16": _low_half_f16, "_mul_pairs": _mul_pairs,
+             "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_pack_halves": _pack_halves,
+             "_transposed_blocks": _transposed_blocks, "_f16_pairs_rounded": _f16_pairs_rounded,
+             "_value_pairs": _value_pairs}
+
+
+class Emulator:
+    """The jit functions of the kernel modules as plain Python functions over torch. A module's
+    functions run with a copy of that module's globals (`globals_of`) in which Gluon's names are
+    replaced and every jit function is its emulated form, run with its own module's globals."""
+
+    def __init__(self) -> None:
+        self.gl = FakeGluon()
+        self._globals: dict[str, dict[str, Any]] = {}
+
+    def globals_of(self, module_name: str) -> dict[str, Any]:
+        if module_name not in self._globals:
+            env = dict(sys.modules[module_name].__dict__)
+            self._globals[module_name] = env  # registered before filling: helpers may import each other
+            env.update(gl=self.gl, **{k: v for k, v in _GLUON.items() if k in env})
+            for name, obj in list(env.items()):
+                if name in _REPLACED:
+                    env[name] = _REPLACED[name]
+                elif hasattr(obj, "fn") and hasattr(obj.fn, "__code__"):  # a jit function, maybe imported
+                    env[name] = self.function(obj)
+        return self._globals[module_name]
+
+    def function(self, jit_fn: Any) -> types.FunctionType:
+        """`jit_fn`'s Python body, run with its module's emulated globals."""
+        fn = jit_fn.fn
+        return types.FunctionType(fn.__code__, self.globals_of(fn.__module__), fn.__name__, fn.__defaults__)
+
+
+def _pointers(arg: Any) -> Any:
+    """Kernel arguments as the emulator takes them: tensors as pointers, tuples field by field."""
+    if isinstance(arg, tuple):
+        return type(arg)(*map(_pointers, arg)) if hasattr(arg, "_fields") else tuple(map(_pointers, arg))
+    return pointer(arg) if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg
+
+
+def run_split_kernel(launch: Any) -> None:
+    """Runs `launch.kernel` (a `kernels.gluon.launch.SplitLaunch`'s) for every program of `launch`."""
+    emu = Emulator()
+    kernel = emu.function(launch.kernel)
+    args = [_pointers(a) for a in launch.args]
     layouts = {k: None for k in launch.layouts}
     for bh in range(launch.grid[0]):
         for split in range(launch.grid[1]):
-            gl.pid = (bh, split)
+            emu.gl.pid = (bh, split)
             kernel(*args, **launch.constexprs, **layouts)

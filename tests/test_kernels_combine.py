@@ -1,4 +1,4 @@
-"""The split-combine kernel (`kernels.decode.combine_partials`) vs a torch reference.
+"""The split-combine kernel (`kernels.combine.combine_partials`) vs a torch reference.
 
 Every decode kernel ends with it. The decode tests reach at most a few splits; the GPU launches
 use hundreds at batch 1, read in blocks (of 256 or 128 splits for the maxima, 64 or 32 for the
@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # set before the kernels are decorated
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.decode import combine_partials  # noqa: E402
+from kernels.combine import combine_partials  # noqa: E402
 
 
 def reference(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, gq: int) -> torch.Tensor:

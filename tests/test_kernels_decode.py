@@ -101,10 +101,12 @@ def build(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, DecodeCache]:
 
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     cache = DecodeCache(
-        fp(case.n_sink), fp(case.n_sink), fp(res_cap), fp(res_cap),
-        pk.low, pk.high, pk.scale, pk.zero, pv.packed, pv.scale, pv.zero, channel_order(salient, d),
-        as_i32(sinks), as_i32(n_groups), as_i32(res_fill),
-        case.b_low, case.b_high, g, case.value_bits, case.value_group,
+        k_sink=fp(case.n_sink), v_sink=fp(case.n_sink), k_res=fp(res_cap), v_res=fp(res_cap),
+        k_low=pk.low, k_high=pk.high, k_scale=pk.scale, k_zero=pk.zero,
+        v_packed=pv.packed, v_scale=pv.scale, v_zero=pv.zero, channel_order=channel_order(salient, d),
+        sink_len=as_i32(sinks), n_groups=as_i32(n_groups), res_len=as_i32(res_fill),
+        b_low=case.b_low, b_high=case.b_high, group_size=g, value_bits=case.value_bits,
+        value_group_size=case.value_group,
     )
     q = (torch.randn((bsz, hkv * case.gqa, d), generator=gen) * 1.5).to(case.dtype)
     return q, cache

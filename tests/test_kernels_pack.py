@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # set before the kernels are decorated; on
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.layout import PackedKeyBytes, PackedValueBytes, channel_order  # noqa: E402
+from kernels.layout import PackedKeys, PackedValues, channel_order  # noqa: E402
 from kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
 from pnmix import packing  # noqa: E402
 
@@ -36,9 +36,9 @@ def random_salient(lead: tuple[int, ...], head_dim: int, n_pairs: int, gen: torc
     return torch.cat([pairs, pairs + head_dim // 2], dim=-1)
 
 
-def poisoned_keys(lead, n_groups, b_low, b_high, d, n_sc, g) -> PackedKeyBytes:
+def poisoned_keys(lead, n_groups, b_low, b_high, d, n_sc, g) -> PackedKeys:
     u8 = dict(dtype=torch.uint8)
-    return PackedKeyBytes(
+    return PackedKeys(
         torch.full((*lead, n_groups, b_low, d, g // 8), POISON, **u8),
         torch.full((*lead, n_groups, b_high - b_low, n_sc, g // 8), POISON, **u8),
         torch.full((*lead, n_groups, d), float("nan"), dtype=torch.float16),
@@ -93,7 +93,7 @@ def test_value_pack_is_bit_exact(bits, group_size, dtype):
     v = (torch.randn((*lead, t, d), generator=gen) * 2 - 0.3).to(dtype)
     v[1, 2, 7, :group_size] = -1.25  # a constant group
     vg = d // group_size
-    out = PackedValueBytes(
+    out = PackedValues(
         torch.full((*lead, t, d * bits // 8), POISON, dtype=torch.uint8),
         torch.full((*lead, t, vg), float("nan"), dtype=torch.float16),
         torch.full((*lead, t, vg), float("nan"), dtype=torch.float16),

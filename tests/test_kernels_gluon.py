@@ -1,5 +1,5 @@
-"""The Gluon decode kernels without a GPU: `kernels/decode_mma.py`'s block kernel (G a multiple of
-128) and `kernels/decode_mma_words.py`'s word kernel (G 32 or 64), which `split_launch` picks.
+"""The Gluon decode kernels without a GPU: `kernels.gluon.block`'s kernel (G a multiple of 128) and
+`kernels.gluon.words`' (G 32 or 64), which `kernels.gluon.launch` picks.
 
 1. Their source, run by the CPU emulator (`gluon_emu.py`), against dequantize-then-attend in fp32
    on the cases of `test_kernels_decode.py` that the kernels' limits admit (fresh random inputs, the
@@ -8,6 +8,7 @@
 3. The kernel compiles for sm_90 (offline, no GPU needed) for configs covering every branch: the
    layouts it declares are the ones the tensor cores use (`assert_trivial` conversions would not
    compile otherwise) and its shared memory is what `ring_bytes` counts.
+5. The launch plan's rules (splits over whole waves, tail programs, a shorter last split).
 4. The emulator's models of the kernel's cross-lane inline PTX (prmt, movmatrix) agree with the
    instructions' documented semantics, computed lane by lane.
 """
@@ -28,30 +29,30 @@ import torch  # noqa: E402
 from gluon_emu import _byte_perm, _f16_pairs, _halves_f16, _transposed_blocks, run_split_kernel  # noqa: E402
 from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens  # noqa: E402
 
-from kernels import decode_mma  # noqa: E402
+from kernels.gluon import block, launch  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(decode_mma.gluon is None, reason="this Triton has no Gluon")
-
 
 def emulated(q: torch.Tensor, cache, scale: float, splits: int, n_tail: int | None = None,
              tail_last: bool = False) -> torch.Tensor:
-    launch = decode_mma.split_launch(q, cache, scale, splits, n_tail=n_tail, tail_last=tail_last)
-    assert launch.plan["tail_start"] == (launch.grid[1] - launch.plan["n_tail"] if tail_last else 0)
-    n_parts, planned_tail = launch.plan["n_parts"], launch.plan["n_tail"]
-    assert launch.grid[1] == n_parts and planned_tail == (n_tail or planned_tail)
-    for t in (launch.pm, launch.pl, launch.pa):
+    """The kernel's output through the emulator, with the plan's tail programs set (n_tail None: as
+    planned) and launched first or last."""
+    plan = dataclasses.replace(launch.plan_launch(q, cache, splits), tail_last=tail_last,
+                               **({"n_tail": n_tail} if n_tail else {}))
+    split = launch.split_launch(q, cache, scale, plan)
+    assert split.grid[1] == plan.n_parts == plan.num_splits + plan.n_tail
+    assert split.args[-2] == plan.tail_start == (plan.num_splits if tail_last else 0)
+    for t in (split.pm, split.pl, split.pa):
         t.fill_(float("nan"))  # poisoned: a partial the kernel does not write fails the check
-    run_split_kernel(decode_mma, launch)
-    out = torch.full_like(q, float("nan"))
-    return decode_mma.combine(launch, out)
+    run_split_kernel(split)
+    return split.combine(torch.full_like(q, float("nan")))
 
 
 def admitted(case: Case) -> bool:
     q, cache = build(case, torch.Generator().manual_seed(0))
-    return decode_mma.shape_supported(cache, q)
+    return launch.shape_supported(cache, q)
 
 
 MMA_CASES = [c for c in CASES if admitted(c)]
@@ -91,7 +92,7 @@ def test_emulated_kernel_with_eight_value_groups_per_head():
     # `_column_sums` gives each group one column (the shared CASES reach at most 4 groups).
     case = Case(b_low=2, b_high=3, group_size=64, head_dim=128, value_bits=4, value_group=16, gqa=2, splits=2)
     q, cache = build(case, fresh_generator())
-    assert decode_mma.shape_supported(cache, q) and cache.v_scale.shape[-1] == 8
+    assert launch.shape_supported(cache, q) and cache.v_scale.shape[-1] == 8
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
@@ -99,7 +100,7 @@ def test_emulated_block_kernel_with_eight_value_groups_per_head():
     # 16-channel value groups at d 128 in the block kernel (the shared CASES reach 4 groups there).
     case = Case(b_low=2, b_high=4, group_size=128, head_dim=128, value_bits=4, value_group=16, gqa=2, splits=2)
     q, cache = build(case, fresh_generator())
-    assert decode_mma.uses_blocks(cache.group_size) and cache.v_zero.shape[-1] == 8
+    assert launch.kernel_module(cache.group_size) is block and cache.v_zero.shape[-1] == 8
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
@@ -117,7 +118,7 @@ def test_emulated_block_kernel_with_two_blocks_per_group():
     # words), and the key scales and query operands change every other block.
     case = Case(b_low=1, b_high=3, group_size=256, head_dim=64, gqa=3, splits=2)
     q, cache = build(case, fresh_generator())
-    assert decode_mma.uses_blocks(cache.group_size) and cache.k_low.shape[2] >= 2
+    assert launch.kernel_module(cache.group_size) is block and cache.k_low.shape[2] >= 2
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
@@ -135,34 +136,34 @@ def test_emulated_block_kernel_with_two_blocks_per_group():
 @pytest.mark.parametrize("tail_last", [False, True], ids=["tail-first", "tail-last"])
 def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail, tail_last):
     q, cache = build(case, fresh_generator())
-    assert decode_mma.shape_supported(cache, q)
+    assert launch.shape_supported(cache, q)
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits, n_tail, tail_last)
 
 
 def test_tail_programs_take_the_slots_a_wave_leaves_free():
     # batch 1 at 32K tokens on 132 SMs x 8 programs: 128 splits of 2 groups leave 4 slots per KV
     # head of 8 in the wave; a launch of many waves keeps one tail program.
-    assert decode_mma.tail_programs(8, 128, 1056, 5) == 4
-    assert decode_mma.tail_programs(8, 64, 1056, 5) == 5
-    assert decode_mma.tail_programs(256, 16, 1056, 5) == 1
-    assert decode_mma.tail_programs(1, 1, 1, 5) == 1
+    assert launch.tail_programs(8, 128, 1056, 5) == 4
+    assert launch.tail_programs(8, 64, 1056, 5) == 5
+    assert launch.tail_programs(256, 16, 1056, 5) == 1
+    assert launch.tail_programs(1, 1, 1, 5) == 1
 
 
 def test_split_groups_shorten_the_last_split_by_the_tail_chunks():
     # 32 x 32K, 32 x 8K and 110 x 8K on an H200 (5 tail chunks): the measured best of each
-    assert decode_mma.split_groups(255, 4, 5) == 65  # last split 60
-    assert decode_mma.split_groups(63, 4, 5) == 17  # last split 12
-    assert decode_mma.split_groups(63, 7, 5) == 10  # last split 3
-    assert decode_mma.split_groups(8, 8, 5) == 1  # longer splits would be fewer: even
-    assert decode_mma.split_groups(0, 0, 5) == 0
+    assert launch.split_groups(255, 4, 5) == 65  # last split 60
+    assert launch.split_groups(63, 4, 5) == 17  # last split 12
+    assert launch.split_groups(63, 7, 5) == 10  # last split 3
+    assert launch.split_groups(8, 8, 5) == 1  # longer splits would be fewer: even
+    assert launch.split_groups(0, 0, 5) == 0
 
 
 def test_tail_programs_launch_last_where_only_they_overflow_the_wave():
     # H200, 1,056 programs at once: 32 x 32K and 32 x 8K (1,024 packed splits + 256 tail programs)
     # last; 110 x 8K (6,160 packed) and batch 1 (everything fits) first.
-    assert decode_mma.tails_last(256, 4, 1, 1056)
-    assert not decode_mma.tails_last(880, 7, 1, 1056)
-    assert not decode_mma.tails_last(8, 128, 4, 1056)
+    assert launch.tails_last(256, 4, 1, 1056)
+    assert not launch.tails_last(880, 7, 1, 1056)
+    assert not launch.tails_last(8, 128, 4, 1056)
 
 
 def test_emulated_kernel_with_a_shorter_last_split():
@@ -186,9 +187,9 @@ def test_emulated_kernel_with_a_shorter_last_split():
             extra = (torch.randn(shape, generator=gen) * 0.1).to(t.dtype)
         grown[name] = torch.cat([t, extra], dim=2)
     cache = dataclasses.replace(cache, **grown, n_groups=torch.tensor([20, 13, 2], dtype=torch.int32))
-    launch = decode_mma.split_launch(q, cache, case.head_dim**-0.5, 4)
-    assert launch.plan["tail_start"] == 0  # 12 programs: the packed splits do not fit at once either
-    assert launch.plan["groups_per_split"] == 6 and launch.grid[1] == 4 + launch.plan["n_tail"]  # 4 packed splits
+    plan = launch.plan_launch(q, cache, 4)
+    assert plan.tail_start == 0  # 12 programs: the packed splits do not fit at once either
+    assert plan.groups_per_split == 6 and plan.num_splits == 4
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, 4)
 
 
@@ -207,7 +208,7 @@ def test_emulated_kernel_reads_only_held_tokens():
 ])
 def test_value_group_limits_send_other_configs_to_the_triton_kernel(value_group, head_dim, admitted_here):
     q, cache = build(Case(value_group=value_group, head_dim=head_dim, value_bits=4), torch.Generator().manual_seed(0))
-    assert decode_mma.shape_supported(cache, q) is admitted_here
+    assert launch.shape_supported(cache, q) is admitted_here
 
 
 # (head_dim, G, b_low, b_high, salient channels, value bits, value group, GQA, activation pointer type)
@@ -228,7 +229,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
     # functions, which a real compile must not see.
     code = (
         "import json, sys\n"
-        "from kernels.decode_mma import compile_offline\n"
+        "from kernels.gluon.launch import compile_offline\n"
         "for config in json.loads(sys.argv[1]):\n"
         "    k = compile_offline(*config)\n"
         "    ptx = k.asm['ptx']\n"
@@ -240,7 +241,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
-    want = [[decode_mma.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1]), True, True] for c in COMPILED]
+    want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1]), True, True] for c in COMPILED]
     assert rows == want, (rows, done.stderr[-2000:])
 
 
@@ -251,7 +252,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
     (4, 3, 1, 1),  # one program at a time: splitting only adds waves
 ])
 def test_wave_splits_fill_whole_waves(n_bh, ng_cap, resident, want):
-    assert decode_mma.wave_splits(n_bh, ng_cap, resident) == want
+    assert launch.wave_splits(n_bh, ng_cap, resident) == want
 
 
 def test_emulated_prmt_picks_the_documented_bytes():

@@ -1,0 +1,276 @@
+"""The Gluon decode kernels' launch: which kernel, how the work is split, and the launcher.
+
+`decode_attention` runs `block`'s kernel for key groups of a multiple of 128 tokens and `words`'
+for 32 or 64; call it only where `supports(cache, q)` (else `kernels.decode.decode_attention`).
+A launch is a plan (`LaunchPlan`: splits of the packed region and programs for the fp16 tail, from
+capacities only) turned into a grid and arguments (`SplitLaunch`); the partials then go to
+`kernels.combine.combine_partials`. The CPU tests run the same `SplitLaunch` through an emulator
+(tests/gluon_emu.py) and compile the kernels offline for sm_90 (`compile_offline`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kernels.combine import combine_partials
+from kernels.gluon import block, words
+from kernels.gluon.common import FP16_PAIR_1024, MAX_GQA, TAIL_TOKENS
+from kernels.layout import DecodeCache, next_pow2
+from kernels.operands import DecodeOperands, check_operands, decode_operands
+from kernels.plan import LOG2E, output_for, sm_count, split_plan
+
+# Registers per thread the kernels take (213-217 for the block kernel, 227 for the word kernel, for
+# sm_90), rounded up to the allocation unit of 8.
+REGISTERS = 232
+SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
+# What a program costs besides its groups (reading the query, writing and merging its partials), in
+# groups: an estimate. It only keeps `wave_splits` from one-group splits that save a fraction of a wave.
+PROGRAM_OVERHEAD = 0.25
+
+
+def available() -> bool:
+    return torch.cuda.is_available()
+
+
+def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
+    """Whether the kernels' limits admit this cache and query, on any device: G a multiple of 32,
+    head dim a multiple of 16 (>= 32), at most 8 query heads per KV head, value groups of whole
+    32-bit words (G_V * b_V >= 32) and whole MMA tiles (G_V a multiple of 16), 2 to 8 value groups
+    per head (scales are read as words of two groups; the zeros' sums have 8 columns)."""
+    bsz, hq, d = q.shape
+    hkv = cache.k_sink.shape[1]
+    return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= MAX_GQA
+            and cache.group_size % 32 == 0
+            and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
+            and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
+            and cache.value_group_size % 16 == 0 and 2 <= d // cache.value_group_size <= 8
+            and cache.k_low.shape[-1] % 4 == 0)
+
+
+def supports(cache: DecodeCache, q: torch.Tensor) -> bool:
+    """Whether `decode_attention` can run here: CUDA with compute capability >= 8.0 and `shape_supported`."""
+    return (available() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
+            and shape_supported(cache, q))
+
+
+def kernel_module(group_size: int) -> ModuleType:
+    """The kernel for key groups of `group_size` tokens: `block` for a multiple of 128, else `words`."""
+    return block if group_size % block.BLOCK_TOKENS == 0 else words
+
+
+def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
+               group_size: int) -> int:
+    """Shared memory of one program of the kernel for `group_size`."""
+    return kernel_module(group_size).ring_bytes(d, b_low, b_high, n_salient, value_bits, value_group)
+
+
+def resident_programs(device: torch.device, shared_bytes: int) -> int:
+    """One-warp programs that fit on the GPU at once: registers, shared memory and the 32-block limit
+    of an SM decide. An SM's registers are four partitions of 16384, one per warp scheduler, and a
+    warp's come from one of them: at 223 registers a thread that is 2 warps a partition, 8 an SM,
+    where 65536 / (32 x 224) would say 9. Off CUDA: one SM."""
+    per_sm = max(1, min(32, 4 * (16384 // (32 * REGISTERS)), SHARED_PER_SM // max(shared_bytes, 1)))
+    return per_sm * (sm_count(device.index or 0) if device.type == "cuda" else 1)
+
+
+@functools.cache
+def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
+    """Splits of the packed region per (b, h_kv) that make the launch shortest.
+
+    Every split is one program and `resident` programs run at once, so a launch lasts about
+    (waves) x (groups per split + PROGRAM_OVERHEAD). A plan with a nearly empty last wave wastes
+    most of it: at 32 x 8K tokens, 17 splits (4.1 waves of 4 groups) take 5 waves where 4 splits
+    (one wave of 16 groups) take one. Ties go to fewer splits: fewer partials to write and merge.
+    """
+    best_cost, best = float("inf"), 1
+    for splits in range(1, ng_cap + 1):
+        per = -(-ng_cap // splits)
+        splits = -(-ng_cap // per)  # the same plan with no empty split
+        cost = -(-(n_bh * splits) // resident) * (per + PROGRAM_OVERHEAD)
+        if cost < best_cost:
+            best_cost, best = cost, splits
+    return best
+
+
+def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> int:
+    """Programs per (b, h_kv) for the fp16 tail (sinks and residual, `n_chunks` chunks of TAIL_TOKENS
+    tokens by capacity): as many as the slots the packed splits leave free in a single wave, at most
+    one a chunk. One program reads its chunks one after another, a round trip to memory each, so at
+    batch 1 a single tail program is the launch's long pole. When the packed splits fill a wave or
+    more, the tail is short next to them and stays one program."""
+    free = resident // max(n_bh, 1) - num_splits
+    return max(1, min(n_chunks, free))
+
+
+def split_groups(ng_cap: int, num_splits: int, n_chunks: int) -> int:
+    """Groups per packed split when the launch has more programs than fit at once and the tail
+    programs launch first (not `tails_last`): about n_chunks / num_splits more groups each, so that
+    the last split, which the GPU launches last (grid order: split-major), holds about n_chunks
+    fewer. Its programs start only when the tail programs free their slots, about a group's time
+    per chunk of the tail; with even splits they finish that much after the rest. The split count
+    never changes: even splits where it would."""
+    even = -(-ng_cap // max(num_splits, 1)) if ng_cap else 0
+    longer = -(-(ng_cap + n_chunks) // max(num_splits, 1))
+    return longer if ng_cap and -(-ng_cap // longer) == num_splits else even
+
+
+def tails_last(n_bh: int, num_splits: int, n_tail: int, resident: int) -> bool:
+    """Whether to launch the tail programs after the packed splits: where the packed splits fit on
+    the GPU at once and the tail programs do not. Launched first, they would hold slots that packed
+    splits then wait for; launched last, they run in the slots the packed splits leave free and in
+    those of splits that finish. Where the packed splits take several waves, the tail goes first."""
+    return n_bh * num_splits <= resident < n_bh * (num_splits + n_tail)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Per (b, h_kv): num_splits packed splits of groups_per_split groups and n_tail programs for the
+    sinks and the residual, launched after the packed splits if tail_last, else before them."""
+
+    groups_per_split: int
+    num_splits: int
+    n_tail: int
+    tail_last: bool
+
+    @property
+    def n_parts(self) -> int:
+        return self.num_splits + self.n_tail
+
+    @property
+    def tail_start(self) -> int:
+        """The split index of the first tail program."""
+        return self.num_splits if self.tail_last else 0
+
+
+def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = None) -> LaunchPlan:
+    """The plan for `q` over `cache`: `num_splits` packed splits if given, else `wave_splits` for the
+    programs that fit at once; `tail_programs`, `tails_last` and, where the programs do not all fit
+    at once and the tail launches first, a shorter last split (`split_groups`)."""
+    check_operands(q, cache)
+    bsz, _, d = q.shape
+    n_bh = bsz * cache.k_sink.shape[1]
+    ng_cap = cache.k_low.shape[2]
+    shared = ring_bytes(d, cache.b_low, cache.b_high, cache.n_salient_channels, cache.value_bits,
+                        cache.value_group_size, cache.group_size)
+    resident = resident_programs(q.device, shared)
+    if num_splits is None:
+        num_splits = wave_splits(n_bh, ng_cap, resident) if ng_cap else 1
+    groups_per_split, num_splits = split_plan(ng_cap, num_splits)
+    chunks = -(-cache.k_sink.shape[2] // TAIL_TOKENS) + -(-cache.k_res.shape[2] // TAIL_TOKENS)
+    n_tail = tail_programs(n_bh, num_splits, resident, chunks)
+    tail_last = tails_last(n_bh, num_splits, n_tail, resident)
+    if n_bh * (num_splits + n_tail) > resident and not tail_last:  # packed splits wait for the tail's slots
+        groups_per_split = split_groups(ng_cap, num_splits, chunks)
+    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last)
+
+
+def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
+                     value_bits: int, value_group: int) -> dict:
+    """The kernel's compile-time constants besides its layouts."""
+    return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
+                NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
+                PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
+                **kernel_module(group_size).CONSTANTS)
+
+
+def _view(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """`t`'s bytes as `dtype` elements (the last dim shrinks); strides then count those elements."""
+    if t.numel():
+        return t.view(dtype)
+    return torch.empty((*t.shape[:-1], t.shape[-1] * t.element_size() // dtype.itemsize), dtype=dtype,
+                       device=t.device)
+
+
+@dataclass
+class SplitLaunch:
+    """One launch of a split kernel: `run` launches it, `combine` merges its partials; the CPU tests
+    run the same kernel source and arguments through an emulator (tests/gluon_emu.py)."""
+
+    grid: tuple[int, int]
+    kernel: Any  # `block._block_kernel` or `words._words_kernel`
+    args: tuple  # (DecodeOperands, pm, pl, pa, ksw, qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic)
+    constexprs: dict
+    layouts: dict  # the kernel's layout arguments
+    plan: LaunchPlan
+    pm: torch.Tensor  # partials, as `kernels.combine.combine_partials` reads them
+    pl: torch.Tensor
+    pa: torch.Tensor
+
+    def run(self) -> None:
+        """Launches the split kernel, one warp a program."""
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.layouts, num_warps=1)
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Merges the partials into `out` [B, H_q, d] and returns it."""
+        return combine_partials(self.pm, self.pl, self.pa, out, self.constexprs["HKV"])
+
+
+def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: LaunchPlan) -> SplitLaunch:
+    """The grid, arguments and compile-time constants of `plan`: programs (bh, tail_start ..
+    tail_start + n_tail - 1) take the sinks and the residual, the others the packed splits in order."""
+    bsz, hq, d = q.shape
+    hkv = cache.k_sink.shape[1]
+    kernel = kernel_module(cache.group_size)
+    pm = torch.empty((bsz * hkv, plan.n_parts, MAX_GQA), dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pa = torch.empty((bsz * hkv, plan.n_parts, MAX_GQA, d), dtype=torch.float32, device=q.device)
+    # Value scales and zeros as int32 words, two groups of a token each (`common._value_scale_pairs`).
+    ops = decode_operands(q, cache, _view(cache.k_low, kernel.PLANE_DTYPE), _view(cache.k_high, kernel.PLANE_DTYPE),
+                          _view(cache.v_packed), _view(cache.v_scale.flatten(-2)), _view(cache.v_zero.flatten(-2)))
+    args = (ops, pm, pl, pa, _view(cache.k_scale), scale * LOG2E, plan.groups_per_split, plan.n_parts, plan.n_tail,
+            plan.tail_start, FP16_PAIR_1024)
+    constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high,
+                                  cache.n_salient_channels, cache.value_bits, cache.value_group_size)
+    layouts = kernel.layouts(d, cache.value_bits, cache.value_group_size, constexprs["NSC_P"])
+    return SplitLaunch((bsz * hkv, plan.n_parts), kernel.KERNEL, args, constexprs, layouts, plan, pm, pl, pa)
+
+
+def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.decode.decode_attention` with the Gluon kernels; call only where `supports(cache, q)`.
+
+    q [B, H_q, d] -> [B, H_q, d] in q's dtype; num_splits: splits of the packed region per (b, h_kv)
+    (by default balanced over whole waves of the GPU, `plan_launch`); `out` as there.
+    """
+    out = output_for(q, out)
+    launch = split_launch(q, cache, scale, plan_launch(q, cache, num_splits))
+    launch.run()
+    return launch.combine(out)
+
+
+def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
+                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90) -> Any:
+    """Compiles the kernel for these shapes for an NVIDIA GPU of compute capability `arch`, without one.
+
+    For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
+    the shared memory. Pointers and strides are specialized as divisible by 16, as the JIT does for
+    real caches. Must run without TRITON_INTERPRET (it replaces the language's own functions).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = kernel_module(group_size)
+    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group)
+    const.update(kernel.layouts(d, value_bits, value_group, const["NSC_P"]))
+    planes = "*i16" if kernel.PLANE_DTYPE == torch.int16 else "*i32"
+    operand_types = {"klo_ptr": planes, "khi_ptr": planes, "vp_ptr": "*i32", "vsc_ptr": "*i32",
+                     "vze_ptr": "*i32", "order_ptr": "*i32", "sink_len_ptr": "*i32", "n_groups_ptr": "*i32",
+                     "res_len_ptr": "*i32", "ksc_ptr": "*fp16", "kze_ptr": "*fp16"}
+    ops = DecodeOperands._make(operand_types.get(f, activation) if f.endswith("_ptr") else "i32"
+                               for f in DecodeOperands._fields)  # the operands' types, by field
+    scalars = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pa_ptr": "*fp32", "ksw_ptr": "*i32", "qk_scale": "fp32"}
+    fn = kernel.KERNEL
+    sig: dict[str, Any] = {n: "constexpr" if n in const else ops if n == "ops" else scalars.get(n, "i32")
+                           for n in fn.arg_names}
+    divisible = [["tt.divisibility", 16]]
+    attrs: dict[tuple[int, ...], list] = {(fn.arg_names.index("ops"), i): divisible
+                                          for i in range(len(DecodeOperands._fields))}
+    attrs |= {(i,): divisible for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})

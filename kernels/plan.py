@@ -1,0 +1,43 @@
+"""Host-side planning shared by the decode launchers: the GPU's size, how the packed region splits.
+
+Flash-decoding: program (b, h_kv, split) covers a slice of sequence b's packed groups for every
+query head of KV head h_kv, and the splits' partials are merged after (`kernels.combine`). Only
+capacities (tensor shapes) decide a plan, never lengths, so a step needs no host synchronisation
+and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LOG2E = 1.4426950408889634  # kernels use exp2: scores are pre-scaled by softmax scale x log2 e
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def splits_for_programs(q: torch.Tensor, n_bh: int, ng_cap: int, programs_per_sm: int) -> int:
+    """Splits per (b, h_kv) that give every SM about `programs_per_sm` programs (one SM off CUDA)."""
+    target = programs_per_sm * (sm_count(q.device.index or 0) if q.is_cuda else 1)
+    return max(1, min(ng_cap, -(-target // n_bh)))
+
+
+def split_plan(ng_cap: int, num_splits: int) -> tuple[int, int]:
+    """(groups per split, splits) for `num_splits` splits of `ng_cap` groups: at most one split a
+    group, none of them empty; (0, 0) for an empty region."""
+    num_splits = max(1, min(num_splits, max(ng_cap, 1)))
+    groups_per_split = -(-ng_cap // num_splits) if ng_cap else 0
+    return groups_per_split, (-(-ng_cap // groups_per_split) if ng_cap else 0)
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out`, checked to take the result (q's shape, contiguous channels), or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with contiguous channels")
+    return out
