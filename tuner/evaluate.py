@@ -32,7 +32,7 @@ from tuner.profiles import EvalError, Profile
 
 Progress = Callable[[str], None]
 
-TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k")
+TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
 PREPARATION_VERSION = 3
@@ -86,13 +86,26 @@ def versions() -> dict[str, str]:
 class Evaluator:
     def __init__(self, model: str, profile: Profile, seed: int = 0, gsm8k: str | Path | None = None,
                  progress: Progress | None = None, tasks: tuple[str, ...] | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", lm_eval_task: str | None = None, lm_eval_limit: int | None = None) -> None:
+        from tuner import harness
+
+        # An lm-eval task (tuner/harness.py) comes as keywords or as a task-list entry lm_eval:TASK[@LIMIT].
+        entries = [t for t in tasks or () if t.startswith(harness.PART + ":")]
+        if entries:
+            lm_eval_task, lm_eval_limit = harness.parse_entry(entries[-1])
+            tasks = tuple(harness.PART if t.startswith(harness.PART + ":") else t for t in tasks or ())
         chosen = tuple(tasks) if tasks else (*DEFAULT_TASKS, *(("gsm8k",) if gsm8k else ()))
+        if lm_eval_task and harness.PART not in chosen:
+            chosen = (*chosen, harness.PART)
         for name in chosen:
             if name not in TASKS:
                 raise EvalError(f"unknown task {name!r}: allowed {', '.join(TASKS)}")
         if "gsm8k" in chosen and not gsm8k:
             raise EvalError("task gsm8k needs a JSONL file (--gsm8k PATH)")
+        if harness.PART in chosen:
+            if not lm_eval_task:
+                raise EvalError("task lm_eval needs an lm-eval task (--lm-eval-task TASK)")
+            harness.check_extra()  # a missing extra is one line, before the model loads
         self.tasks = chosen
         self._gsm8k = tasks_module.gsm8k_items(gsm8k) if gsm8k else None  # checked before the model loads
         self.model_name = model
@@ -107,6 +120,9 @@ class Evaluator:
         self.device = str(self.model.device)
         self.backend = self._backend_label()
         self._prepared: dict[str, Any] | None = None
+        self.harness = (harness.HarnessPart(lm_eval_task, lm_eval_limit, self.model, self.tokenizer, model,
+                                            progress=self.progress)
+                        if harness.PART in chosen and lm_eval_task else None)
         self._engine: ScoringEngine | None = None
         self._trace: Any = None
 
@@ -241,6 +257,8 @@ class Evaluator:
         counts = {name: len(items) for name, items in data["items"].items() if items and name in self.tasks}
         if "fidelity" in self.tasks and data["trajectories"]:
             counts["fidelity"] = len(data["trajectories"])
+        if self.harness is not None and self.harness.kept():
+            counts["lm_eval"] = len(self.harness.kept())
         return counts
 
     def _units(self, config: PNMixConfig, reference: bool = False, have: Rung | None = None,
@@ -256,7 +274,8 @@ class Evaluator:
         held = {name: len(u) for name, u in (have.units if have else {}).items()}
         units: dict[str, list[float]] = {name: list(u) for name, u in (have.units if have else {}).items()}
         timings: dict[str, float] = {}
-        spans = {name: range(held.get(name, 0), upto.get(name, n)) for name, n in counts.items() if name != "fidelity"}
+        spans = {name: range(held.get(name, 0), upto.get(name, n)) for name, n in counts.items()
+                 if name not in ("fidelity", "lm_eval")}
         if spans:
             self.progress("items: " + ", ".join(f"{len(span)} {name}" for name, span in spans.items()))
             t0 = time.perf_counter()
@@ -268,6 +287,11 @@ class Evaluator:
                 for name, outcomes in engine.all_outcomes(config, spans).items():
                     units[name] = units.get(name, []) + outcomes
             timings["items"] = time.perf_counter() - t0
+        if "lm_eval" in counts and self.harness is not None:  # through the harness (tuner/harness.py)
+            t0 = time.perf_counter()
+            units["lm_eval"] = units.get("lm_eval", []) + self.harness.outcomes(
+                config, range(held.get("lm_eval", 0), upto.get("lm_eval", counts["lm_eval"])))
+            timings["lm_eval"] = time.perf_counter() - t0
         agreements: list[float] = list(have.agreements) if have else []
         if "fidelity" in counts:
             rows = range(held.get("fidelity", 0), upto.get("fidelity", counts["fidelity"]))
