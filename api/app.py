@@ -26,7 +26,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        db = Database.from_settings(settings)
+        db = Database.from_settings(settings, create=False)  # the service never creates a database file
         try:
             if settings.check_schema:
                 check_schema(db)

@@ -56,8 +56,26 @@ def require_token(
         )
 
 
+async def no_duplicate_keys(request: Request) -> None:
+    """Refuses a JSON body that gives a key twice: a parser would keep one of the two silently."""
+    import json
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        keys = [k for k, _ in items]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ProblemError(422, "Unprocessable Content", f"key {twice[0]!r} given twice in the JSON body")
+        return dict(items)
+
+    try:
+        json.loads(await request.body(), object_pairs_hook=pairs)
+    except (ValueError, RecursionError):  # not JSON at all: the body's own validation says so
+        pass
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
 ReadSession = Annotated[Session, Depends(read_session)]
 WriteSession = Annotated[Session, Depends(write_session)]
 TokenChecked = Depends(require_token)
+NoDuplicateKeys = Depends(no_duplicate_keys)

@@ -8,13 +8,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pnmix.inputs import BUDGET, TRIALS
 from pnmix.names import BACKENDS, METHODS
 from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from storage.read import OPTIMIZE, ModelSummary
-from storage.write import MAX_BITS, OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
+from storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
 from tuner.profiles import PROFILES
 
-Budget = Annotated[float, Field(gt=0, le=MAX_BITS, allow_inf_nan=False, description="key bits per element")]
+# The ranges are pnmix.inputs', the command line's too: `pnmix recommend --bits` takes what `target_bits` takes.
+Budget = Annotated[float, Field(**BUDGET.constraints(), description="key bits per element")]
 Status = Literal[CAMPAIGN_STATUSES]  # type: ignore[valid-type]
 Optimize = Literal[OPTIMIZE]  # type: ignore[valid-type]
 
@@ -167,13 +169,19 @@ class CampaignPage(Page):
 
 
 class CampaignCreate(BaseModel):
-    """A campaign to enqueue; a `pnmix worker` picks it up."""
+    """A campaign to enqueue; a `pnmix worker` picks it up.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict types: `true` is no budget and `"30"` no trial count (a worker would run what lax
+    conversion made of them); a key given twice is refused by the route (api/deps.py).
+    """
 
-    model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name (not a "
+                       "random-weight shape model: a campaign scores accuracy)")
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
-    n_trials: int = Field(default=45, ge=1, le=10_000, description="trials per budget (the default is `pnmix tune`'s)")
+    n_trials: int = Field(default=45, ge=TRIALS.low, le=TRIALS.high,
+                          description="trials per budget (the default is `pnmix tune`'s)")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
     profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]
     objectives: list[Literal[tuple(OBJECTIVES)]] = Field(  # type: ignore[valid-type]

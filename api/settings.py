@@ -10,9 +10,10 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from pnmix.errors import PNMixError
+from pnmix.inputs import PAGE_SIZE, PORT
 from storage.settings import StorageSettings
 
-MAX_PAGE_SIZE = 500
+MAX_PAGE_SIZE = int(PAGE_SIZE.high)
 
 
 class SettingsError(PNMixError, ValueError):
@@ -26,8 +27,8 @@ class Settings(StorageSettings):
         default=None, description="bearer token for writes (POST /v1/campaigns); unset disables writes"
     )
     host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    default_page_size: int = Field(default=50, ge=1, le=MAX_PAGE_SIZE)
+    port: int = Field(default=8000, ge=PORT.low, le=PORT.high)
+    default_page_size: int = Field(default=50, ge=PAGE_SIZE.low, le=PAGE_SIZE.high)
     check_schema: bool = Field(default=True, description="refuse to start unless the schema is at head")
     max_body_bytes: int = Field(default=64 * 1024, ge=1, description="larger request bodies are refused with 413")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,18 +43,41 @@ class Trace:
     scaling: float
 
 
+class _Counter:
+    """A `generate` streamer that reports how many tokens are done, at most every `every_s` seconds."""
+
+    def __init__(self, total: int, progress: Callable[[str], None], every_s: float = 5.0) -> None:
+        import time
+
+        self.total, self.progress, self.every_s = total, progress, every_s
+        self.done, self._clock, self._last = -1, time.monotonic, time.monotonic()  # the first put is the prompt
+
+    def put(self, value: Any) -> None:
+        self.done += 1
+        now = self._clock()
+        if self.done > 0 and now - self._last >= self.every_s:
+            self._last = now
+            self.progress(f"generated {self.done}/{self.total} tokens")
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
-def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int) -> Trace:
-    """Greedy-generates `new_tokens` after `input_ids` [1, P], then records post-RoPE Q/K of all of it."""
+def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int,
+                 progress: Callable[[str], None] | None = None) -> Trace:
+    """Greedy-generates `new_tokens` after `input_ids` [1, P], then records post-RoPE Q/K of all of it.
+    `progress` hears how far the generation is, every few seconds."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     prefill = input_ids.shape[1]
     input_ids = input_ids.to(model.device)
+    streamer = _Counter(new_tokens, progress) if progress else None
     full = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          pad_token_id=model.config.eos_token_id)
+                          pad_token_id=model.config.eos_token_id, streamer=streamer)
     queries: dict[int, torch.Tensor] = {}
     keys: dict[int, torch.Tensor] = {}
     scale: list[float] = []
@@ -151,7 +175,8 @@ def masked_kl(logits: torch.Tensor, logits_hat: torch.Tensor, visible: torch.Ten
     return (lp.exp() * (lp - lp_hat)).masked_fill(~visible, 0).sum(-1)
 
 
-def analyze(trace: Trace, pairing: Pairing, group: int = 64, ratio: float = 0.5, n_sink: int = 32) -> dict[str, Any]:
+def analyze(trace: Trace, pairing: Pairing, group: int = 64, ratio: float = 0.5, n_sink: int = 32,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     layers = len(trace.keys)
     p = trace.prefill_len
     d = trace.keys[0].shape[-1]
@@ -166,6 +191,8 @@ def analyze(trace: Trace, pairing: Pairing, group: int = 64, ratio: float = 0.5,
     jaccard = {c: {"r=0.1": 0.0, "r=0.5": 0.0} for c in CRITERIA}
     shares = {"top10": 0.0, "top30": 0.0, "top50": 0.0}
     for li in range(layers):
+        if progress:
+            progress(f"quantizing and scoring layer {li + 1}/{layers}")
         q, k = trace.queries[li], trace.keys[li]
         t = k.shape[1]
         imp = _importance(q, k, p, pairing)  # [Hkv, d/2]

@@ -14,8 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pnmix import inputs
 from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
-from pnmix.config import PRESETS, ConfigError, PNMixConfig, preset
+from pnmix.config import CRITERIA, GROUP_SIZES, KEY_BITS, PRESETS, UNQUANTIZED_BITS, VALUE_BITS, PNMixConfig, preset
+from pnmix.inputs import INT32_MAX, Choice, Int, ModelName, Number, Range, Text
 from pnmix.models import chat_ids
 
 # Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
@@ -51,16 +53,30 @@ def config_from_options(
     return PNMixConfig(**{**base.to_dict(), **changes})
 
 
-PresetOpt = Annotated[str | None, typer.Option("--preset", help=f"one of {', '.join(PRESETS)}")]
-BHighOpt = Annotated[int | None, typer.Option("--b-high", help="bits of salient channels (1..4, 16 = fp16)")]
-BLowOpt = Annotated[int | None, typer.Option("--b-low", help="bits of other channels (1..4)")]
-GroupOpt = Annotated[int | None, typer.Option("--group-size", "-G", help="key token group: 32, 64, 128")]
-RatioOpt = Annotated[float | None, typer.Option("--salient-ratio", "-r", help="salient pair fraction in [0, 1]")]
-SinkOpt = Annotated[int | None, typer.Option("--sinks", help="fp16 attention-sink tokens")]
-ResidualOpt = Annotated[int | None, typer.Option("--residual", help="fp16 residual buffer length")]
-VBitsOpt = Annotated[int | None, typer.Option("--value-bits", help="1, 2, 4, 8, 16")]
-VGroupOpt = Annotated[int | None, typer.Option("--value-group", help="value channel group size")]
-CriterionOpt = Annotated[str | None, typer.Option("--criterion", help="saliency criterion")]
+# Every option parses through a checker of pnmix.inputs: a value is refused while the command line is
+# parsed, before any model loads. The config's knobs take the sets the config itself allows; what
+# depends on two knobs (b_low <= b_high, residual a multiple of G) is the config's own check.
+_KEY_BITS = (*KEY_BITS, UNQUANTIZED_BITS)
+_INT32 = Range(0, INT32_MAX, integer=True)
+_POSITIVE = Range(1, INT32_MAX, integer=True)
+PresetOpt = Annotated[str | None, typer.Option("--preset", help=f"one of {', '.join(PRESETS)}",
+                                               parser=Choice(tuple(PRESETS)))]
+BHighOpt = Annotated[int | None, typer.Option("--b-high", help="bits of salient channels (1..4, 16 = fp16)",
+                                              parser=Int(values=_KEY_BITS))]
+BLowOpt = Annotated[int | None, typer.Option("--b-low", help="bits of other channels (1..4)",
+                                             parser=Int(values=_KEY_BITS))]
+GroupOpt = Annotated[int | None, typer.Option("--group-size", "-G", help="key token group: 32, 64, 128",
+                                              parser=Int(values=GROUP_SIZES))]
+RatioOpt = Annotated[float | None, typer.Option("--salient-ratio", "-r", help="salient pair fraction in [0, 1]",
+                                                parser=Number(Range(0.0, 1.0)))]
+SinkOpt = Annotated[int | None, typer.Option("--sinks", help="fp16 attention-sink tokens", parser=Int(_INT32))]
+ResidualOpt = Annotated[int | None, typer.Option("--residual", help="fp16 residual buffer length",
+                                                 parser=Int(_POSITIVE))]
+VBitsOpt = Annotated[int | None, typer.Option("--value-bits", help="1, 2, 4, 8, 16", parser=Int(values=VALUE_BITS))]
+VGroupOpt = Annotated[int | None, typer.Option("--value-group", help="value channel group size",
+                                               parser=Int(_POSITIVE))]
+CriterionOpt = Annotated[str | None, typer.Option("--criterion", help="saliency criterion", parser=Choice(CRITERIA))]
+ModelOpt = Annotated[str, typer.Option(help="model name, local directory or Hugging Face id", parser=ModelName())]
 
 
 def bits(
@@ -73,11 +89,14 @@ def bits(
     residual: ResidualOpt = None,
     value_bits_: VBitsOpt = None,
     value_group: VGroupOpt = None,
-    head_dim: Annotated[int | None, typer.Option(help="head dim (default: the model's, else 128)")] = None,
-    tokens: Annotated[int, typer.Option(help="quantized tokens T_q in the formula")] = 32768,
-    model: Annotated[str | None, typer.Option(help="also report KV bytes for this model's shape")] = None,
-    batch: Annotated[int, typer.Option(help="batch for the KV byte total")] = 1,
-    seq_len: Annotated[int, typer.Option(help="sequence length for the KV byte total")] = 8192,
+    head_dim: Annotated[int | None, typer.Option(help="head dim (default: the model's, else 128)",
+                                                 parser=Int(inputs.HEAD_DIM))] = None,
+    tokens: Annotated[int, typer.Option(help="quantized tokens T_q in the formula", parser=Int(inputs.COUNT))] = 32768,
+    model: Annotated[str | None, typer.Option(help="also report KV bytes for this model's shape",
+                                              parser=ModelName())] = None,
+    batch: Annotated[int, typer.Option(help="batch for the KV byte total", parser=Int(inputs.COUNT))] = 1,
+    seq_len: Annotated[int, typer.Option(help="sequence length for the KV byte total",
+                                         parser=Int(inputs.COUNT))] = 8192,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Bit-width breakdown of one PN-Mix config (docs/design.md, "Bit-width accounting")."""
@@ -89,7 +108,8 @@ def bits(
         from pnmix.models import model_shape
 
         shape = model_shape(model)
-    d = head_dim or (shape.head_dim if shape else 128)
+    d = head_dim if head_dim is not None else (shape.head_dim if shape else 128)
+    config.check_head_dim(d)
     kb = key_bits(config, d, tokens)
     report: dict[str, object] = {
         "config": config.to_dict(),
@@ -162,8 +182,9 @@ def list_models() -> None:
 
 
 def generate(
-    prompt: Annotated[str, typer.Option(help="user message (the model's chat template is applied)")],
-    model: Annotated[str, typer.Option(help="model name, local directory or Hugging Face id")] = "smollm2-135m",
+    prompt: Annotated[str, typer.Option(help="user message (the model's chat template is applied)",
+                                        parser=Text(1, 1 << 20, lines=True))],
+    model: ModelOpt = "smollm2-135m",
     preset_name: PresetOpt = "pnmix-paper",
     b_high: BHighOpt = None,
     b_low: BLowOpt = None,
@@ -174,18 +195,18 @@ def generate(
     value_bits_: VBitsOpt = None,
     value_group: VGroupOpt = None,
     criterion: CriterionOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
-    device: Annotated[str, typer.Option(help="cpu, or cuda (bf16 weights, Triton kernels)")] = "cpu",
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate", parser=Int(inputs.NEW_TOKENS))] = 64,
+    device: Annotated[str, typer.Option(help="cpu, or cuda (bf16 weights, Triton kernels)",
+                                        parser=Choice(("cpu", "cuda")))] = "cpu",
     static: Annotated[bool, typer.Option("--static", help="static cache; on CUDA each step is a CUDA graph")] = False,
 ) -> None:
     """Greedy generation with a PN-Mix cache; prints the text and the bytes the cache held."""
     config = config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group, criterion
     )
-    if device not in ("cpu", "cuda"):
-        raise ConfigError("device", device, "cpu or cuda")
-    if max_new_tokens < 1:
-        raise ConfigError("max_new_tokens", max_new_tokens, "an integer >= 1")
+    from pnmix import models
+
+    models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
     import time
 
     import torch
@@ -193,7 +214,7 @@ def generate(
     from pnmix import generation, models
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", device, "cpu (no CUDA device is visible)")
+        raise inputs.InputError("--device", device, "cpu (no CUDA device is visible)")
     loaded = models.load(model, purpose="accuracy", dtype=torch.bfloat16 if device == "cuda" else None, device=device)
     tok = loaded.tokenizer
     ids = chat_ids(tok, prompt)
@@ -230,10 +251,12 @@ ANALYZE_PROMPT = (
 
 
 def analyze(
-    model: Annotated[str, typer.Option(help="model name, local directory or Hugging Face id")] = "smollm2-135m",
-    new_tokens: Annotated[int, typer.Option(help="generated tokens to trace (>= 512 for the paper's setup)")] = 512,
-    group_size: GroupOpt = 64,
-    out: Annotated[str, typer.Option(help="output folder")] = "out/analyze",
+    model: ModelOpt = "smollm2-135m",
+    new_tokens: Annotated[int, typer.Option(help="generated tokens to trace (>= 512 for the paper's setup)",
+                                            parser=Int(inputs.NEW_TOKENS))] = 512,
+    group_size: Annotated[int, typer.Option("--group-size", "-G", help="key token group: 32, 64, 128",
+                                            parser=Int(values=GROUP_SIZES))] = 64,
+    out: Annotated[str, typer.Option(help="output folder", parser=inputs.OutputFolder())] = "out/analyze",
 ) -> None:
     """Saliency simulation on real post-RoPE traces: key MSE, attention KL, Jaccard, importance share."""
     import time
@@ -242,14 +265,20 @@ def analyze(
     from pnmix import analysis, models
     from pnmix.families import rope_pairing
 
+    models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
     start = time.perf_counter()
+
+    def say(message: str) -> None:  # plain lines, so that a log shows progress as well as a terminal
+        console.print(f"[dim]{time.perf_counter() - start:5.0f} s  {message}[/dim]")
+
+    say(f"loading {model}")
     loaded = models.load(model, purpose="accuracy")
     pairing = rope_pairing(loaded.model.config)
     ids = chat_ids(loaded.tokenizer, ANALYZE_PROMPT)["input_ids"]
-    trace = analysis.record_trace(loaded.model, ids, new_tokens)
-    console.print(f"traced {trace.keys[0].shape[1]} tokens ({trace.prefill_len} prefill) "
-                  f"in {time.perf_counter() - start:.0f} s")
-    result = analysis.analyze(trace, pairing, group=group_size or 64)
+    say(f"generating {new_tokens} tokens after a {ids.shape[1]}-token prompt, then recording Q/K")
+    trace = analysis.record_trace(loaded.model, ids, new_tokens, progress=say)
+    say(f"traced {trace.keys[0].shape[1]} tokens ({trace.prefill_len} prefill)")
+    result = analysis.analyze(trace, pairing, group=group_size, progress=say)
     paths = analysis.write_report(result, Path(out) / model.replace("/", "_"), model)
     console.print(paths[1].read_text())
     console.print("wrote " + ", ".join(str(p) for p in paths) + f" ({time.perf_counter() - start:.0f} s)")

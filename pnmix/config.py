@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from pnmix.errors import PNMixError
+from pnmix.inputs import INT32_MAX, shorten
 
 KEY_BITS = (1, 2, 3, 4)
 UNQUANTIZED_BITS = 16
@@ -28,7 +29,7 @@ class ConfigError(PNMixError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid {field}={value!r}: allowed {allowed}")
+        super().__init__(f"invalid {field}={shorten(value)}: allowed {allowed}")
 
 
 def salient_pair_count(salient_ratio: float, head_dim: int) -> int:
@@ -54,9 +55,9 @@ class PNMixConfig:
     seed: int = 0  # only used by the `random` criterion
 
     def __post_init__(self) -> None:
-        _check_int("b_high", self.b_high)
-        _check_int("b_low", self.b_low)
         key_allowed = "1..4 with b_high >= b_low, or 16 on both (unquantized keys)"
+        _check_int("b_high", self.b_high, key_allowed)
+        _check_int("b_low", self.b_low, key_allowed)
         if self.b_high == UNQUANTIZED_BITS or self.b_low == UNQUANTIZED_BITS:
             if self.b_high != self.b_low:
                 bad = "b_low" if self.b_low == UNQUANTIZED_BITS else "b_high"
@@ -68,7 +69,7 @@ class PNMixConfig:
                 raise ConfigError("b_low", self.b_low, key_allowed)
             if self.b_low > self.b_high:
                 raise ConfigError("b_low", self.b_low, f"at most b_high={self.b_high}")
-        _check_int("group_size", self.group_size)
+        _check_int("group_size", self.group_size, "one of 32, 64, 128")
         if self.group_size not in GROUP_SIZES:
             raise ConfigError("group_size", self.group_size, "one of 32, 64, 128")
         if (
@@ -77,23 +78,25 @@ class PNMixConfig:
             or not 0.0 <= self.salient_ratio <= 1.0
         ):
             raise ConfigError("salient_ratio", self.salient_ratio, "a number in [0, 1]")
-        _check_int("n_sink", self.n_sink)
+        sinks_allowed = f"an integer in [0, {INT32_MAX}]"
+        _check_int("n_sink", self.n_sink, sinks_allowed)
         if self.n_sink < 0:
-            raise ConfigError("n_sink", self.n_sink, "an integer >= 0")
-        _check_int("residual_len", self.residual_len)
+            raise ConfigError("n_sink", self.n_sink, sinks_allowed)
+        residual_allowed = f"a positive multiple of group_size={self.group_size}, at most {INT32_MAX}"
+        _check_int("residual_len", self.residual_len, residual_allowed)
         if self.residual_len <= 0 or self.residual_len % self.group_size:
-            raise ConfigError(
-                "residual_len", self.residual_len, f"a positive multiple of group_size={self.group_size}"
-            )
-        _check_int("value_bits", self.value_bits)
+            raise ConfigError("residual_len", self.residual_len, residual_allowed)
+        _check_int("value_bits", self.value_bits, "one of 1, 2, 4, 8, 16")
         if self.value_bits not in VALUE_BITS:
             raise ConfigError("value_bits", self.value_bits, "one of 1, 2, 4, 8, 16")
-        _check_int("value_group_size", self.value_group_size)
+        _check_int("value_group_size", self.value_group_size, "a positive divisor of head_dim")
         if self.value_group_size <= 0:
             raise ConfigError("value_group_size", self.value_group_size, "a positive divisor of head_dim")
         if self.criterion not in CRITERIA:
             raise ConfigError("criterion", self.criterion, "one of " + ", ".join(CRITERIA))
-        _check_int("seed", self.seed)
+        _check_int("seed", self.seed, sinks_allowed)
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, sinks_allowed)
 
     # -- derived facts -------------------------------------------------------------------------
 
@@ -148,22 +151,30 @@ class PNMixConfig:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> PNMixConfig:
+    def from_json(cls, text: str | bytes) -> PNMixConfig:
+        if not isinstance(text, str | bytes | bytearray):
+            raise ConfigError("config", type(text).__name__, "JSON text of a PNMixConfig object")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError("config", text[:40], f"valid JSON ({exc.msg} at char {exc.pos})") from None
         except RecursionError:  # absurdly nested input: refuse it like any other malformed JSON
             raise ConfigError("config", text[:40], "a flat JSON object of PNMixConfig fields") from None
+        except ValueError:  # an integer of thousands of digits (Python's conversion limit), bytes not UTF-8
+            raise ConfigError("config", text[:40], "JSON of PNMixConfig fields with integers of at most "
+                                                   "10 digits, in UTF-8") from None
         return cls.from_dict(data)
 
     def with_(self, **changes: Any) -> PNMixConfig:
         return replace(self, **changes)
 
 
-def _check_int(name: str, value: object) -> None:
+def _check_int(name: str, value: object, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(name, value, "an integer")
+    # Every integer field fits a database INTEGER column, so a stored config reads back as it was.
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ConfigError(name, value, allowed)
 
 
 PRESETS: dict[str, PNMixConfig] = {

@@ -6,11 +6,19 @@ Names resolve, in order, to:
   and a tokenizer under the cache directory (`PNMIX_CACHE_DIR`, default `~/.cache/pnmix`);
 - a random-weight shape model (`qwen3-8b-shape`, `llama3-8b-shape`) for performance work only;
 - a local directory holding a Hugging Face checkpoint;
-- a Hugging Face hub id (needs network or a populated hub cache).
+- a Hugging Face hub id: taken from the local hub cache when it is there, else from the hub,
+  whose reachability is asked once, quickly, when the name is resolved (no minute of retries
+  when the machine is offline: one line saying so).
+
+The converted embedded model is keyed by the GGUF's content (its SHA-256, stored beside the
+conversion): a replaced or damaged GGUF is converted again, or refused in one line when it
+cannot be read. The hash is computed once per file and remembered by the file's size, times and
+inode, so later runs only stat the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -22,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pnmix.bits import ModelShape
 from pnmix.errors import PNMixError
+from pnmix.inputs import MAX_NAME, shorten
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +97,7 @@ class ModelSource:
     name: str
     kind: Literal["embedded", "shape", "local", "hub"]
     location: str  # GGUF path, local directory, or hub id ("" for shape models)
+    local_only: bool = False  # a hub id to load from the local hub cache only (the hub is unreachable)
 
 
 @dataclass
@@ -125,22 +135,65 @@ def find_gguf(spec: EmbeddedModel) -> Path:
     return path
 
 
-def resolve(name: str) -> ModelSource:
+def resolve(name: str, purpose: Purpose | None = None) -> ModelSource:
+    """Where `name` is, without loading it; refuses with one line what cannot be loaded (for
+    `purpose="accuracy"`, random-weight shape models too). Reads the file system and, for a hub
+    id missing from the local hub cache, asks the hub once whether it has it."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or any(ord(c) < 32 for c in name):
+        raise ModelError(f"invalid model name {shorten(name)}: 1 to {MAX_NAME} characters, no control characters")
     if name in EMBEDDED:
         return ModelSource(name, "embedded", str(find_gguf(EMBEDDED[name])))
     if name in SHAPE_MODELS:
+        if purpose == "accuracy":
+            raise ModelError(
+                f"{name} has random weights and is for performance work only; "
+                f"use {', '.join(EMBEDDED)} or a real checkpoint for accuracy"
+            )
         return ModelSource(name, "shape", "")
     path = Path(name).expanduser()
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name the file system cannot hold (too long): not a local directory
+        is_dir = False
+    if is_dir:
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} has no config.json; give a Hugging Face checkpoint directory")
         return ModelSource(name, "local", str(path))
-    if name.count("/") == 1 and not name.startswith((".", "/")):
-        return ModelSource(name, "hub", name)
+    if name.count("/") == 1 and not name.startswith((".", "/")) and all(name.split("/")):
+        return ModelSource(name, "hub", name, local_only=_hub_local_only(name))
     raise ModelError(
-        f"unknown model {name!r}: allowed {', '.join(model_names())}, a local checkpoint directory, "
+        f"unknown model {shorten(name)}: allowed {', '.join(model_names())}, a local checkpoint directory, "
         "or a Hugging Face id like org/name"
     )
+
+
+def _hub_local_only(repo_id: str) -> bool:
+    """Whether a hub id loads from the local hub cache only (True) or from the hub (False).
+
+    One request, without retries: transformers alone would retry an unreachable hub for about half
+    a minute per file before failing. Raises ModelError when the model is neither cached nor on the hub.
+    """
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return True
+        raise ModelError(f"{repo_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                         "HF_HUB_OFFLINE is set")
+    try:
+        model_info(repo_id, timeout=10)
+    except RepositoryNotFoundError:
+        raise ModelError(f"no model {repo_id} on the Hugging Face hub (or it is private or gated and no token "
+                         "gives access)") from None
+    except Exception as exc:  # no network, DNS, TLS, a proxy: the hub cannot answer now
+        if cached:
+            return True
+        reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"{repo_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
+                         f"hub cannot be reached ({reason})") from None
+    return False
 
 
 def model_shape(name: str) -> ModelShape:
@@ -149,10 +202,18 @@ def model_shape(name: str) -> ModelShape:
         return EMBEDDED[name].shape
     if name in SHAPE_MODELS:
         return SHAPE_MODELS[name].shape
+    return shape_of_config(auto_config(resolve(name)))
+
+
+def auto_config(source: ModelSource) -> Any:
+    """The transformers config of a local or hub model (read from the local cache when the hub is away)."""
     from transformers import AutoConfig
 
-    source = resolve(name)
-    return shape_of_config(AutoConfig.from_pretrained(source.location))
+    try:
+        return AutoConfig.from_pretrained(source.location, local_files_only=source.local_only)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read the config of {source.name!r}: {str(exc).strip().splitlines()[0][:200]}") \
+            from None
 
 
 def shape_of_config(config: Any) -> ModelShape:
@@ -170,22 +231,18 @@ def load(
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
     """Loads a model for inference (eval mode). Shape models are refused for accuracy work."""
+    source = resolve(name, purpose)  # before torch loads: a bad name costs nothing
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = resolve(name)
     if source.kind == "shape":
-        if purpose == "accuracy":
-            raise ModelError(
-                f"{name} has random weights and is for performance work only; "
-                f"use {', '.join(EMBEDDED)} or a real checkpoint for accuracy"
-            )
         model = _build_shape_model(SHAPE_MODELS[name], dtype or torch.bfloat16, device)
         return LoadedModel(source, model, None)
     location = str(_converted_dir(source)) if source.kind == "embedded" else source.location
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.local_only)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or torch.float32,
+                                                     local_files_only=source.local_only)
     except OSError as exc:
         raise ModelError(f"cannot load {name!r} from {location}: {str(exc).splitlines()[0]}") from None
     model = model.to(device).eval()  # type: ignore[arg-type]
@@ -215,30 +272,85 @@ def _build_shape_model(spec: ShapeModel, dtype: torch.dtype, device: str | torch
 
 
 def _converted_dir(source: ModelSource) -> Path:
-    """Float weights + tokenizer converted from the GGUF, made once and reused.
+    """Float weights + tokenizer converted from the GGUF, made once per GGUF content and reused.
 
-    Keyed by the GGUF's size and the transformers version (the saved config follows that
-    version's schema), so either change converts again. Written to a temporary
-    folder and renamed into place, so an interrupted conversion leaves nothing half-written.
+    Keyed by the GGUF's SHA-256 (`gguf_digest`) and the transformers version (the saved config
+    follows that version's schema), so a replaced or damaged file, or another transformers, converts
+    again; the digest is also stored beside the conversion (`source.sha256`), and a folder whose
+    record does not match is not used. Written to a temporary folder and renamed into place, so an
+    interrupted conversion leaves nothing half-written.
     """
     import transformers
 
     gguf = Path(source.location)
-    target = cache_dir() / "models" / f"{source.name}-{gguf.stat().st_size}-tf{transformers.__version__}"
-    if (target / "config.json").is_file():
+    digest = gguf_digest(gguf)
+    target = cache_dir() / "models" / f"{source.name}-{digest[:16]}-tf{transformers.__version__}"
+    if _conversion_of(target, digest):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{source.name}-", dir=target.parent))
     try:
         _convert_gguf(gguf, tmp)
+        (tmp / SOURCE_DIGEST).write_text(digest + "\n")
+        if target.exists() and not _conversion_of(target, digest):  # a conversion cut short, or tampered with
+            shutil.rmtree(target, ignore_errors=True)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
+            if not _conversion_of(target, digest):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+SOURCE_DIGEST = "source.sha256"  # beside a conversion: the SHA-256 of the GGUF it was made from
+DIGESTS = "gguf-digests.json"  # in the models cache: path -> the file's identity and SHA-256
+
+
+def _conversion_of(folder: Path, digest: str) -> bool:
+    try:
+        return (folder / "config.json").is_file() and (folder / SOURCE_DIGEST).read_text().strip() == digest
+    except OSError:
+        return False
+
+
+def gguf_digest(path: Path) -> str:
+    """SHA-256 of a GGUF file, hashed once and remembered by the file's (size, mtime, ctime, inode, device):
+    any write to the file, a copy over it or a rename of another file onto it changes one of these."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ModelError(f"cannot read GGUF file {path}: {exc.strerror}") from None
+    identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    index = cache_dir() / "models" / DIGESTS
+    key = str(path.resolve())
+    try:
+        known = json.loads(index.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("sha256"), str):
+        return str(entry["sha256"])
+    sha = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha.update(block)
+    except OSError as exc:
+        raise ModelError(f"cannot read GGUF file {path}: {exc.strerror}") from None
+    digest = sha.hexdigest()
+    known[key] = {"identity": identity, "sha256": digest}
+    try:  # written aside and renamed: a reader never sees half an index; a lost race only costs a rehash
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f".{DIGESTS}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(index)
+    except OSError:
+        pass
+    return digest
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

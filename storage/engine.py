@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.errors import StorageError
+from storage.errors import SchemaError, StorageError
 from storage.faults import describe
 from storage.settings import StorageSettings, load_storage_settings
 
@@ -42,8 +42,12 @@ def display_url(url: str | Any) -> str:
         return "<unparseable database URL>"
 
 
-def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -> Engine:
-    """An engine for `url`; SQLite files get WAL mode, a busy timeout and enforced foreign keys."""
+def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, create: bool = True) -> Engine:
+    """An engine for `url`; SQLite files get WAL mode, a busy timeout and enforced foreign keys.
+
+    `create=False` (what only reads, and the service): a SQLite file that is not there is refused in
+    one line instead of being created, with its folder, by the first connection.
+    """
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
@@ -56,8 +60,17 @@ def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -
             raise StorageError(
                 f"SQLite database {display_url(url)!r} must be a file path (several connections share it)"
             )
+        path = Path(database).expanduser()
+        if not create:
+            try:
+                exists = path.is_file()
+            except OSError:  # a name too long for the file system
+                exists = False
+            if not exists:
+                raise SchemaError(f"database {display_url(url)} does not exist: run `pnmix db upgrade` (or `pnmix "
+                                  "run`) to create it")
         try:
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the folder of {database}: {exc.strerror}") from None
         engine = create_engine(parsed, echo=echo, connect_args={"timeout": busy_timeout_s})
@@ -96,15 +109,15 @@ def configure_sqlite(engine: Engine, busy_timeout_s: float, readonly_option: boo
 class Database:
     """An engine plus a session factory; the one object the tuner, worker and service pass around."""
 
-    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, echo: bool = False) -> None:
+    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, create: bool = True) -> None:
         self.url = url
-        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s, echo=echo)
+        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s, echo=echo, create=create)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @classmethod
-    def from_settings(cls, settings: StorageSettings | None = None) -> Database:
+    def from_settings(cls, settings: StorageSettings | None = None, create: bool = True) -> Database:
         settings = settings or load_storage_settings()
-        return cls(settings.url, busy_timeout_s=settings.db_busy_timeout_s)
+        return cls(settings.url, busy_timeout_s=settings.db_busy_timeout_s, create=create)
 
     @property
     def display_url(self) -> str:

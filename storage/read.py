@@ -15,6 +15,10 @@ from storage.write import BITS_EPS
 
 T = TypeVar("T")
 OPTIMIZE = ("accuracy", "throughput", "memory")
+# Without an explicit floor, throughput and memory rank only points at least this share of the best
+# accuracy within the budget: the fastest or smallest cache overall is the 1-bit one that has lost
+# the answers. The accuracy ranking needs no floor.
+RELATIVE_FLOOR = 0.9
 
 # What "best" means for each objective; later keys break ties. Memory is the measured KV bytes
 # (keys and values, on the campaign's workload), then the formula's key bits. The id comes last,
@@ -105,12 +109,28 @@ def tied_with(best: FrontPoint, point: FrontPoint) -> bool:
     return best.accuracy - point.accuracy <= TIE_Z * math.hypot(best.accuracy_se, point.accuracy_se)
 
 
+def applied_floor(session: Session, model: str, target_bits: float, optimize: str = "accuracy",
+                  min_accuracy: float | None = None, campaign_id: int | None = None) -> float:
+    """The accuracy floor a recommendation uses: `min_accuracy` when given; else 0 for accuracy and,
+    for throughput and memory, RELATIVE_FLOOR times the best accuracy of the points within the budget."""
+    if min_accuracy is not None:
+        return min_accuracy
+    if optimize == "accuracy":
+        return 0.0
+    conditions = [Model.name == model, FrontPoint.key_bits <= target_bits + BITS_EPS]
+    if campaign_id is not None:
+        conditions.append(FrontPoint.campaign_id == campaign_id)
+    best = session.scalar(select(func.max(FrontPoint.accuracy)).join(Model, FrontPoint.model_id == Model.id)
+                          .where(*conditions))
+    return 0.0 if best is None else RELATIVE_FLOOR * float(best)
+
+
 def recommend(
     session: Session,
     model: str,
     target_bits: float,
     optimize: str = "accuracy",
-    min_accuracy: float = 0.0,
+    min_accuracy: float | None = None,
     campaign_id: int | None = None,
 ) -> FrontPoint:
     """The recommended point: `recommend_with_ties(...)[0]`."""
@@ -122,7 +142,7 @@ def recommend_with_ties(
     model: str,
     target_bits: float,
     optimize: str = "accuracy",
-    min_accuracy: float = 0.0,
+    min_accuracy: float | None = None,
     campaign_id: int | None = None,
 ) -> tuple[FrontPoint, list[FrontPoint]]:
     """The recommended stored point of `model` with key bits <= `target_bits` and accuracy >=
@@ -133,12 +153,14 @@ def recommend_with_ties(
       one per config); among them the one with the fewest key bits, then the highest measured
       throughput, then the fewest KV bytes. Ties are ordered the same way, the recommendation first.
     - "throughput" (highest decode tokens/s) or "memory" (fewest measured KV bytes): that point,
-      no ties.
+      no ties. Without `min_accuracy`, only points with at least RELATIVE_FLOOR of the best accuracy
+      within the budget count (`applied_floor`).
     Raises NotFoundError for an unknown model, NoFeasiblePointError (with the smallest key bits
     that would fit) when nothing satisfies the constraints.
     """
     if optimize not in OPTIMIZE:
         raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
+    min_accuracy = applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id)
     # On the hot path: one query for the best point (the model joined by name) and, for accuracy,
     # one for the points that may tie with it; the slower queries that explain an empty answer
     # (unknown model, or the smallest bits that would fit) run only when it is empty.

@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
+from pnmix.inputs import BUDGET, TRIALS
 from pnmix.names import BACKENDS, METHODS
 from storage.errors import InvalidValueError, NotFoundError
 from storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
@@ -38,7 +39,7 @@ OBJECTIVES: dict[str, Literal["maximize", "minimize"]] = {
     "accuracy": "maximize", "key_bits": "minimize", "kv_bytes": "minimize", "throughput": "maximize"}
 REQUIRED_OBJECTIVES = ("accuracy", "key_bits")
 MODEL_SOURCES = ("embedded", "shape", "local", "hub")
-MAX_BITS = 16.0
+MAX_BITS = BUDGET.high
 # A budget and the formula's key bits are compared with this slack, so that a config whose bits
 # equal the budget up to float rounding counts as within it. Budgets themselves are compared
 # exactly: a float survives JSON, SQLite REAL and PostgreSQL float8 unchanged.
@@ -179,8 +180,8 @@ def create_campaign(
     `n_trials * len(budgets)`; `study_names` starts empty (set it with `update_campaign_progress`).
     """
     budgets = check_budgets(budgets)
-    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials <= 0:
-        raise InvalidValueError(f"invalid n_trials={n_trials!r}: a positive integer")
+    if not TRIALS.contains(n_trials):
+        raise InvalidValueError(f"invalid n_trials={n_trials!r}: {TRIALS.allowed}")
     _check_choice("method", method, METHODS)
     # Profiles are the tuner's (tuner.profiles), which sits above this layer: the tuner and the
     # service check the name; here it only has to fit its column.
@@ -190,6 +191,9 @@ def create_campaign(
     _check_choice("status", status, ("queued", "running"))
     objectives = check_objectives(objectives)
     model_row = _model_or_registry(session, model)
+    if model_row.source == "shape":  # a worker would load it for accuracy and refuse: refuse it here
+        raise InvalidValueError(f"model {model!r} has random weights (performance work only); a campaign scores "
+                                "accuracy: use a real model such as smollm2-135m")
     now = utcnow()
     campaign = Campaign(
         model_id=model_row.id,
@@ -216,9 +220,12 @@ def create_campaign(
 
 
 def claim_next_queued_campaign(
-    session: Session, worker_id: str, stale_after_s: float | None = None
+    session: Session, worker_id: str, stale_after_s: float | None = None, backends: Sequence[str] | None = None
 ) -> Campaign | None:
     """Marks the oldest queued campaign as running for `worker_id` and returns it (None if none).
+
+    `backends`: only campaigns of these backends (a worker without a GPU leaves `triton` campaigns
+    queued for one that has one, and takes the next it can run).
 
     With `stale_after_s`, a `running` campaign whose heartbeat (`heartbeat_at`, refreshed by its
     worker every few seconds) is older than that is claimed too: its worker died (kill -9, a lost
@@ -237,6 +244,8 @@ def claim_next_queued_campaign(
     if stale_after_s is not None:
         cutoff = utcnow() - timedelta(seconds=stale_after_s)
         claimable = or_(claimable, and_(Campaign.status == "running", Campaign.heartbeat_at < cutoff))
+    if backends is not None:
+        claimable = and_(claimable, Campaign.backend.in_(list(backends)))
     for _ in range(100):  # another worker may win a candidate between our SELECT and UPDATE (SQLite)
         candidate = session.scalars(
             select(Campaign.id)
@@ -413,7 +422,8 @@ def check_budgets(budgets: Sequence[float]) -> list[float]:
         raise InvalidValueError(f"invalid budgets={budgets!r}: a non-empty list of key-bit budgets")
     out: list[float] = []
     for b in budgets:
-        _check_number("budget", b, low=0.0, high=MAX_BITS, low_open=True)
+        if not BUDGET.contains(b):
+            raise InvalidValueError(f"invalid budget={b!r}: {BUDGET.allowed}")
         if float(b) in out:
             raise InvalidValueError(f"budget {b} is given twice")
         out.append(float(b))

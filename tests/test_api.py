@@ -17,6 +17,7 @@ from storage import (
     SchemaError,
     claim_next_queued_campaign,
     create_campaign,
+    registry_model,
     replace_front,
     upgrade,
     upsert_model,
@@ -28,7 +29,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def seed(db: Database) -> dict[str, int]:
-    """smollm2-135m with two fronts (see test_storage), a hub model with a slash, a queued campaign."""
+    """smollm2-135m with two fronts (see test_storage), a hub model with a slash, a shape model with no
+    front (campaigns score accuracy: a shape model gets none), a queued campaign."""
     upgrade(db)
     with db.session() as s:
         main = create_campaign(s, "smollm2-135m", [3.0, 2.25], n_trials=8, status="running", worker_id="w1")
@@ -37,7 +39,8 @@ def seed(db: Database) -> dict[str, int]:
         upsert_model(s, ModelIn("org/tiny-llama", "llama", "hub", 4, 8, 2, 128, location="org/tiny-llama"))
         hub = create_campaign(s, "org/tiny-llama", [2.5], n_trials=2, method="kivi", status="running")
         replace_front(s, hub.id, 2.5, [point("kivi2", 0, 0.5, 5.0, 100)])
-        queued = create_campaign(s, "qwen3-8b-shape", [2.0], n_trials=3)
+        upsert_model(s, registry_model("qwen3-8b-shape"))
+        queued = create_campaign(s, "org/tiny-llama", [2.0], n_trials=3)
         return {"main": main.id, "hub": hub.id, "queued": queued.id}
 
 
@@ -142,7 +145,9 @@ def test_recommend_returns_the_best_config_within_the_budget(env):
 @pytest.mark.parametrize(
     ("params", "expected"),
     [
-        ({"optimize": "throughput"}, "kivi1"),
+        ({"optimize": "throughput", "min_accuracy": 0}, "kivi1"),
+        # Without a floor, only points with 90% of the best accuracy within the bits (0.9 here) count.
+        ({"optimize": "throughput"}, "kivi2"),
         ({"optimize": "throughput", "min_accuracy": 0.5}, "kivi2"),
         ({"optimize": "memory", "min_accuracy": 0.65}, "g64_31"),
         ({"optimize": "accuracy"}, "paper"),
@@ -217,9 +222,9 @@ def test_campaigns_list_newest_first_with_filters(env):
     body = client.get("/v1/campaigns").json()
     assert [c["id"] for c in body["items"]] == [ids["queued"], ids["hub"], ids["main"]] and body["total"] == 3
     queued = client.get("/v1/campaigns", params={"status": "queued"}).json()["items"]
-    assert [(c["id"], c["model"], c["trials_total"]) for c in queued] == [(ids["queued"], "qwen3-8b-shape", 3)]
+    assert [(c["id"], c["model"], c["trials_total"]) for c in queued] == [(ids["queued"], "org/tiny-llama", 3)]
     by_model = client.get("/v1/campaigns", params={"model": "org/tiny-llama"}).json()["items"]
-    assert [(c["id"], c["method"]) for c in by_model] == [(ids["hub"], "kivi")]
+    assert [(c["id"], c["method"]) for c in by_model] == [(ids["queued"], "pnmix"), (ids["hub"], "kivi")]
     one = client.get(f"/v1/campaigns/{ids['main']}").json()
     assert (one["status"], one["budgets"], one["trials_total"], one["progress"], one["worker_id"]) == (
         "running", [3.0, 2.25], 16, 0.0, "w1",

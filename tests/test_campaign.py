@@ -236,8 +236,8 @@ def test_two_workers_share_a_campaign_on_postgres(tiny_dir):
     [
         (("--model", "no-such-model"), "unknown model"),
         (("--storage", "postgresql://pnmix:s3cret@127.0.0.1:1/nowhere"), "127.0.0.1:1"),
-        (("--budgets", "-1"), "invalid budget"),
-        (("--method", "magic"), "unknown method"),
+        (("--budgets", "-1"), "invalid --budgets '-1'"),
+        (("--method", "magic"), "invalid --method 'magic'"),
     ],
 )
 def test_tune_bad_input_is_one_line(args, needle):

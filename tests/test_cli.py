@@ -38,8 +38,8 @@ def test_bits_with_model_reports_kv_bytes():
     ("args", "field"),
     [
         (("--b-high", "1", "--b-low", "3"), "b_low"),
-        (("-G", "48"), "group_size"),
-        (("-r", "1.5"), "salient_ratio"),
+        (("-G", "48"), "--group-size"),
+        (("-r", "1.5"), "--salient-ratio"),
         (("--preset", "nope"), "preset"),
         (("--model", "no-such-model"), "no-such-model"),
     ],

@@ -47,9 +47,12 @@ from optuna.exceptions import ExperimentalWarning
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
+from pnmix.errors import PNMixError
+from pnmix.inputs import SEED, TRIALS, shorten
+from pnmix.names import BACKENDS
 from storage.errors import StorageError
 from storage.write import OBJECTIVES, check_budgets, check_objectives
-from tuner import profiles
+from tuner import profiles, queue
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 
@@ -89,12 +92,18 @@ class CampaignSpec:
 
     def __post_init__(self) -> None:
         """Budgets and objectives get the storage's checks (the campaign row holds them); the
-        profile, a name of this layer, is checked here (the method is checked by the space)."""
+        profile, a name of this layer, is checked here (the method is checked by the space); the
+        rest as tuner/queue.py says, so that what is enqueued is what a worker can run."""
         check_budgets(self.budgets)
-        if self.n_trials < 1:
-            raise EvalError(f"invalid trials={self.n_trials}: allowed an integer >= 1")
+        for name, value, allowed in (("trials", self.n_trials, TRIALS), ("seed", self.seed, SEED)):
+            if not allowed.contains(value):
+                raise EvalError(f"invalid {name}={shorten(value)}: allowed {allowed.allowed}")
         check_objectives(self.objectives)
         profiles.profile(self.profile)
+        if self.backend not in BACKENDS:
+            raise EvalError(f"unknown backend {shorten(self.backend)}: allowed {', '.join(BACKENDS)}")
+        if self.tasks is not None:
+            queue.check_tasks(self.tasks)
 
     def key(self) -> str:
         """Identity of the campaign: the same spec resumes the same campaign."""
@@ -109,13 +118,20 @@ class CampaignSpec:
 
     @classmethod
     def from_campaign(cls, row: Any) -> CampaignSpec:
-        opts = row.options or {}
-        space = SearchSpace(**{**opts.get("space", {}), "method": row.method})
-        tasks = tuple(opts["tasks"]) if opts.get("tasks") else None
-        return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
-                   profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
-                   multi_fidelity=opts.get("multi_fidelity", True), racing=opts.get("racing", False),
-                   backend=row.backend, tasks=tasks, space=space)
+        """The spec of a stored campaign; EvalError (with the reason) for one this version cannot run,
+        e.g. written by another version or straight into the database."""
+        try:
+            opts = row.options or {}
+            space = SearchSpace(**{**opts.get("space", {}), "method": row.method})
+            tasks = tuple(opts["tasks"]) if opts.get("tasks") else None
+            return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
+                       profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
+                       multi_fidelity=opts.get("multi_fidelity", True), racing=opts.get("racing", False),
+                       backend=row.backend, tasks=tasks, space=space)
+        except PNMixError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise EvalError(f"campaign {row.id} cannot be read by this pnmix: {_one_line(exc)}") from None
 
 
 def study_name(campaign_id: int, budget: float) -> str:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
+from pnmix import inputs
 from pnmix.cli import (
     BHighOpt,
     BLowOpt,
     CriterionOpt,
     GroupOpt,
+    ModelOpt,
     PresetOpt,
     RatioOpt,
     ResidualOpt,
@@ -23,19 +26,29 @@ from pnmix.cli import (
     config_from_options,
     console,
 )
+from pnmix.config import PRESETS
+from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, Names, Number, OutputFile, Shard
 from pnmix.names import BACKENDS, METHODS
 from tuner.profiles import PROFILES, EvalError
+from tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
 
 if TYPE_CHECKING:
     from tuner.campaign import CampaignSpec
 
 
-ProfileOpt = Annotated[str, typer.Option("--profile", help=", ".join(PROFILES))]
-BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS))]
+# Every option parses through a checker of pnmix.inputs (refused before any work; api/cli.py prints it).
+ProfileOpt = Annotated[str, typer.Option("--profile", help=", ".join(PROFILES), parser=Choice(tuple(PROFILES)))]
+BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS), parser=Choice(BACKENDS))]
+MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: each method's own knobs", parser=Choice(METHODS))]
+SeedOpt = Annotated[int, typer.Option(help="task (and sampler) seed", parser=Int(inputs.SEED))]
+TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(inputs.TRIALS))]
+BitsOpt = Annotated[float, typer.Option(help="key-bit budget", parser=Number(inputs.BUDGET))]
+DbModelOpt = Annotated[str, typer.Option(help="model name", parser=ModelName())]
+CampaignOpt = Annotated[int | None, typer.Option(help="campaign id", parser=Int(inputs.CAMPAIGN_ID))]
 
 
 def eval_config(
-    model: Annotated[str, typer.Option(help="model name, local directory or Hugging Face id")] = "smollm2-135m",
+    model: ModelOpt = "smollm2-135m",
     preset_name: PresetOpt = None,
     b_high: BHighOpt = None,
     b_low: BLowOpt = None,
@@ -47,12 +60,16 @@ def eval_config(
     value_group: VGroupOpt = None,
     criterion: CriterionOpt = None,
     profile_name: ProfileOpt = "quick",
-    seed: Annotated[int, typer.Option(help="task seed")] = 0,
-    gsm8k: Annotated[str | None, typer.Option(help="JSONL file of {question, answer} to add as a task")] = None,
-    tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k")] = None,
-    compare: Annotated[str | None, typer.Option(help="comma-separated presets to score side by side")] = None,
+    seed: SeedOpt = 0,
+    gsm8k: Annotated[str | None, typer.Option(help="JSONL file of {question, answer} to add as a task",
+                                              parser=InputFile())] = None,
+    tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k",
+                                              parser=Names((*CAMPAIGN_TASKS, "gsm8k", *ARGUMENT_TASKS),
+                                                           with_arguments=ARGUMENT_TASKS))] = None,
+    compare: Annotated[str | None, typer.Option(help="comma-separated presets to score side by side",
+                                                parser=Names(tuple(PRESETS)))] = None,
     config_file: Annotated[str | None, typer.Option("--config", help="PNMixConfig JSON file, e.g. from "
-                                                    "`pnmix export`")] = None,
+                                                    "`pnmix export`", parser=InputFile())] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Score PN-Mix configs by real inference: accuracy parts, key bits, bytes held, decode tokens/s."""
@@ -64,6 +81,9 @@ def eval_config(
     from tuner.profiles import profile
 
     prof = profile(profile_name)
+    from pnmix import models
+
+    models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
     if config_file:
         if compare:
             raise EvalError("give --config or --compare, not both")
@@ -151,8 +171,11 @@ def load_config_file(path: str) -> Any:
         raise EvalError(f"config file {path}: {exc}") from None
 
 
-StorageOpt = Annotated[str | None, typer.Option("--storage", help="database URL (default: PNMIX_DATABASE_URL or "
-                                                "the SQLite file PNMIX_DB_PATH)")]
+_STORAGE_HELP = "database URL (default: PNMIX_DATABASE_URL or the SQLite file PNMIX_DB_PATH)"
+StorageOpt = Annotated[str | None, typer.Option("--storage", help=_STORAGE_HELP, parser=DatabaseUrl())]
+# Commands that only read never create a database: a SQLite file must already be there.
+ReadStorageOpt = Annotated[str | None, typer.Option("--storage", help=_STORAGE_HELP,
+                                                    parser=DatabaseUrl(must_exist=True))]
 
 
 def _evaluator(spec: CampaignSpec, progress: Callable[[str], None]) -> Any:
@@ -165,11 +188,9 @@ def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, 
 
     from tuner.evaluate import Evaluator
     from tuner.profiles import profile
+    from tuner.queue import check_backend
 
-    if backend not in BACKENDS:
-        raise EvalError(f"unknown backend {backend!r}: allowed {', '.join(BACKENDS)}")
-    if backend == "triton" and not torch.cuda.is_available():
-        raise EvalError("backend triton needs a CUDA GPU; use --backend torch (or auto) here")
+    check_backend(backend)
     device = "cuda" if torch.cuda.is_available() and backend != "torch" else "cpu"
     if backend in ("torch", "triton"):
         from pnmix import backend as pnmix_backend
@@ -184,6 +205,7 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from tuner.campaign import CampaignRunner, finished, front_trials
+    from tuner.queue import check_runnable
 
     # The progress display says what happens; failed trials and database retries get one-line warnings
     # from the runner (Optuna's own would print a traceback for every failed trial).
@@ -197,6 +219,7 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
         def say(message: str) -> None:
             bar.update(status, description=message)
 
+        check_runnable(spec)  # the model and the backend, before anything loads
         runner = CampaignRunner(db, db.url, campaign_id, spec, _evaluator(spec, say), progress=say,
                                 worker_id=worker_id)
         tasks = {b: bar.add_task(f"budget {b:g} bits", total=spec.n_trials, best="") for b in spec.budgets}
@@ -231,21 +254,26 @@ def print_fronts(db: Any, model: str, campaign_id: int | None = None) -> None:
 
 
 def tune(
-    model: Annotated[str, typer.Option(help="model to tune")] = "smollm2-135m",
-    budgets: Annotated[list[float] | None, typer.Option("--budgets", help="key-bit budgets (repeat or space)")] = None,
+    model: ModelOpt = "smollm2-135m",
+    budgets: Annotated[list[float] | None, typer.Option("--budgets", help="key-bit budgets (repeat or space)",
+                                                        parser=Number(inputs.BUDGET))] = None,
     # 45: in the replay against the ground truth (benchmarks/bench_tuner.py) 45 a budget reached
     # 0.97-0.98 of the true front at each budget within a tenth of a full sweep's seconds; 30, 0.88-0.95.
-    trials: Annotated[int, typer.Option(help="trials per budget")] = 45,
-    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)} (each method's own knobs)")] = "pnmix",
+    trials: TrialsOpt = 45,
+    method: MethodOpt = "pnmix",
     profile_name: ProfileOpt = "quick",
-    objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput]")] = "accuracy,key_bits",
+    objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput]",
+                                            parser=Names(_objective_names, must_include=("accuracy", "key_bits")))
+                          ] = "accuracy,key_bits",
     backend: BackendOpt = "auto",
-    seed: Annotated[int, typer.Option(help="sampler and task seed")] = 0,
+    seed: SeedOpt = 0,
     multi_fidelity: Annotated[bool, typer.Option(help="screen candidates with the proxy")] = True,
     racing: Annotated[bool, typer.Option(help="race candidates on growing shares of the items")] = False,
-    tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k")] = None,
+    tasks: Annotated[str | None, typer.Option(help=f"comma-separated: {', '.join(CAMPAIGN_TASKS)}",
+                                              parser=Names(CAMPAIGN_TASKS, with_arguments=ARGUMENT_TASKS))] = None,
     storage: StorageOpt = None,
-    plot: Annotated[str | None, typer.Option(help="Pareto plot PNG path (default out/campaign-<id>.png)")] = None,
+    plot: Annotated[str | None, typer.Option(help="Pareto plot PNG path (default out/campaign-<id>.png)",
+                                             parser=OutputFile(create_folders=True))] = None,
     enqueue: Annotated[bool, typer.Option(help="only queue it for `pnmix worker`")] = False,
 ) -> None:
     """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
@@ -263,7 +291,7 @@ def tune(
                         tasks=_objectives(tasks) if tasks else None)
     from pnmix import models
 
-    models.resolve(model)  # unknown model: a clear error before the database is touched
+    models.resolve(model, purpose="accuracy")  # what a worker could not load: one line before the database
     db = open_db(storage, create=True)
     campaign_id = find_or_create_campaign(db, spec, status="queued" if enqueue else "running")
     from tuner.campaign import optuna_storage
@@ -281,13 +309,17 @@ def tune(
 
 
 def sweep(
-    out: Annotated[str, typer.Option("--out", help="sweep file (JSON Lines); resumed when it exists")],
-    model: Annotated[str, typer.Option(help="model to sweep")] = "smollm2-135m",
-    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: the search space to cover")] = "pnmix",
+    out: Annotated[str, typer.Option("--out", help="sweep file (JSON Lines); resumed when it exists",
+                                     parser=OutputFile(create_folders=True))],
+    model: ModelOpt = "smollm2-135m",
+    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: the search space to cover",
+                                        parser=Choice(METHODS))] = "pnmix",
     profile_name: ProfileOpt = "full",
-    seed: Annotated[int, typer.Option(help="task seed")] = 0,
-    shard: Annotated[str, typer.Option(help="I/N: score shard I of N (N processes may fill one file)")] = "0/1",
-    limit: Annotated[int | None, typer.Option(help="score at most this many configs, then stop")] = None,
+    seed: SeedOpt = 0,
+    shard: Annotated[str, typer.Option(help="I/N: score shard I of N (N processes may fill one file)",
+                                       parser=Shard())] = "0/1",
+    limit: Annotated[int | None, typer.Option(help="score at most this many configs, then stop",
+                                              parser=Int(inputs.LIMIT))] = None,
     measure: Annotated[bool, typer.Option(help="also measure bytes held and decode tokens/s")] = False,
     backend: BackendOpt = "auto",
 ) -> None:
@@ -301,14 +333,17 @@ def sweep(
 
     profile(profile_name)
     part = parse_shard(shard)
-    if limit is not None and limit < 0:
-        raise EvalError(f"invalid --limit {limit}: allowed an integer >= 0")
     space = SearchSpace(method=method)
     from pnmix import models
 
-    models.resolve(model)
+    models.resolve(model, purpose="accuracy")
     start_file(Path(out), sweep_header(model, space, profile_name, seed, DEFAULT_TASKS))  # before the model loads
-    evaluator = _load_evaluator(model, profile_name, seed, None, backend, progress=lambda message: None)
+
+    def prepare(message: str) -> None:  # preparation takes minutes on the full profile: say what it does
+        console.print(f"[dim]{message}[/dim]")
+
+    prepare(f"loading {model} and preparing the {profile_name} profile's tasks")
+    evaluator = _load_evaluator(model, profile_name, seed, None, backend, progress=prepare)
 
     def say(k: int, n: int, cfg: Any, row: dict[str, Any]) -> None:
         console.print(f"[{k}/{n}] {cfg.label}: {row['key_bits']:.3f} bits, accuracy "
@@ -322,47 +357,100 @@ def _objectives(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
+def _objective_names() -> tuple[str, ...]:
+    from storage.write import OBJECTIVES  # SQLAlchemy: only when --objectives is parsed
+
+    return tuple(OBJECTIVES)
+
+
 def worker(
     storage: StorageOpt = None,
-    campaign: Annotated[int | None, typer.Option(help="attach to this campaign (default: claim queued ones)")] = None,
+    campaign: Annotated[int | None, typer.Option(help="attach to this campaign (default: claim queued ones)",
+                                                 parser=Int(inputs.CAMPAIGN_ID))] = None,
     wait: Annotated[bool, typer.Option(help="keep polling for queued campaigns")] = False,
 ) -> None:
-    """Work on campaigns from the shared database: attach to one, or claim queued ones until none is left."""
+    """Work on campaigns from the shared database: attach to one, or claim queued ones until none is left.
+
+    A claiming worker takes only campaigns of the backends this machine runs (tuner/queue.py). One it
+    still cannot run (a model that is not here, a campaign this version cannot read, every trial
+    failing) is marked failed with the reason, in one `warning:` line, and the worker takes the next;
+    attached to one (--campaign), it ends with that line instead. A database fault stops the worker
+    (the campaign stays running and is reclaimed once its heartbeat is stale); any other exception is
+    a bug: the campaign is marked failed with it, and the traceback shows.
+    """
     import os
     import socket
+    import sys
     import time
 
-    from storage import claim_next_queued_campaign, get_campaign
-    from tuner.campaign import GRACE_S, CampaignSpec
+    from pnmix.errors import PNMixError
+    from storage import StorageError, claim_next_queued_campaign, get_campaign
+    from tuner.campaign import GRACE_S, CampaignSpec, failure_reason
+    from tuner.queue import CannotRunHere, runnable_backends
     from tuner.session import open_db
 
     db = open_db(storage, create=True)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
+    backends = runnable_backends()
     while True:
+        spec: CampaignSpec | None = None
+        problem: str | None = None
         with db.session() as s:
             row: Any
             if campaign is not None:
                 row = get_campaign(s, campaign)
             else:  # queued campaigns, and running ones whose worker stopped beating (it died)
-                row = claim_next_queued_campaign(s, worker_id, stale_after_s=GRACE_S)
-            spec = CampaignSpec.from_campaign(row) if row is not None else None
+                row = claim_next_queued_campaign(s, worker_id, stale_after_s=GRACE_S, backends=backends)
             campaign_id = int(row.id) if row is not None else None
-        if spec is None or campaign_id is None:
+            if row is not None:
+                try:
+                    spec = CampaignSpec.from_campaign(row)
+                except PNMixError as exc:
+                    problem = str(exc)
+        if campaign_id is None:
             if not wait:
                 console.print("no queued campaign")
                 return
             time.sleep(5)
             continue
-        console.print(f"worker {worker_id}: campaign {campaign_id} ({spec.model}, budgets {list(spec.budgets)})")
-        run_campaign(db, campaign_id, spec, worker_id)
+        try:
+            if spec is None:
+                raise EvalError(problem or f"campaign {campaign_id} cannot be read")
+            console.print(f"worker {worker_id}: campaign {campaign_id} ({spec.model}, budgets {list(spec.budgets)})")
+            run_campaign(db, campaign_id, spec, worker_id)
+        except (StorageError, CannotRunHere):
+            raise  # the database, or this machine: another worker (or a later run) can still finish it
+        except PNMixError as exc:
+            _fail_campaign(db, campaign_id, str(exc))
+            if campaign is not None:
+                raise
+            print(f"warning: campaign {campaign_id} failed, next: {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:
+            _fail_campaign(db, campaign_id, failure_reason(exc))
+            raise
         if campaign is not None:
             return
 
 
+def _fail_campaign(db: Any, campaign_id: int, reason: str) -> None:
+    """Marks a campaign failed with `reason` (nothing when it is finished already, e.g. by its runner)."""
+    import sys
+
+    from storage import InvalidValueError, StorageError, update_campaign_progress
+
+    try:
+        with db.session() as s:
+            update_campaign_progress(s, campaign_id, status="failed", message=reason[:2000])
+    except InvalidValueError:
+        pass
+    except StorageError as exc:  # the database is away: the campaign is reclaimed once its heartbeat is stale
+        print(f"warning: campaign {campaign_id} not marked failed: {exc}", file=sys.stderr, flush=True)
+
+
 def fronts(
-    model: Annotated[str, typer.Option(help="model name")] = "smollm2-135m",
-    campaign: Annotated[int | None, typer.Option(help="only this campaign")] = None,
-    storage: StorageOpt = None,
+    model: DbModelOpt = "smollm2-135m",
+    campaign: Annotated[int | None, typer.Option(help="only this campaign", parser=Int(inputs.CAMPAIGN_ID))] = None,
+    storage: ReadStorageOpt = None,
 ) -> None:
     """Print the stored Pareto fronts of a model."""
     from tuner.session import open_db
@@ -371,27 +459,34 @@ def fronts(
 
 
 def recommend(
-    model: Annotated[str, typer.Option(help="model name")] = "smollm2-135m",
-    bits: Annotated[float, typer.Option(help="key-bit budget")] = 2.25,
-    optimize: Annotated[str, typer.Option(help="accuracy, throughput or memory")] = "accuracy",
-    min_accuracy: Annotated[float, typer.Option(help="minimum accuracy")] = 0.0,
-    storage: StorageOpt = None,
+    model: DbModelOpt = "smollm2-135m",
+    bits: BitsOpt = 2.25,
+    optimize: Annotated[str, typer.Option(help="accuracy, throughput or memory", parser=Choice(_optimize_names))
+                        ] = "accuracy",
+    min_accuracy: Annotated[float | None, typer.Option(
+        help="minimum accuracy (default: none for accuracy; for throughput and memory, "
+             "90% of the best accuracy within the budget)", parser=Number(inputs.ACCURACY))] = None,
+    storage: ReadStorageOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """The best stored config within a key-bit budget, with the points statistically tied with it.
 
     optimize=accuracy: the most accurate point and every point whose accuracy is within 2 standard
     errors of the difference from it are tied; the recommendation is the tied point with the fewest
-    key bits, then the highest measured throughput.
+    key bits, then the highest measured throughput. optimize=throughput or memory: the fastest or
+    smallest point whose accuracy is at least --min-accuracy, by default 90% of the best accuracy
+    within the budget (a cache that saves memory by losing the answers is no recommendation).
     """
     import json
 
     from storage import recommend_with_ties
+    from storage.read import applied_floor
     from tuner.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
         p, ties = recommend_with_ties(s, model, bits, optimize, min_accuracy)
+        floor = applied_floor(s, model, bits, optimize, min_accuracy)
         config = p.config
 
         def row_of(q: Any) -> dict[str, Any]:
@@ -399,7 +494,7 @@ def recommend(
                     "accuracy_se": q.accuracy_se, "accuracy_parts": q.accuracy_parts, "kv_bytes": q.kv_bytes,
                     "throughput": q.throughput, "campaign": q.campaign_id, "trial": q.trial_number}
 
-        row = {"model": model, "budget": bits, **row_of(p), "ties": [row_of(q) for q in ties]}
+        row = {"model": model, "budget": bits, "min_accuracy": floor, **row_of(p), "ties": [row_of(q) for q in ties]}
         others = [(q.config, q.key_bits, q.accuracy, q.accuracy_se) for q in ties if q is not p]
     if as_json:
         print(json.dumps(row))
@@ -407,9 +502,16 @@ def recommend(
     console.print(f"best for {model} at <= {bits:g} key bits ({optimize}): {config.b_high}/{config.b_low} bits, "
                   f"G={config.group_size}, r={config.salient_ratio:g}, {config.n_sink} sinks -> key bits "
                   f"{row['key_bits']:.3f}, accuracy {_pm(row['accuracy'], row['accuracy_se'])} "
-                  f"(campaign {row['campaign']}, trial {row['trial']})")
+                  f"(campaign {row['campaign']}, trial {row['trial']})"
+                  + (f"; accuracy floor {floor:.3f}" if floor else ""))
     _print_ties(others)
     console.print(config.to_json())
+
+
+def _optimize_names() -> tuple[str, ...]:
+    from storage.read import OPTIMIZE  # SQLAlchemy: only when --optimize is parsed
+
+    return OPTIMIZE
 
 
 def _print_ties(others: list[tuple[Any, float, float, float | None]]) -> None:
@@ -423,10 +525,11 @@ def _print_ties(others: list[tuple[Any, float, float, float | None]]) -> None:
 
 
 def export(
-    model: Annotated[str, typer.Option(help="model name")] = "smollm2-135m",
-    bits: Annotated[float, typer.Option(help="key-bit budget")] = 2.25,
-    output: Annotated[str, typer.Option("-o", "--output", help="JSON file to write")] = "pnmix-config.json",
-    storage: StorageOpt = None,
+    model: DbModelOpt = "smollm2-135m",
+    bits: BitsOpt = 2.25,
+    output: Annotated[str, typer.Option("-o", "--output", help="JSON file to write (a regular file)",
+                                        parser=OutputFile())] = "pnmix-config.json",
+    storage: ReadStorageOpt = None,
 ) -> None:
     """Write the recommended config as PNMixConfig JSON (`PNMixConfig.from_json` loads it)."""
     from pathlib import Path
@@ -437,36 +540,66 @@ def export(
     db = open_db(storage)
     with db.session(readonly=True) as s:
         config = best_point(s, model, bits).config
-    target = Path(output)
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:  # written aside and renamed, so a full disk never leaves a truncated config behind
-        tmp.write_text(config.to_json() + "\n")
-        tmp.replace(target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise EvalError(f"cannot write {output}: {exc.strerror or exc}") from None
+    write_regular_file(Path(output), config.to_json() + "\n")
     console.print(f"wrote {output}: {config.to_json()}")
 
 
+def write_regular_file(target: Path, text: str) -> None:
+    """Writes `text` to `target`, a regular file or a new one, atomically: written aside and renamed, so
+    a full disk never leaves a truncated file. A symbolic link, device, pipe or directory at `target` is
+    refused in one line and left as it was (a rename would replace the link or the device file itself)."""
+    import os
+    import stat
+
+    def refuse_special() -> None:
+        try:
+            mode = target.lstat().st_mode
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise EvalError(f"cannot write {target}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+                    else "a device, pipe or socket")
+            raise EvalError(f"cannot write {target}: it is {kind}; give a regular file")
+
+    refuse_special()
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        refuse_special()  # what was there a moment ago may have changed since the first look
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise EvalError(f"cannot write {target}: {exc.strerror or exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def dashboard(
-    storage: StorageOpt = None,
-    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port")] = 8080,
+    storage: ReadStorageOpt = None,
+    host: Annotated[str, typer.Option(help="bind address", parser=Host())] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port", parser=Int(inputs.PORT))] = 8080,
 ) -> None:
     """Serve optuna-dashboard on the campaigns' storage."""
     from optuna_dashboard import run_server
 
+    from pnmix.inputs import check_bind
     from tuner.campaign import optuna_storage
     from tuner.session import open_db
 
     db = open_db(storage)
+    check_bind(host, port)
     console.print(f"optuna-dashboard on http://{host}:{port} for {db.display_url}")
     run_server(optuna_storage(db.url), host=host, port=port)
 
 
 def run_main_job(
-    model: Annotated[str, typer.Option(help="model to tune")] = "smollm2-135m",
-    trials: Annotated[int, typer.Option(help="trials per budget")] = 6,
+    model: ModelOpt = "smollm2-135m",
+    trials: TrialsOpt = 6,
     storage: StorageOpt = None,
 ) -> None:
     """The main job: bit-budget table, then a small real campaign (quick profile, budgets 3.0 and 2.3)."""

@@ -14,15 +14,15 @@ def open_db(storage: str | None, upgrade: bool = False, create: bool = False) ->
     `create=True` (commands that write: tune, worker) creates the tables of a database that has
     none of ours yet at the head revision, as Optuna creates its own; a database at an older
     revision still asks for `pnmix db upgrade`. `upgrade=True` (the main job) migrates it too.
+    Otherwise (commands that only read) nothing is created: a SQLite file that is not there is
+    one line.
     """
     from storage import Database, check_schema, load_storage_settings
     from storage import upgrade as upgrade_schema
     from storage.migrations import has_no_pnmix_tables
 
     settings = load_storage_settings(**({"database_url": storage} if storage else {}))
-    if not storage and settings.url.startswith("sqlite:///"):
-        settings.db_path.expanduser().parent.mkdir(parents=True, exist_ok=True)
-    db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s)
+    db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s, create=upgrade or create)
     if upgrade or (create and has_no_pnmix_tables(db)):
         upgrade_schema(db)
     check_schema(db)
@@ -36,12 +36,10 @@ def ensure_model(session: Any, name: str, model_config: Any | None = None) -> No
 
     entry = registry_model(name)
     if entry is None:
-        if model_config is None:
-            from transformers import AutoConfig
-
-            model_config = AutoConfig.from_pretrained(models.resolve(name).location)
-        shape = models.shape_of_config(model_config)
         source = models.resolve(name)
+        if model_config is None:
+            model_config = models.auto_config(source)
+        shape = models.shape_of_config(model_config)
         entry = ModelIn(name, str(model_config.model_type), source.kind, shape.num_layers, shape.num_heads,
                         shape.num_kv_heads, shape.head_dim, location=source.location)
     upsert_model(session, entry)

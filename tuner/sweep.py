@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig
+from pnmix.inputs import InputError, Shard, shorten
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 
@@ -43,14 +44,11 @@ def config_key(config: PNMixConfig | dict[str, Any]) -> str:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """"I/N" -> (I, N), 0 <= I < N."""
+    """"I/N" -> (I, N), 0 <= I < N (the command line's `--shard` parser)."""
     try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise EvalError(f"invalid shard {text!r}: allowed I/N with 0 <= I < N, e.g. 0/4") from None
-    if not 0 <= i < n:
-        raise EvalError(f"invalid shard {text!r}: allowed I/N with 0 <= I < N, e.g. 0/4")
-    return i, n
+        return Shard().parse(text)
+    except InputError as exc:
+        raise EvalError(f"invalid shard {shorten(text)}: allowed {exc.allowed}") from None
 
 
 def shard_configs(space: SearchSpace, shard: tuple[int, int]) -> list[PNMixConfig]:

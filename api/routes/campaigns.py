@@ -4,10 +4,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from api.deps import ReadSession, TokenChecked, WriteSession
+from api.deps import NoDuplicateKeys, ReadSession, TokenChecked, WriteSession
 from api.problems import problem_doc
 from api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
-from api.settings import MAX_PAGE_SIZE
+from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from storage import read, write
 
 router = APIRouter(tags=["campaigns"])
@@ -18,8 +18,8 @@ def list_campaigns(
     session: ReadSession,
     model: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
     status: Status | None = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
-    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+    limit: Annotated[int, Query(**PAGE_SIZE.constraints())] = 50,
+    offset: Annotated[int, Query(**OFFSET.constraints())] = 0,
 ) -> CampaignPage:
     """Campaigns, newest first, with status and progress."""
     page = read.list_campaigns(session, model, status, limit, offset)
@@ -27,7 +27,8 @@ def list_campaigns(
 
 
 @router.get("/campaigns/{campaign_id}", response_model=CampaignPublic, responses=problem_doc(404, 422, 503))
-def get_campaign(session: ReadSession, campaign_id: Annotated[int, Path(ge=1, le=2**31 - 1)]) -> CampaignPublic:
+def get_campaign(session: ReadSession,
+                 campaign_id: Annotated[int, Path(**CAMPAIGN_ID.constraints())]) -> CampaignPublic:
     return CampaignPublic.of(read.get_campaign(session, campaign_id))
 
 
@@ -35,7 +36,7 @@ def get_campaign(session: ReadSession, campaign_id: Annotated[int, Path(ge=1, le
     "/campaigns",
     status_code=201,
     response_model=CampaignPublic,
-    dependencies=[TokenChecked],
+    dependencies=[TokenChecked, NoDuplicateKeys],
     responses=problem_doc(400, 401, 403, 404, 413, 422, 503),
 )
 def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Response) -> CampaignPublic:

@@ -8,12 +8,13 @@ from api.deps import ReadSession
 from api.problems import problem_doc
 from api.schemas import Budget, ModelPage, ModelPublic, PointPage, PointPublic
 from api.settings import MAX_PAGE_SIZE
+from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from storage import read
 
 router = APIRouter(tags=["models"])
 
-Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description=f"page size, at most {MAX_PAGE_SIZE}")]
-Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
+Limit = Annotated[int, Query(**PAGE_SIZE.constraints(), description=f"page size, at most {MAX_PAGE_SIZE}")]
+Offset = Annotated[int, Query(**OFFSET.constraints())]
 Name = Annotated[str, Path(min_length=1, max_length=255, description="model name; hub ids contain a slash")]
 
 
@@ -30,7 +31,7 @@ def fronts(
     session: ReadSession,
     name: Name,
     budget: Annotated[Budget | None, Query(description="only the front of this budget")] = None,
-    campaign_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+    campaign_id: Annotated[int | None, Query(**CAMPAIGN_ID.constraints())] = None,
     limit: Limit = 100,
     offset: Offset = 0,
 ) -> PointPage:

@@ -7,7 +7,9 @@ from fastapi import APIRouter, Query, Response
 from api.deps import ReadSession
 from api.problems import problem_doc
 from api.schemas import Budget, Optimize, PointPublic, Recommendation
+from pnmix.inputs import ACCURACY, CAMPAIGN_ID
 from storage import read
+from storage.read import RELATIVE_FLOOR
 
 router = APIRouter(tags=["recommend"])
 
@@ -18,8 +20,10 @@ def recommend(
     model: Annotated[str, Query(min_length=1, max_length=255)],
     target_bits: Annotated[Budget, Query(description="largest acceptable key bits per element")],
     optimize: Optimize = "accuracy",
-    min_accuracy: Annotated[float, Query(ge=0, le=1, allow_inf_nan=False)] = 0.0,
-    campaign_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+    min_accuracy: Annotated[float | None, Query(**ACCURACY.constraints(), description=(
+        "lowest accepted accuracy; by default none for optimize=accuracy and, for throughput and memory, "
+        f"{RELATIVE_FLOOR:g} times the best accuracy within target_bits"))] = None,
+    campaign_id: Annotated[int | None, Query(**CAMPAIGN_ID.constraints())] = None,
 ) -> Response:
     """The best stored config of `model` within `target_bits` key bits.
 
@@ -30,8 +34,9 @@ def recommend(
     `smallest_feasible_bits`.
     """
     point, ties = read.recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id)
+    floor = read.applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id)
     body = Recommendation(
-        model=model, target_bits=target_bits, optimize=optimize, min_accuracy=min_accuracy,
+        model=model, target_bits=target_bits, optimize=optimize, min_accuracy=floor,
         point=PointPublic.of(point), pnmix_config=point.config.to_json(),
         ties=[PointPublic.of(p) for p in ties] if optimize == "accuracy" else [],
     )

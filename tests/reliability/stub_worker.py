@@ -18,6 +18,7 @@ Environment knobs (all optional):
     STUB_MAX_PAGES        PRAGMA max_page_count on every SQLite connection (a full disk, to SQLite)
     STUB_RUNG_S           seconds each racing rung sleeps (default 0); STUB_LOG gets a line as a rung
                           starts and as it ends
+    STUB_CRASH            set: making the evaluator raises a RuntimeError (a bug, as the worker sees it)
 """
 
 from __future__ import annotations
@@ -139,7 +140,13 @@ def main() -> None:
     from tuner import cli as tuner_cli
 
     evaluator = StubEvaluator()
-    tuner_cli._evaluator = lambda spec, progress: evaluator  # type: ignore[assignment]
+
+    def make(spec: Any, progress: Any) -> StubEvaluator:
+        if os.environ.get("STUB_CRASH"):
+            raise RuntimeError("stub: a bug")
+        return evaluator
+
+    tuner_cli._evaluator = make  # type: ignore[assignment]
     _limit_resources()
     sys.argv = ["pnmix", *sys.argv[1:]]
     cli.main()

@@ -56,7 +56,8 @@ def test_malformed_config_file_on_the_command_line_is_one_line(tmp_path):
                            "invalid config='" + "[" * 40 + "': allowed a flat JSON object of PNMixConfig fields"),
              "binary.json": (None, "cannot read config file PATH: 'utf-8' codec can't decode byte 0xff in "
                                    "position 0: invalid start byte"),
-             "missing.json": (..., "cannot read config file PATH: No such file or directory")}
+             "missing.json": (..., "invalid --config 'PATH': allowed an existing, readable file (No such file or "
+                                   "directory)")}
     for name, (content, message) in cases.items():
         path = tmp_path / name
         if content is None:

@@ -1,0 +1,70 @@
+"""What a queued campaign must be for a worker to run it: the checks that run where a campaign is
+enqueued (`pnmix tune --enqueue`, `POST /v1/campaigns`) and again in the worker that claims it.
+
+A campaign passes through three hands: the one that enqueues it, the database, and a worker,
+perhaps on another machine and a later version. Each checks what it can know:
+- the campaign's own fields (budgets, trial count, objectives, method, profile, backend, seed,
+  tasks): `tuner.campaign.CampaignSpec` on the command line and in the worker, the same checks
+  (`storage.write.check_budgets`, ..., `check_tasks` here) in the service's request body;
+- its model: a model the storage knows, and not a random-weight shape model (a campaign scores
+  accuracy), checked by `storage.write.create_campaign` for every enqueue; where the model is
+  (GGUF, checkpoint, hub cache) only the worker can tell, with `check_runnable`;
+- the worker's machine: a worker takes only campaigns of the backends it has (`runnable_backends`:
+  `triton` needs a GPU), so the others wait for a worker that can run them.
+A worker that still cannot run a campaign it took marks it `failed` with the reason and takes the
+next one (`pnmix worker`, tuner/cli.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pnmix.inputs import shorten
+from pnmix.names import BACKENDS
+from tuner.profiles import EvalError
+
+# A campaign's tasks: gsm8k needs a JSONL file, which a queued campaign does not carry to its worker.
+CAMPAIGN_TASKS = ("passkey", "kv_lookup", "fidelity")
+# Tasks named with an argument in a task list, `name:ARGUMENT` (lm_eval:TASK[@LIMIT], tuner/harness.py);
+# the part that runs them checks the argument before the model loads.
+ARGUMENT_TASKS = ("lm_eval",)
+
+
+class CannotRunHere(EvalError):
+    """This worker lacks what the campaign needs (a GPU); another worker may run it."""
+
+
+def check_tasks(tasks: Sequence[Any]) -> None:
+    """The tasks a campaign may name."""
+    for task in tasks:
+        name, colon, argument = task.partition(":") if isinstance(task, str) else ("", "", "")
+        if task in CAMPAIGN_TASKS or (colon and argument.strip() and name in ARGUMENT_TASKS):
+            continue
+        raise EvalError(f"invalid task {shorten(task)} for a campaign: allowed {', '.join(CAMPAIGN_TASKS)} "
+                        f"or {', '.join(n + ':ARGUMENT' for n in ARGUMENT_TASKS)} (gsm8k needs a file, which a "
+                        "queued campaign does not carry to its worker)")
+
+
+def runnable_backends() -> tuple[str, ...]:
+    """The backends this machine runs: `triton` only with a CUDA GPU."""
+    import torch
+
+    return BACKENDS if torch.cuda.is_available() else tuple(b for b in BACKENDS if b != "triton")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise EvalError(f"unknown backend {shorten(backend)}: allowed {', '.join(BACKENDS)}")
+    if backend not in runnable_backends():
+        raise CannotRunHere(f"backend {backend} needs a CUDA GPU, and this machine has none; use --backend torch "
+                            "(or auto) here, or a worker on a GPU host")
+
+
+def check_runnable(spec: Any) -> None:
+    """What a worker checks before it loads anything: its backend, and that the model can be
+    loaded here for accuracy (cheap: no weights are read)."""
+    from pnmix import models
+
+    check_backend(spec.backend)
+    models.resolve(spec.model, purpose="accuracy")
