@@ -130,6 +130,57 @@ def test_cost_bytes_equal_those_of_generate_on_the_same_workload(name):
     assert tok_s > 0 and peak is None
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["pnmix", "fp16"])
+def test_decode_throughput_is_bounded_by_the_measured_step_time(device, name):
+    """Tokens/s is one over a step time, so it lies between the fastest and slowest single step timed
+    on the same workload (with room for noise): never millions of tokens a second from a clock
+    difference. On CUDA the engine times the static CUDA-graph step, so that is what is timed here."""
+    import statistics
+    import time
+
+    from pnmix.static import static_method
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", seed=2, dtype=dtype).to(device)
+    model.resize_token_embeddings(4096)  # the workload's random ids reach 4000
+    config = CONFIGS[name]
+    engine = ScoringEngine(model, tokenizer=None)
+    _, tok_s, _ = engine.measure_cost(config, seed=3)
+    state = engine._on_device([engine._cost_state])[0]
+    first = state.logits.argmax(-1)[None]
+    cache = build_cache(model, config, [state])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    method = static_method(config, engine.device, state.keys[0].shape[-1]) if device == "cuda" else None
+    if method is not None:
+        static = StaticGenerator(model, method, max_len=COST_PROMPT_TOKENS + 24)
+        static.start(cache, first)
+        step = static.step
+    else:
+        kw = cache_kwargs(model, cache)
+        feed = {"ids": first[:, None], "pos": torch.tensor([[state.length]], device=engine.device)}
+
+        def step():
+            logits = model(input_ids=feed["ids"], position_ids=feed["pos"], use_cache=True, **kw).logits
+            feed["ids"], feed["pos"] = logits[:, -1].argmax(-1, keepdim=True), feed["pos"] + 1
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(12):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    # A timed step includes a synchronization the engine's runs share among their steps: allow for it
+    # above; below, a shared machine's noise.
+    assert 0.2 / statistics.median(times) < tok_s < 3.0 / min(times), (tok_s, min(times), statistics.median(times))
+
+
 def test_an_item_longer_than_the_context_is_refused_in_one_line(embedded):
     engine = ScoringEngine(embedded.model, embedded.tokenizer)
     long = tasks.passkey_items(1, seed=0, filler_sentences=(900, 900))

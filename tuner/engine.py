@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ from tuner.tasks import Item
 
 COST_PROMPT_TOKENS = 512  # the fixed workload of measured bytes and decode throughput
 COST_NEW_TOKENS = 32
+# Decode throughput: timed runs of a few steps each, the median run's step time. A CPU step of a small
+# model takes tens of milliseconds, a GPU step (a replayed graph) about one.
+COST_REPEATS = {"cpu": 3, "cuda": 5}
+COST_STEPS = {"cpu": 3, "cuda": 8}
 STATE_DEVICE_SHARE = 0.4  # of the device's free memory that the recorded states may take
 BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decode batch may take
 DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
@@ -351,8 +356,11 @@ class ScoringEngine:
         went through its own decode-time append, one at a time (the bytes depend on the token
         counts, not on their values, and are the same in every layer). Tokens/s: on CUDA the
         static CUDA-graph path started from that cache (what serving runs), else greedy decode on
-        the dynamic cache (8 timed steps on the CPU), the first two steps untimed. Peak (CUDA
-        only): the model's weights plus what the workload allocates at its peak, so that the
+        the dynamic cache; after two untimed steps (compile, capture, allocator warm-up), the
+        steps run in COST_REPEATS timed runs of COST_STEPS steps each, and tokens/s is one over the
+        median of the runs' step times: a run of several steps is long enough to time, and the
+        median keeps one disturbed run (another process, a clock change) out of the figure. Peak
+        (CUDA only): the model's weights plus what the workload allocates at its peak, so that the
         states this engine keeps do not count.
         """
         if self._cost_state is None:
@@ -377,36 +385,40 @@ class ScoringEngine:
         method = static_method(config, self.device, head_dim) if cuda else None
         first = state.logits.argmax(-1)[None]
         cache = build_cache(self.model, config, [state])
-        # CPU steps take ~0.1 s and vary little: 8 timed steps measure them; a GPU step is ~ms.
-        timed = COST_NEW_TOKENS - 3 if cuda else 8
+        repeats, steps = COST_REPEATS["cuda" if cuda else "cpu"], COST_STEPS["cuda" if cuda else "cpu"]
+        run_times: list[float] = []  # seconds per step, one entry per timed run
+
+        def timed_runs(step: Callable[[], object]) -> None:
+            for _ in range(2):  # untimed: compile and capture (CUDA), first allocations
+                step()
+            for _ in range(repeats):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize()
+                run_times.append((time.perf_counter() - t0) / steps)
+
         if method is not None:
-            static = StaticGenerator(self.model, method, max_len=COST_PROMPT_TOKENS + COST_NEW_TOKENS)
+            static = StaticGenerator(self.model, method, max_len=COST_PROMPT_TOKENS + 4 + repeats * steps)
             static.start(cache, first)
             del cache
-            for _ in range(2):  # compile and capture
-                static.step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(timed):
-                static.step()
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
+            timed_runs(static.step)
         else:
             kw = cache_kwargs(self.model, cache)
             ids, pos = first[:, None], torch.tensor([[state.length]], device=self.device)
-            t0 = 0.0
-            for step in range(timed + 2):
-                if step == 2:
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
+
+            def step() -> None:
+                nonlocal ids, pos
                 logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **self._last_only, **kw).logits
                 ids, pos = logits[:, -1].argmax(-1, keepdim=True), pos + 1
-            if cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
+
+            timed_runs(step)
+        step_seconds = statistics.median(run_times)
         peak = None
         if cuda:
             weights = sum(p.nbytes for p in self.model.parameters())
             peak = weights + int(torch.cuda.max_memory_allocated(self.device)) - before
-        return kv_bytes, timed / seconds, peak
+        return kv_bytes, 1.0 / step_seconds, peak
