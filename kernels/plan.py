@@ -9,10 +9,11 @@ and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-LOG2E = 1.4426950408889634  # kernels use exp2: scores are pre-scaled by softmax scale x log2 e
+LOG2E = math.log2(math.e)  # the kernels use exp2: scores are pre-scaled by softmax scale x log2 e
 
 
 @functools.cache

@@ -8,9 +8,9 @@
 3. The kernel compiles for sm_90 (offline, no GPU needed) for configs covering every branch: the
    layouts it declares are the ones the tensor cores use (`assert_trivial` conversions would not
    compile otherwise) and its shared memory is what `ring_bytes` counts.
-5. The launch plan's rules (splits over whole waves, tail programs, a shorter last split).
 4. The emulator's models of the kernel's cross-lane inline PTX (prmt, movmatrix) agree with the
    instructions' documented semantics, computed lane by lane.
+5. The launch plan's rules (splits over whole waves, tail programs, a shorter last split).
 """
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ def _first_heads(x, COLS: gl.constexpr):
 @gluon.jit
 def _value_channel(m, GV: gl.constexpr, BV: gl.constexpr):
     """The channel and the code-in-byte index of row m of the values' product (`split5` in
-    `_layouts`): m = ((group * codes per byte + code) * words per group + word) * 4 + byte."""
+    `shared_layouts`): m = ((group * codes per byte + code) * words per group + word) * 4 + byte."""
     CPB: gl.constexpr = 8 // BV
     WPG: gl.constexpr = GV * BV // 32
     code = (m // (4 * WPG)) % CPB
