@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -239,9 +239,22 @@ def generate(
         path = "CPU torch reference" if device == "cpu" else "generate, Triton kernels"
         summary = f"cache {held['total'] / 2**20:.2f} MiB: " + ", ".join(
             f"{k} {v / 2**10:.0f} KiB" for k, v in held["regions"].items() if v)
+        summary += " | " + _quantized_note(cache, config, ids["input_ids"].shape[1] + out.shape[1] - 1)
     console.print(tok.decode(out[0], skip_special_tokens=True))
     console.print(f"[dim]{out.shape[1]} tokens in {seconds:.1f} s ({path}) | prompt {ids['input_ids'].shape[1]} "
                   f"tokens | {summary}[/dim]")
+
+
+def _quantized_note(cache: Any, config: PNMixConfig, tokens: int) -> str:
+    """How many of the tokens the cache holds are quantized: a short generation may hold none."""
+    if not (config.keys_quantized or config.values_quantized):
+        return f"{tokens} tokens, none quantized (fp16 cache)"
+    groups = getattr(cache.layers[0], "n_groups", [0]) if getattr(cache, "layers", None) else [0]
+    quantized = int(groups[0]) * config.group_size
+    if quantized:
+        return f"{quantized} of {tokens} tokens quantized"
+    return (f"{tokens} tokens, none quantized yet: the first {config.n_sink} are sinks, and the rest stay in fp16 "
+            f"until {config.residual_len} have filled the residual buffer (generate more tokens to see it)")
 
 
 ANALYZE_PROMPT = (
