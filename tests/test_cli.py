@@ -55,3 +55,56 @@ def test_bad_input_is_one_line_without_traceback(args, field):
 def test_cli_starts_without_torch():
     code = "import sys, api.cli; assert 'torch' not in sys.modules, 'torch imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_command_line_and_the_service_accept_the_same_values(tmp_path):
+    """One definition per range (pnmix.inputs): what `pnmix recommend` refuses, GET /v1/recommend refuses."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+    from pnmix import inputs
+    from storage import Database, upgrade
+    from storage.testing import sqlite_url
+
+    url = sqlite_url(tmp_path)
+    db = Database(url)
+    upgrade(db)
+    db.dispose()
+    options = {"target_bits": inputs.Number(inputs.BUDGET), "min_accuracy": inputs.Number(inputs.ACCURACY),
+               "campaign_id": inputs.Int(inputs.CAMPAIGN_ID)}
+    values = ["0", "1e-9", "1", "2.3", "16", "16.000001", "-1", "nan", "inf", "1e309", "2147483647", "2147483648"]
+    with TestClient(create_app(Settings(database_url=url))) as client:
+        for field, parser in options.items():
+            for value in values:
+                params = {"model": "smollm2-135m", "target_bits": "2.3", field: value}
+                refused_here = client.get("/v1/recommend", params=params).status_code == 422
+                try:
+                    parser(value)
+                    refused_there = False
+                except inputs.InputError:
+                    refused_there = True
+                assert refused_here == refused_there, (field, value)
+
+
+@pytest.mark.parametrize("command", ["serve", "dashboard"])
+def test_a_server_that_cannot_bind_is_one_line(tmp_path, command):
+    import socket
+
+    from storage import Database, upgrade
+    from storage.testing import sqlite_url
+
+    url = sqlite_url(tmp_path)
+    db = Database(url)
+    upgrade(db)
+    db.dispose()
+    option = "--database-url" if command == "serve" else "--storage"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = run(command, option, url, "--port", port)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: invalid address '127.0.0.1:{port}': allowed an address this machine can bind (Address already in use)"]
+    out = run(command, option, url, "--host", "no-such-host.invalid")
+    assert out.returncode == 2 and "the host does not resolve" in out.stderr and len(out.stderr.splitlines()) == 1

@@ -585,14 +585,15 @@ def dashboard(
     port: Annotated[int, typer.Option(help="port", parser=Int(inputs.PORT))] = 8080,
 ) -> None:
     """Serve optuna-dashboard on the campaigns' storage."""
-    from optuna_dashboard import run_server
-
     from pnmix.inputs import check_bind
-    from tuner.campaign import optuna_storage
     from tuner.session import open_db
 
     db = open_db(storage)
-    check_bind(host, port)
+    check_bind(host, port)  # before the dashboard's (slow) import: a refusal is quick
+    from optuna_dashboard import run_server
+
+    from tuner.campaign import optuna_storage
+
     console.print(f"optuna-dashboard on http://{host}:{port} for {db.display_url}")
     run_server(optuna_storage(db.url), host=host, port=port)
 
