@@ -45,6 +45,11 @@ TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(inp
 BitsOpt = Annotated[float, typer.Option(help="key-bit budget", parser=Number(inputs.BUDGET))]
 DbModelOpt = Annotated[str, typer.Option(help="model name", parser=ModelName())]
 CampaignOpt = Annotated[int | None, typer.Option(help="campaign id", parser=Int(inputs.CAMPAIGN_ID))]
+LmEvalTaskOpt = Annotated[str | None, typer.Option("--lm-eval-task", help="an lm-evaluation-harness generation task "
+                                                   "(name or task YAML file) as an accuracy part; needs "
+                                                   "the lm-eval extra", parser=inputs.Text(1, inputs.MAX_PATH))]
+LmEvalLimitOpt = Annotated[int | None, typer.Option("--lm-eval-limit", help="the task's first N documents "
+                                                    "(before filtering against fp16)", parser=Int(inputs.COUNT))]
 
 
 def eval_config(
@@ -66,14 +71,18 @@ def eval_config(
     tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k",
                                               parser=Names((*CAMPAIGN_TASKS, "gsm8k", *ARGUMENT_TASKS),
                                                            with_arguments=ARGUMENT_TASKS))] = None,
-    compare: Annotated[str | None, typer.Option(help="comma-separated presets to score side by side",
-                                                parser=Names(tuple(PRESETS)))] = None,
+    compare: Annotated[str | None, typer.Option(help="comma-separated presets or peers (hf-quanto-2, hf-quanto-4, "
+                                                "hf-hqq-2, hf-hqq-4) to score side by side",
+                                                parser=Names(_compare_names))] = None,
+    lm_eval_task: LmEvalTaskOpt = None,
+    lm_eval_limit: LmEvalLimitOpt = None,
     config_file: Annotated[str | None, typer.Option("--config", help="PNMixConfig JSON file, e.g. from "
                                                     "`pnmix export`", parser=InputFile())] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Score PN-Mix configs by real inference: accuracy parts, key bits, bytes held, decode tokens/s."""
     import json
+    import math
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -89,7 +98,11 @@ def eval_config(
             raise EvalError("give --config or --compare, not both")
         configs = {config_file: load_config_file(config_file)}
     elif compare:
-        configs = {name.strip(): preset(name.strip()) for name in compare.split(",") if name.strip()}
+        from tuner.peers import PEERS, peer
+
+        # Peers (transformers' quantized caches, tuner/peers.py) are scored beside the presets on the same items.
+        configs = {name.strip(): peer(name.strip()) if name.strip() in PEERS else preset(name.strip())
+                   for name in compare.split(",") if name.strip()}
     else:
         cfg = config_from_options(preset_name or "pnmix-paper", b_high, b_low, group_size, salient_ratio, sinks,
                                   residual, value_bits_, value_group, criterion)
@@ -104,13 +117,19 @@ def eval_config(
             bar.update(task, description=message)
 
         chosen = tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None
-        evaluator = Evaluator(model, prof, seed, gsm8k, progress=say, tasks=chosen)
+        evaluator = Evaluator(model, prof, seed, gsm8k, progress=say, tasks=chosen, lm_eval_task=lm_eval_task,
+                              lm_eval_limit=lm_eval_limit)
         evaluator.prepare()
+        from tuner import peers
         from tuner.stats import paired
 
         scores = {}
         for name, cfg in configs.items():
             say(f"{name}: scoring")
+            if isinstance(cfg, peers.Peer):
+                scores[name] = peers.score(evaluator, cfg)
+                scores[name].parts["proxy_kl"] = float("nan")  # the proxy models PN-Mix's quantizer only
+                continue
             scores[name] = evaluator.evaluate(cfg)
             scores[name].parts["proxy_kl"] = evaluator.proxy(cfg)
     names = list(scores)
@@ -123,18 +142,24 @@ def eval_config(
         return
     table = Table(title=f"{model}, profile {prof.name}, seed {seed} ({evaluator.backend} on {evaluator.device}); "
                         "mean +- standard error")
-    part_names = [p for p in ("passkey", "kv_lookup", "gsm8k", "fidelity")
+    part_names = [p for p in ("passkey", "kv_lookup", "gsm8k", "lm_eval", "fidelity")
                   if any(p in s.parts for s in scores.values())]
     for col in ("config", "key bits", "accuracy", *part_names, "fid. top-1", "fid. KL", "proxy KL", "KV KiB",
                 "decode tok/s", "s"):
         table.add_column(col, justify="right")
     for name, s in scores.items():
-        table.add_row(name, f"{s.key_bits:.3f}", _pm(s.accuracy, s.accuracy_se),
+        table.add_row(name, _num(s.key_bits, ".3f"), _pm(s.accuracy, s.accuracy_se),
                       *[_pm(s.parts[p], s.parts_se.get(p)) if p in s.parts else "-" for p in part_names],
-                      f"{s.fidelity_agreement:.3f}", f"{s.fidelity_kl:.4f}", f"{s.parts['proxy_kl']:.4f}",
+                      f"{s.fidelity_agreement:.3f}", f"{s.fidelity_kl:.4f}", _num(s.parts["proxy_kl"], ".4f"),
                       f"{s.kv_bytes / 1024:.0f}", f"{s.decode_tokens_per_s:.1f}", f"{s.seconds:.1f}")
     console.print(table)
-    console.print("items: " + ", ".join(f"{k} {v}" for k, v in scores[names[0]].items.items()))
+    console.print("items: " + ", ".join(f"{k} {v}" for k, v in scores[names[0]].items.items())
+                  + (f" (lm_eval: {evaluator.harness.task})" if evaluator.harness is not None else ""))
+    for name, cfg in configs.items():
+        if isinstance(cfg, peers.Peer):
+            console.print(f"{name}: {cfg.label}; scored item by item through generate, tokens/s from its dynamic "
+                          "decode" + ("; key bits n/a (its groups are not per token)"
+                                      if math.isnan(scores[name].key_bits) else ""))
     if diffs:
         paired_table = Table(title=f"paired difference to {names[0]} (same items): diff +- SE; * where |diff| > 2 SE")
         for col in ("config", "accuracy", *part_names):
@@ -142,6 +167,11 @@ def eval_config(
         for name, d in diffs.items():
             paired_table.add_row(name, *[_diff(*d[p]) if p in d else "-" for p in ("accuracy", *part_names)])
         console.print(paired_table)
+
+
+def _num(value: float, fmt: str) -> str:
+    """A number, or n/a where it does not apply (NaN: a peer's key bits or proxy KL)."""
+    return "n/a" if value != value else format(value, fmt)
 
 
 def _pm(value: float, se: float | None) -> str:
@@ -271,6 +301,8 @@ def tune(
     racing: Annotated[bool, typer.Option(help="race candidates on growing shares of the items")] = False,
     tasks: Annotated[str | None, typer.Option(help=f"comma-separated: {', '.join(CAMPAIGN_TASKS)}",
                                               parser=Names(CAMPAIGN_TASKS, with_arguments=ARGUMENT_TASKS))] = None,
+    lm_eval_task: LmEvalTaskOpt = None,
+    lm_eval_limit: LmEvalLimitOpt = None,
     storage: StorageOpt = None,
     plot: Annotated[str | None, typer.Option(help="Pareto plot PNG path (default out/campaign-<id>.png)",
                                              parser=OutputFile(create_folders=True))] = None,
@@ -284,11 +316,21 @@ def tune(
     from tuner.session import find_or_create_campaign, open_db
     from tuner.space import SearchSpace
 
+    chosen = _objectives(tasks) if tasks else None
+    if lm_eval_task or lm_eval_limit is not None:
+        from tuner import harness
+        from tuner.evaluate import DEFAULT_TASKS
+
+        if not lm_eval_task:
+            raise EvalError("--lm-eval-limit needs --lm-eval-task")
+        harness.check_extra()
+        # One task-list entry carries the task to the campaign's workers (tuner/harness.py).
+        chosen = (*(chosen or DEFAULT_TASKS), harness.spec_entry(lm_eval_task, lm_eval_limit))
     spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
                         method=method, profile=profile_name, objectives=_objectives(objectives), seed=seed,
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
                         space=SearchSpace(method=method),
-                        tasks=_objectives(tasks) if tasks else None)
+                        tasks=chosen)
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # what a worker could not load: one line before the database
@@ -355,6 +397,12 @@ def sweep(
 
 def _objectives(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _compare_names() -> tuple[str, ...]:
+    from tuner.peers import PEERS  # transformers' quantized caches scored beside the presets
+
+    return (*PRESETS, *PEERS)
 
 
 def _objective_names() -> tuple[str, ...]:

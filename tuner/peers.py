@@ -167,12 +167,21 @@ def replay(model: Any, p: Peer, prompt_ids: list[int], tokens: torch.Tensor,
 
 @torch.inference_mode()
 def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | None]:
-    """(bytes held, decode tokens/s, peak device bytes) on the engine's fixed cost workload."""
+    """(bytes held, decode tokens/s, peak device bytes) on the engine's fixed cost workload.
+
+    The prompt of COST_PROMPT_TOKENS random ids (the engine's, same seed) is prefilled into a fresh
+    peer cache, and greedy decode steps follow. Bytes: what the cache holds once COST_NEW_TOKENS - 1
+    new tokens went in. Tokens/s as the engine times PN-Mix (`ScoringEngine.measure_cost`): two
+    untimed steps, then COST_REPEATS runs of COST_STEPS steps, one over the median step time."""
+    import statistics
+
     from pnmix.generation import cache_kwargs
-    from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS
+    from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, COST_REPEATS, COST_STEPS
 
     device = model.device
     cuda = device.type == "cuda"
+    kind = "cuda" if cuda else "cpu"
+    repeats, steps = COST_REPEATS[kind], COST_STEPS[kind]
     rng = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng).to(device)
     if cuda:
@@ -181,26 +190,35 @@ def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | 
         torch.cuda.reset_peak_memory_stats(device)
     cache = p.new_cache(model)
     kw = cache_kwargs(model, cache)
-    logits = model(input_ids=ids, use_cache=True, **kw).logits
-    nxt = logits[:, -1].argmax(-1, keepdim=True)
-    timed = COST_NEW_TOKENS - 3 if cuda else 8
-    t0, seconds = 0.0, math.nan
-    for step in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-        if step == 2:
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
+    nxt = model(input_ids=ids, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
+    fed, kv_bytes = 0, 0
+
+    def step() -> None:
+        nonlocal nxt, fed, kv_bytes
         nxt = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
-        if step == 1 + timed:
-            if cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-    kv_bytes = cache_bytes(cache)
+        fed += 1
+        if fed == COST_NEW_TOKENS - 1:  # the last new token is never fed back, as in `generate`
+            kv_bytes = cache_bytes(cache)
+
+    for _ in range(2):  # untimed: first allocations
+        step()
+    run_times: list[float] = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        run_times.append((time.perf_counter() - t0) / steps)
+    while fed < COST_NEW_TOKENS - 1:
+        step()
     peak = None
     if cuda:
         weights = sum(q.nbytes for q in model.parameters())
         peak = weights + int(torch.cuda.max_memory_allocated(device)) - before
-    return kv_bytes, timed / seconds, peak
+    return kv_bytes, 1.0 / statistics.median(run_times), peak
 
 
 def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
