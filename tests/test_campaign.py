@@ -20,7 +20,7 @@ from pnmix.bits import key_bits
 from pnmix.config import preset
 from storage import Database, list_front_points, upgrade
 from storage.testing import postgres_skip_reason, temporary_postgres_url
-from tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, study_name
+from tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, scored_here, study_name
 from tuner.evaluate import Evaluator
 from tuner.profiles import profile
 from tuner.session import find_or_create_campaign
@@ -94,33 +94,98 @@ def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
             assert 0 <= p.accuracy <= 1 and p.kv_bytes > 0 and p.backend == "torch-reference"
 
 
-def test_a_later_budget_starts_from_the_fronts_of_earlier_ones(tmp_path, tiny_dir):
+def test_every_score_reaches_every_budget_it_fits(tmp_path, tiny_dir):
     db = sqlite_db(tmp_path)
-    spec = spec_for(tiny_dir, [3.0, 2.8], n_trials=6)
+    spec = spec_for(tiny_dir, [3.0, 2.8], n_trials=6, multi_fidelity=False)  # every proposal fully scored
     campaign_id = find_or_create_campaign(db, spec)
     runner = CampaignRunner(db, db.url, campaign_id, spec, Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",)))
-    # After the warm start, 4/2 bits on half the pairs (2.76 bits): more accurate than any preset that fits.
-    rich = spec.space.config(4, 2, 128, 0.5, 32)
+    # The config of the most key bits within 2.8, proposed in the 3.0 study only.
+    rich = max((c for c in spec.space.configs() if key_bits(c, runner.head_dim).total <= 2.8),
+               key=lambda c: key_bits(c, runner.head_dim).total)
     runner.study(3.0).enqueue_trial(SearchSpace.params_of(rich, "pnmix"))
     studies = runner.run()
-    presets = {json.dumps(preset(n).to_dict(), sort_keys=True) for n in ("pnmix-paper", "kivi2", "kivi1", "kitty")}
-    fits = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in front_trials(studies[3.0])
-            if t.user_attrs["key_bits"] <= 2.8}
-    warm = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in studies[2.8].trials
-            if t.user_attrs.get("warm_start")}
-    assert fits - presets, "the 3.0 front found nothing new under 2.8 bits: the test would prove nothing"
-    assert fits <= warm  # every point of the 3.0 front that fits 2.8 bits was tried first at 2.8
-    # ... without running inference again: the score comes from the 3.0 study and stands on the 2.8 front.
-    moved = [t for t in studies[2.8].trials if json.dumps(t.user_attrs.get("config"), sort_keys=True) in fits]
-    first: dict[str, optuna.trial.FrozenTrial] = {}
-    for t in sorted(moved, key=lambda t: t.number):
-        first.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t)
-    assert first and all(t.user_attrs.get("score_from", "").startswith(study_name(campaign_id, 3.0) + "#")
-                         for t in first.values())
-    # A later repeat in the 2.8 study reuses the 2.8 copy, so the config stays one front point.
-    assert all(t.user_attrs.get("reused_from") == first[json.dumps(t.user_attrs["config"], sort_keys=True)].number
-               for t in moved if t not in first.values())
-    assert {json.dumps(t.user_attrs["config"], sort_keys=True) for t in front_trials(studies[2.8])} >= fits - presets
+    assert list(studies) == [2.8, 3.0]  # from the lowest budget up
+    key = json.dumps(rich.to_dict(), sort_keys=True)
+    scored = {b: {json.dumps(t.user_attrs["config"], sort_keys=True): t for t in st.trials if scored_here(t)}
+              for b, st in studies.items()}
+    assert (key in scored[3.0]) != (key in scored[2.8])  # evaluated once, in one of the two studies
+    for budget, study in studies.items():
+        other = 3.0 if budget == 2.8 else 2.8
+        held = {json.dumps(t.user_attrs["config"], sort_keys=True): t for t in study.trials
+                if "accuracy" in t.user_attrs}
+        fits = {k: t for k, t in scored[other].items() if t.user_attrs["key_bits"] <= budget}
+        assert fits and fits.keys() <= held.keys()  # every score of the other budget that fits is here
+        for k, t in fits.items():
+            if k in scored[budget]:
+                continue  # this budget's sampler proposed and scored it too, before the share arrived
+            copy = held[k]
+            source = f"{study_name(campaign_id, other)}#{t.number}"
+            assert copy.user_attrs["shared"] and copy.user_attrs["score_from"] == source
+            assert copy.values == t.values and copy.user_attrs["accuracy"] == t.user_attrs["accuracy"]
+        # Shared copies take no slot: each budget still ran its own six.
+        assert len(finished(study)) == 6
+    # It has a score in the 2.8 study too, wherever it was scored.
+    assert key in {json.dumps(t.user_attrs["config"], sort_keys=True) for t in studies[2.8].trials
+                   if "accuracy" in t.user_attrs}
+    with db.session(readonly=True) as s:
+        for budget, study in studies.items():
+            stored = {p.trial_number for p in list_front_points(s, tiny_dir, campaign_id=campaign_id).items
+                      if p.budget == budget}
+            assert stored == {t.number for t in front_trials(study)}
+
+
+class FormulaEvaluator:
+    """Scores a config by a fixed function of its fields, instantly: what the campaign's bookkeeping needs."""
+
+    head_dim = 64
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def evaluate(self, config, measure: bool = True):
+        from tuner.evaluate import Score
+
+        self.calls.append(json.dumps(config.to_dict(), sort_keys=True))
+        acc = (config.b_high + 2 * config.b_low + config.salient_ratio + config.n_sink / 64) / 13
+        acc -= config.group_size / 1e3
+        return Score(config=config.to_dict(), accuracy=acc, parts={"fidelity": acc}, fidelity_agreement=0.0,
+                     fidelity_kl=0.0, key_bits=key_bits(config, 64).total, kv_bytes=1, decode_tokens_per_s=1.0,
+                     peak_memory_bytes=None, backend="t", device="cpu", versions={}, seconds=0.0, profile="smoke",
+                     accuracy_se=0.01, units={"fidelity": [0.1, 0.2]})
+
+
+def test_a_runner_sees_what_another_worker_adds_after_its_first_read(tmp_path):
+    """Runners keep their studies (and Optuna's cache of finished trials); trials another worker
+    finishes later still count, in progress and in the shared scores."""
+    db = sqlite_db(tmp_path)
+    spec = spec_for("smollm2-135m", [2.0, 3.0], n_trials=4, multi_fidelity=False)
+    campaign_id = find_or_create_campaign(db, spec)
+    a = CampaignRunner(db, db.url, campaign_id, spec, FormulaEvaluator())
+    a.run()
+    assert a.trials_done() == 8 == a.trials_done(fresh=True)
+    # A second worker (its own storage and caches) of a longer run of the same campaign adds trials.
+    longer = CampaignSpec(**{**spec.__dict__, "n_trials": 6})
+    b = CampaignRunner(db, db.url, campaign_id, longer, FormulaEvaluator())
+    b.run()
+    a.spec = longer  # the first worker's cached studies must count the second's trials
+    assert a.trials_done() == 12 == a.trials_done(fresh=True)
+    low, high = optuna.load_study(study_name=study_name(campaign_id, 2.0), storage=db.url), optuna.load_study(
+        study_name=study_name(campaign_id, 3.0), storage=db.url)
+    held = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in high.trials if "accuracy" in t.user_attrs}
+    assert {json.dumps(t.user_attrs["config"], sort_keys=True) for t in low.trials if scored_here(t)} <= held
+    # No config was evaluated twice across the two workers and both budgets.
+    calls = a.evaluator.calls + b.evaluator.calls
+    assert len(calls) == len(set(calls))
+
+
+def test_a_budget_proposes_only_bit_pairs_that_can_fit_it():
+    space = SearchSpace()
+    assert space.pairs_within(1.5, 64) == ["1/1", "2/1", "3/1"]
+    assert "4/4" not in space.pairs_within(3.0, 64) and space.pairs_within(5.0, 64) == space.bit_pairs()
+    for budget in (1.3, 1.5, 2.0, 2.5):
+        for pair in set(space.bit_pairs()) - set(space.pairs_within(budget, 64)):
+            hi, lo = (int(x) for x in pair.split("/"))
+            assert all(key_bits(c, 64).total > budget for c in space.configs() if (c.b_high, c.b_low) == (hi, lo))
 
 
 def test_front_keeps_one_trial_per_config_and_exhaustion_is_bounded():

@@ -5,17 +5,32 @@ evaluation profile and objectives. Each budget is an Optuna study on the same da
 tables (`pnmix:<campaign id>:<budget>`), so `pnmix dashboard` shows it and any number of
 `pnmix worker` processes can share it through PostgreSQL.
 
+Budgets run from the lowest up, and every config scored under one budget is copied, with its
+score, into the study of every other budget it fits (a COMPLETE trial marked `shared`, with
+`score_from`, taking no slot): each budget's sampler learns from every score of the campaign,
+each stored front holds every scored point within its bits, and a higher budget spends its own
+trials on the configs only its bits allow. A worker shares what it scores as it finishes each
+trial; a study also pulls what is missing when a worker starts it (scores of budgets that ran
+before it existed, or of a worker that died before sharing).
+
 A trial:
-1. samples a config from the search space (tuner.space) and computes its key bits (formula);
+1. samples a config from the search space (tuner.space; TPE, multivariate and grouped, choosing
+   among the bit pairs that have a config within the budget) and computes its key bits (formula);
    the budget is an Optuna constraint (`key_bits - budget <= 0`); a config over budget never
    runs inference: it completes with accuracy 0 and is marked infeasible, so the sampler learns;
+   a config the campaign already scored takes its score (no inference);
 2. multi-fidelity: the proxy (attention KL on recorded traces, milliseconds) screens it; a
    candidate that an already fully evaluated trial beats on both proxy KL and key bits is pruned
    (recorded as PRUNED with its proxy value), because it is unlikely to reach the front;
 3. otherwise full evaluation by real inference (tuner.evaluate).
-After every finished trial the (campaign, budget) front, from `study.best_trials` (feasible
-only), replaces the stored one in one transaction: a killed run leaves the last whole front.
+After every finished trial the (campaign, budget) front, the study's feasible Pareto trials,
+replaces the stored one in one transaction: a killed run leaves the last whole front.
 Running the same campaign again resumes it: finished trials count, none is re-run.
+
+A runner keeps one Optuna Study object per budget for its whole run, so Optuna's trial cache
+makes every read fetch only the trials that are new or still unfinished (finished trials never
+change), other workers' included: a campaign's bookkeeping grows linearly with its trials, not
+quadratically. The verdict that a campaign is done reads every study afresh.
 
 Faults (docs/reliability.md): a trial that runs out of memory is recorded FAILED with the reason
 (user attribute `error`) and another trial takes its place, up to `MAX_FAILED_TRIALS`; a lost
@@ -271,14 +286,27 @@ class CampaignRunner:
         self.head_dim = evaluator.head_dim
         self.storage = optuna_storage(url)
         self._db_failures = 0  # consecutive; a finished trial resets it
+        self._studies: dict[float, optuna.Study] = {}  # by budget: `study` (its sampler) or `_peek` (reading)
+        self._own: set[float] = set()
+        self._pair_cache: dict[float, list[str]] = {}
 
     # -- the study of one budget ---------------------------------------------------------------
 
     def study(self, budget: float) -> optuna.Study:
+        """The budget's study, created with its warm start on first use; one Study object per budget
+        for the runner's life.
+
+        Keeping the object keeps Optuna's trial cache: a finished trial never changes, so each read
+        fetches only the trials that are new or still unfinished (other workers' included) instead
+        of every trial of the study again."""
+        if budget in self._own:
+            return self._studies[budget]
         # constant_liar: workers sampling at once treat each other's running trials as poor, so they
-        # spread out instead of proposing (and evaluating) the same config side by side.
+        # spread out instead of proposing (and evaluating) the same config side by side. group: the
+        # salient ratio exists only when b_high > b_low; grouped, TPE models it jointly with the other
+        # parameters where it exists instead of sampling it independently.
         sampler = optuna.samplers.TPESampler(seed=self.spec.seed + int(budget * 1000), multivariate=True,
-                                             n_startup_trials=4, constant_liar=True)
+                                             group=True, n_startup_trials=4, constant_liar=True)
         study = optuna.create_study(study_name=study_name(self.campaign_id, budget), storage=self.storage,
                                     directions=[OBJECTIVES[o] for o in self.spec.objectives], sampler=sampler,
                                     load_if_exists=True)
@@ -289,7 +317,33 @@ class CampaignRunner:
             study.set_user_attr("model", self.spec.model)
             study.set_user_attr("method", self.spec.method)
             self._warm_start(study, budget)
+        self._studies[budget] = study
+        self._own.add(budget)
         return study
+
+    def _pairs(self, budget: float) -> list[str]:
+        """The bit pairs this budget's sampler chooses from: those with a config within the budget
+        (a pair whose cheapest config is over it could only ever give over-budget proposals). A study
+        an older campaign began with every pair keeps its choices (Optuna's are fixed per study)."""
+        if budget not in self._pair_cache:
+            study = self._studies.get(budget)
+            known = study.get_trials(deepcopy=False, states=FINISHED_STATES) if study is not None else []
+            old = next((t.distributions["bits"] for t in known if "bits" in t.distributions), None)
+            if isinstance(old, optuna.distributions.CategoricalDistribution):
+                self._pair_cache[budget] = [str(c) for c in old.choices]
+                return self._pair_cache[budget]
+            self._pair_cache[budget] = self.spec.space.pairs_within(budget, self.head_dim)
+        return self._pair_cache[budget]
+
+    def _peek(self, budget: float) -> optuna.Study | None:
+        """Another budget's study for reading (None while no worker has created it), kept like `study`."""
+        if budget not in self._studies:
+            try:
+                self._studies[budget] = optuna.load_study(study_name=study_name(self.campaign_id, budget),
+                                                          storage=self.storage)
+            except KeyError:
+                return None
+        return self._studies[budget]
 
     def _warm_start(self, study: optuna.Study, budget: float) -> None:
         """Enqueues pnmix-paper, KIVI at the budget and the model's previous front (new studies only)."""
@@ -308,15 +362,16 @@ class CampaignRunner:
                 study.enqueue_trial(params, user_attrs={"warm_start": True})
 
     def _stored_fronts(self, budget: float) -> list[PNMixConfig]:
-        """The best stored front points of this model that fit `budget`: earlier campaigns' fronts and
-        this campaign's other budgets (so a budget run later starts from what the others found)."""
+        """The best stored front points of this model from earlier campaigns that fit `budget` (this
+        campaign's own scores reach every budget they fit by sharing: `_share`, `_pull_shared`)."""
         from sqlalchemy import select
 
         from storage import FrontPoint, Model
 
         with self.db.session(readonly=True) as s:
             rows = s.scalars(select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
-                             .where(Model.name == self.spec.model, FrontPoint.key_bits <= budget)
+                             .where(Model.name == self.spec.model, FrontPoint.key_bits <= budget,
+                                    FrontPoint.campaign_id != self.campaign_id)
                              .order_by(FrontPoint.accuracy.desc()).limit(8)).all()
             return [row.config for row in rows]
 
@@ -329,7 +384,7 @@ class CampaignRunner:
             trial.set_user_attr("surplus", True)
             trial.study.stop()
             raise optuna.TrialPruned("trial cap reached by other workers")
-        config = self.spec.space.suggest(trial)
+        config = self.spec.space.suggest(trial, self._pairs(budget))
         bits = key_bits(config, self.head_dim).total
         trial.set_user_attr("config", config.to_dict())
         trial.set_user_attr("key_bits", bits)
@@ -408,22 +463,19 @@ class CampaignRunner:
     def _evaluated_twin(self, study: optuna.Study,
                         config: PNMixConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:
         """(study name, trial) of an earlier full evaluation of `config` in this campaign: in this
-        budget's study first, then in the other budgets' (one evaluator, profile and seed per
-        campaign, so a config scores the same under every budget)."""
+        budget's study first (a score shared into it included), then in the other budgets' (one
+        evaluator, profile and seed per campaign, so a config scores the same under every budget)."""
         wanted = config.to_dict()
-        names = [study.study_name] + [study_name(self.campaign_id, b) for b in self.spec.budgets
-                                      if study_name(self.campaign_id, b) != study.study_name]
-        for name in names:
-            try:
-                st = study if name == study.study_name else optuna.load_study(study_name=name, storage=self.storage)
-            except KeyError:  # that budget's study does not exist yet
+        others = [self._peek(b) for b in self.spec.budgets if study_name(self.campaign_id, b) != study.study_name]
+        for st in [study, *others]:
+            if st is None:  # that budget's study does not exist yet
                 continue
             for t in st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
                 attrs = t.user_attrs
                 # Elsewhere, point at the original evaluation, not at another budget's copy of it.
-                original = name == study.study_name or "score_from" not in attrs
+                original = st is study or "score_from" not in attrs
                 if attrs.get("config") == wanted and "accuracy" in attrs and original:
-                    return name, t
+                    return st.study_name, t
         return None
 
     def _cap_reached(self, trial: optuna.Trial) -> bool:
@@ -447,9 +499,58 @@ class CampaignRunner:
         return any(t.user_attrs["key_bits"] <= bits + 1e-9 and t.user_attrs["proxy_kl"] < proxy * PRUNE_SLACK
                    for t in evaluated)
 
+    # -- sharing scores between budgets ------------------------------------------------------------
+
+    def _share(self, trial: optuna.trial.FrozenTrial, source: str) -> None:
+        """Copies a config scored in study `source` into every other budget's study it fits (a
+        COMPLETE trial with its score, `score_from` and `shared`, taking no slot), and rewrites those
+        budgets' fronts: each budget's sampler learns from every score of the campaign, and each
+        stored front holds every scored point within its bits."""
+        bits = trial.user_attrs["key_bits"]
+        for budget in self.spec.budgets:
+            if bits > budget or study_name(self.campaign_id, budget) == source:
+                continue
+            study = self._peek(budget)
+            if study is not None and self._add_shared(study, budget, trial, source, scored_configs(study)):
+                self.write_front(study, budget, progress=False)
+
+    def _pull_shared(self, budget: float) -> None:
+        """Copies into this budget's study every score of the campaign's other budgets that fits it
+        and is not there yet: those of budgets that ran before its study existed, and any that a
+        worker scored but did not live to share."""
+        study = self._studies[budget]
+        have = scored_configs(study)
+        added = False
+        for other in self.spec.budgets:
+            source = self._peek(other) if other != budget else None
+            if source is None:
+                continue
+            for t in source.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+                if scored_here(t) and t.user_attrs["key_bits"] <= budget:
+                    added = self._add_shared(study, budget, t, source.study_name, have) or added
+        if added:
+            self.write_front(study, budget, progress=False)
+
+    def _add_shared(self, study: optuna.Study, budget: float, trial: optuna.trial.FrozenTrial, source: str,
+                    have: set[str]) -> bool:
+        key = config_key(trial.user_attrs["config"])
+        if key in have:
+            return False  # scored there already (by its own sampler, or shared before)
+        have.add(key)
+        attrs = {name: trial.user_attrs[name] for name in (*SCORE_ATTRS, "accuracy", "proxy_kl", "config", "key_bits")
+                 if name in trial.user_attrs}
+        distributions = dict(trial.distributions)
+        if "bits" in distributions:  # this budget's choice of bit pairs (the config's pair is among them: it fits)
+            distributions["bits"] = optuna.distributions.CategoricalDistribution(self._pairs(budget))
+        study.add_trial(optuna.trial.create_trial(
+            values=list(trial.values), params=trial.params, distributions=distributions,
+            user_attrs={**attrs, "score_from": f"{source}#{trial.number}", "shared": True},
+            constraints={"key_bits": trial.user_attrs["key_bits"] - budget}))
+        return True
+
     # -- fronts ----------------------------------------------------------------------------------
 
-    def write_front(self, study: optuna.Study, budget: float) -> int:
+    def write_front(self, study: optuna.Study, budget: float, progress: bool = True) -> int:
         """Replaces the stored (campaign, budget) front with the study's feasible Pareto trials."""
         from storage import FrontPointIn, replace_front
 
@@ -463,7 +564,8 @@ class CampaignRunner:
                 accuracy_se=t.user_attrs.get("accuracy_se")))
         with self.db.session() as s:
             replace_front(s, self.campaign_id, budget, points)
-        self.set_progress(trials_done=self.trials_done())
+        if progress:
+            self.set_progress(trials_done=self.trials_done())
         return len(points)
 
     def set_progress(self, **changes: Any) -> None:
@@ -480,13 +582,22 @@ class CampaignRunner:
                 if get_campaign(s, self.campaign_id).status not in ("done", "failed"):
                     raise
 
-    def trials_done(self) -> int:
+    def trials_done(self, fresh: bool = False) -> int:
+        """Trials counted over every budget. The runner's studies read only what changed since their
+        last read; `fresh` reads everything again (the last worker's verdict on whether the campaign
+        is done rests on it, not on a cache)."""
         done = 0
         for budget in self.spec.budgets:
-            try:
-                study = optuna.load_study(study_name=study_name(self.campaign_id, budget), storage=self.storage)
-            except KeyError:
-                continue
+            if fresh:
+                try:
+                    study = optuna.load_study(study_name=study_name(self.campaign_id, budget), storage=self.storage)
+                except KeyError:
+                    continue
+            else:
+                peeked = self._peek(budget)
+                if peeked is None:
+                    continue
+                study = peeked
             # Racing workers may add one more; an exhausted budget counts as complete.
             done += self.spec.n_trials if exhausted(study, self.spec.n_trials) else min(len(finished(study)),
                                                                                         self.spec.n_trials)
@@ -497,9 +608,12 @@ class CampaignRunner:
     def run(self, on_trial: Callable[[float, optuna.Study], None] | None = None) -> dict[float, optuna.Study]:
         """Runs every budget to its trial count; returns the studies by budget.
 
-        First pass: each budget until its remaining trials are all finished or being run by other
-        workers. Second pass: wait for those (failing the stale ones of dead workers, whose retries
-        then run here), so that the last worker out leaves every budget complete and marks it done.
+        Budgets run from the lowest up: a config within a budget is within every higher one, so each
+        later study starts with every score below it (shared, `_pull_shared`) and spends its own
+        trials on what only its bits allow. First pass: each budget until its remaining trials are all
+        finished or being run by other workers. Second pass: wait for those (failing the stale ones
+        of dead workers, whose retries then run here), so that the last worker out leaves every
+        budget complete and marks it done.
         """
         self._guarded("starting", lambda: self.set_progress(
             status="running", study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
@@ -507,7 +621,7 @@ class CampaignRunner:
         studies: dict[float, optuna.Study] = {}
         with CampaignHeartbeat(self.db, self.campaign_id, self.worker_id):
             for wait in (False, True):
-                for budget in self.spec.budgets:
+                for budget in sorted(self.spec.budgets):  # from the lowest: see the docstring
                     studies[budget] = self._guarded(
                         f"budget {budget:g}", functools.partial(self._run_budget, budget, on_trial, wait=wait))
             self._guarded("finishing", lambda: self._finish(studies))
@@ -516,6 +630,7 @@ class CampaignRunner:
     def _run_budget(self, budget: float, on_trial: Callable[[float, optuna.Study], None] | None,
                     wait: bool) -> optuna.Study:
         study = self.study(budget)
+        self._pull_shared(budget)  # what the other budgets scored that fits here and is not here yet
         floor = self.spec.space.min_key_bits(self.head_dim)
         if budget < floor:
             if not wait:
@@ -525,6 +640,8 @@ class CampaignRunner:
             return study
 
         def after_trial(st: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if scored_here(trial):
+                self._share(trial, st.study_name)
             self.write_front(st, budget)
             self._db_failures = 0
             if on_trial:
@@ -590,7 +707,7 @@ class CampaignRunner:
     def _finish(self, studies: dict[float, optuna.Study]) -> None:
         # Only the last worker out marks the campaign done: another may still be running a trial.
         running = any(running_trials(s) for s in studies.values())
-        done = self.trials_done()
+        done = self.trials_done(fresh=True)
         floor = self.spec.space.min_key_bits(self.head_dim)
         expected = self.spec.n_trials * sum(1 for b in self.spec.budgets if b >= floor)
         if done >= expected and not running:
@@ -640,8 +757,27 @@ def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 def counts(trial: optuna.trial.FrozenTrial) -> bool:
     """Whether a trial takes one of the requested slots: a config scored (or screened out by the
     proxy). Over-budget proposals cost no inference, so they take none (the sampler still sees them
-    as infeasible), and neither do the surplus trials of a racing worker."""
-    return not trial.user_attrs.get("surplus") and "skipped" not in trial.user_attrs
+    as infeasible), and neither do the surplus trials of a racing worker nor the scores another
+    budget's study shared."""
+    attrs = trial.user_attrs
+    return not attrs.get("surplus") and "skipped" not in attrs and not attrs.get("shared")
+
+
+def scored_here(trial: optuna.trial.FrozenTrial) -> bool:
+    """A COMPLETE trial whose config was evaluated in its own study (not a reused or shared score)."""
+    attrs = trial.user_attrs
+    return (trial.state == optuna.trial.TrialState.COMPLETE and "accuracy" in attrs
+            and not {"reused_from", "score_from", "shared"} & attrs.keys())
+
+
+def config_key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+def scored_configs(study: optuna.Study) -> set[str]:
+    """Keys of the configs with a score in `study` (its own evaluations, reused and shared ones)."""
+    return {config_key(t.user_attrs["config"]) for t in study.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "accuracy" in t.user_attrs}
 
 
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -666,12 +802,31 @@ def front_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     Two workers may also have scored one config side by side: its first trial stands.
     """
     front, seen = [], set()
-    for t in sorted(study.best_trials, key=lambda t: t.number):
+    for t in pareto_trials(study):
         key = json.dumps(t.user_attrs.get("config"), sort_keys=True)
         if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs and key not in seen:
             seen.add(key)
             front.append(t)
     return front
+
+
+def pareto_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """`study.best_trials` in trial order, read without copying every trial (the scores carry
+    per-unit outcomes, so a deep copy per front write would dominate a long campaign): COMPLETE
+    trials, only the feasible ones when the study has constraints, none dominated by another."""
+    import numpy as np
+
+    trials = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if any(t.constraints for t in trials):
+        trials = [t for t in trials if all(c <= 0.0 for c in t.constraints.values())]
+    if not trials:
+        return []
+    sign = np.array([-1.0 if d == optuna.study.StudyDirection.MAXIMIZE else 1.0 for d in study.directions])
+    loss = np.array([t.values for t in trials], dtype=float) * sign  # lower is better in every column
+    no_worse = (loss[:, None, :] <= loss[None, :, :]).all(axis=2)  # [j, i]: j is nowhere worse than i
+    better = (loss[:, None, :] < loss[None, :, :]).any(axis=2)
+    dominated = (no_worse & better).any(axis=0)
+    return sorted((t for t, d in zip(trials, dominated, strict=True) if not d), key=lambda t: t.number)
 
 
 def hypervolume_2d(points: Sequence[tuple[float, float]], budget: float) -> float:

@@ -42,9 +42,10 @@ class SearchSpace:
             return ["4/2"]
         return [f"{hi}/{lo}" for lo in range(1, 5) for hi in range(lo, 5)]
 
-    def suggest(self, trial: Any) -> PNMixConfig:
-        """Samples a config from an Optuna trial (static categorical choices, so TPE models them)."""
-        bits = trial.suggest_categorical("bits", self.bit_pairs())
+    def suggest(self, trial: Any, pairs: list[str] | None = None) -> PNMixConfig:
+        """Samples a config from an Optuna trial (static categorical choices, so TPE models them);
+        `pairs`: the bit pairs to choose from (default: all of the method's)."""
+        bits = trial.suggest_categorical("bits", pairs or self.bit_pairs())
         b_high, b_low = (int(x) for x in bits.split("/"))
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
         if self.method == "kivi":
@@ -95,14 +96,22 @@ class SearchSpace:
 
     def min_key_bits(self, head_dim: int) -> float:
         """Key bits of the cheapest config in the space (below it no budget is feasible)."""
+        return min(self._pair_floor(pair, head_dim) for pair in self.bit_pairs())
+
+    def pairs_within(self, budget: float, head_dim: int) -> list[str]:
+        """The bit pairs with at least one config of at most `budget` key bits (all others are over
+        it whatever G, r and sinks are), in the space's order; every pair when none fits."""
+        pairs = [pair for pair in self.bit_pairs() if self._pair_floor(pair, head_dim) <= budget]
+        return pairs or self.bit_pairs()
+
+    def _pair_floor(self, pair: str, head_dim: int) -> float:
+        """Key bits of a bit pair's cheapest config: the largest group, the smallest salient ratio, no sinks."""
         from pnmix.bits import key_bits
 
-        lows = []
-        for pair in self.bit_pairs():
-            hi, lo = (int(x) for x in pair.split("/"))
-            ratio = 0.0 if hi == lo else RATIOS[0]
-            lows.append(self.config(hi, lo, max(GROUP_SIZES), ratio, 32 if self.method == "kitty" else 0))
-        return min(key_bits(c, head_dim).total for c in lows)
+        hi, lo = (int(x) for x in pair.split("/"))
+        ratio = 0.0 if hi == lo else RATIOS[0]
+        return key_bits(self.config(hi, lo, max(GROUP_SIZES), ratio, 32 if self.method == "kitty" else 0),
+                        head_dim).total
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
