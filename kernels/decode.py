@@ -9,6 +9,10 @@ so the scale folds into the query (one [GQ, d] product per group) and the zero i
 codes are assembled from the bit planes into integers, made fp16 exactly (0x6400 | q is 1024 + q)
 and fed to the tensor cores; channels in `channel_order`, so that the salient channels' high
 planes line up. Values are dequantized in registers as q * s + z.
+
+On CUDA the codes are expanded by inline PTX (two fp16 codes per 32-bit operation); the
+interpreter, which has no inline assembly, runs the same expansion in Triton operations. Both give
+the same fp16 values, so the kernel's output does not depend on which one ran.
 """
 
 from __future__ import annotations
@@ -26,6 +30,58 @@ BLOCK_T = 64  # packed tokens per inner step (or G, if smaller)
 BLOCK_R = 32  # sink and residual tokens per step
 NUM_WARPS = 2
 PROGRAMS_PER_SM = 4  # the default split count's target
+
+
+def _expand_asm(n_planes: int, width: int) -> str:
+    """PTX that turns 4 packed bytes (one register per bit plane) into fp16 codes, two per register.
+
+    Each byte holds 8 // width codes of `width` bits (LSB first); with several planes (width 1),
+    plane p supplies bit p of every code. Output k (k = 0 .. 8 // width - 1) holds code k of each
+    of the 4 bytes as fp16: two registers, bytes (0, 1) and (2, 3), element 0 in the low half.
+    Codes are built as 1024 + code with the 0x6400 exponent trick and 1024 is then subtracted
+    (exact in fp16), so no int->float conversion is issued. Operands: outputs $0 .. $(2n - 1),
+    inputs (one register of 4 bytes per plane) after them.
+    """
+    n_out = 8 // width
+    mask = ((1 << width) - 1) * 0x10001
+    lines = ["{", f".reg .b32 lo<{n_planes}>, hi<{n_planes}>, t, u, k;", "mov.b32 k, 0x64006400;"]
+    for p in range(n_planes):
+        # zero-extend bytes into 16-bit lanes: lo = (byte0, byte1), hi = (byte2, byte3)
+        lines.append(f"prmt.b32 lo{p}, ${2 * n_out + p}, 0, 0x4140;")
+        lines.append(f"prmt.b32 hi{p}, ${2 * n_out + p}, 0, 0x4342;")
+    for k in range(n_out):
+        for half, src in enumerate(("lo", "hi")):
+            lines.append(f"shr.b32 t, {src}0, {k * width};")
+            lines.append(f"and.b32 t, t, {mask:#x};")
+            for p in range(1, n_planes):
+                shift = k - p
+                op = f"shr.b32 u, {src}{p}, {shift};" if shift >= 0 else f"shl.b32 u, {src}{p}, {-shift};"
+                lines += [op, f"and.b32 u, u, {0x10001 << p:#x};", "or.b32 t, t, u;"]
+            lines.append("or.b32 t, t, k;")
+            lines.append(f"sub.rn.f16x2 ${2 * k + half}, t, k;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _expand_constraints(n_planes: int, width: int) -> str:
+    return ",".join(["=r"] * (2 * (8 // width)) + ["r"] * n_planes)
+
+
+# Inline PTX, selected by constexpr branches below (Triton reads only constexpr globals).
+_ASM_P1 = tl.constexpr(_expand_asm(1, 1))
+_ASM_P2 = tl.constexpr(_expand_asm(2, 1))
+_ASM_P3 = tl.constexpr(_expand_asm(3, 1))
+_ASM_P4 = tl.constexpr(_expand_asm(4, 1))
+_ASM_W2 = tl.constexpr(_expand_asm(1, 2))
+_ASM_W4 = tl.constexpr(_expand_asm(1, 4))
+_ASM_W8 = tl.constexpr(_expand_asm(1, 8))
+_CON_P1 = tl.constexpr(_expand_constraints(1, 1))
+_CON_P2 = tl.constexpr(_expand_constraints(2, 1))
+_CON_P3 = tl.constexpr(_expand_constraints(3, 1))
+_CON_P4 = tl.constexpr(_expand_constraints(4, 1))
+_CON_W2 = tl.constexpr(_expand_constraints(1, 2))
+_CON_W4 = tl.constexpr(_expand_constraints(1, 4))
+_CON_W8 = tl.constexpr(_expand_constraints(1, 8))
 
 
 @triton.jit
@@ -72,16 +128,38 @@ def _load_planes(lo, lo_step, hi, hi_step, mask, B_LOW: tl.constexpr, NP: tl.con
 
 
 @triton.jit
-def _planes_to_f16(r0, r1, r2, r3, NP: tl.constexpr, R: tl.constexpr, T: tl.constexpr):
+def _join8(o0, o1, o2, o3, o4, o5, o6, o7, R: tl.constexpr, T: tl.constexpr):
+    """Eight [R, T // 8] tensors (code j of each byte) -> [R, T], code j of byte i at 8 i + j."""
+    x = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+    return tl.reshape(x, [R, T])
+
+
+@triton.jit
+def _planes_to_f16(r0, r1, r2, r3, NP: tl.constexpr, R: tl.constexpr, T: tl.constexpr, PTX: tl.constexpr):
     """NP bit planes (uint8 [R, T // 8] each, 8 tokens a byte) -> fp16 codes [R, T] (plane p = bit p)."""
-    code = _plane_bits(r0, R, T)
-    if NP > 1:
-        code |= _plane_bits(r1, R, T) << 1
-    if NP > 2:
-        code |= _plane_bits(r2, R, T) << 2
-    if NP > 3:
-        code |= _plane_bits(r3, R, T) << 3
-    return _codes_to_f16(code)
+    if PTX:
+        if NP == 1:
+            o = tl.inline_asm_elementwise(_ASM_P1, _CON_P1, [r0], (tl.float16,) * 8,
+                                          True, 4)
+        elif NP == 2:
+            o = tl.inline_asm_elementwise(_ASM_P2, _CON_P2, [r0, r1], (tl.float16,) * 8,
+                                          True, 4)
+        elif NP == 3:
+            o = tl.inline_asm_elementwise(_ASM_P3, _CON_P3, [r0, r1, r2],
+                                          (tl.float16,) * 8, True, 4)
+        else:
+            o = tl.inline_asm_elementwise(_ASM_P4, _CON_P4, [r0, r1, r2, r3],
+                                          (tl.float16,) * 8, True, 4)
+        return _join8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], R, T)
+    else:
+        code = _plane_bits(r0, R, T)
+        if NP > 1:
+            code |= _plane_bits(r1, R, T) << 1
+        if NP > 2:
+            code |= _plane_bits(r2, R, T) << 2
+        if NP > 3:
+            code |= _plane_bits(r3, R, T) << 3
+        return _codes_to_f16(code)
 
 
 @triton.jit
@@ -104,9 +182,23 @@ def _channel_codes(raw, BV: tl.constexpr):
 
 
 @triton.jit
-def _bytes_to_f16(raw, BV: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def _bytes_to_f16(raw, BV: tl.constexpr, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr):
     """uint8 [R, C * BV // 8], 8 // BV codes a byte (LSB first) -> fp16 codes [R, C]."""
-    return tl.reshape(_codes_to_f16(_channel_codes(raw.to(tl.int32), BV)), [R, C])
+    if PTX:
+        if BV == 1:
+            o = tl.inline_asm_elementwise(_ASM_P1, _CON_P1, [raw], (tl.float16,) * 8,
+                                          True, 4)
+            return _join8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], R, C)
+        elif BV == 2:
+            o = tl.inline_asm_elementwise(_ASM_W2, _CON_W2, [raw], (tl.float16,) * 4, True, 4)
+            return tl.reshape(tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3])), [R, C])
+        elif BV == 4:
+            o = tl.inline_asm_elementwise(_ASM_W4, _CON_W4, [raw], (tl.float16,) * 2, True, 4)
+            return tl.reshape(tl.join(o[0], o[1]), [R, C])
+        else:
+            return tl.inline_asm_elementwise(_ASM_W8, _CON_W8, [raw], tl.float16, True, 4)
+    else:
+        return tl.reshape(_codes_to_f16(_channel_codes(raw.to(tl.int32), BV)), [R, C])
 
 
 @triton.jit
@@ -132,13 +224,14 @@ def _decode_kernel(
     qk_scale, groups_per_split, n_split,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     B_LOW: tl.constexpr, NH: tl.constexpr, NSC: tl.constexpr, NSC_P: tl.constexpr, NNS_P: tl.constexpr,
-    BV: tl.constexpr, GV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BV: tl.constexpr, GV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PTX: tl.constexpr,
 ):
     """Program (b * HKV + h, split): partial attention of the GQ query heads of KV head h.
 
     ops       `kernels.operands.DecodeOperands`: the query and the cache (shapes, dtypes, packing axes there)
     pm, pl    fp32 [B * HKV, n_split + 1, M_P]      partials (`kernels.combine`), M_P >= GQ rows
     pa        fp32 [B * HKV, n_split + 1, M_P, D]
+    PTX       expand codes with inline PTX (CUDA) or Triton operations (the interpreter): same values
     Splits 0 .. n_split - 1 take groups_per_split packed groups each; split n_split the sinks and
     the residual. Bound by layout conversions, not bytes: the packed axis is the MMA's
     non-reduction axis on both sides, so the expanded codes reach the tensor cores through shared
@@ -200,19 +293,19 @@ def _decode_kernel(
                 if NNS > 0:  # non-salient channels: the B_LOW low planes
                     lo_ns = lo_g + ns_idx[:, None] * G8 + byte[None, :]
                     r0, r1, r2, r3 = _load_planes(lo_ns, D * G8, lo_ns, 0, (jn < NNS)[:, None], B_LOW, B_LOW)
-                    scores = tl.dot(u_ns, _planes_to_f16(r0, r1, r2, r3, B_LOW, NNS_P, BLOCK_T), scores)
+                    scores = tl.dot(u_ns, _planes_to_f16(r0, r1, r2, r3, B_LOW, NNS_P, BLOCK_T, PTX), scores)
                 if NSC > 0:  # salient channels: low planes, then the NH high planes (B_LOW + NH <= 4)
                     lo_s = lo_g + sal_idx[:, None] * G8 + byte[None, :]
                     hi_s = hi_g + js[:, None] * G8 + byte[None, :]
                     r0, r1, r2, r3 = _load_planes(lo_s, D * G8, hi_s, NSC * G8, (js < NSC)[:, None], B_LOW, B_LOW + NH)
-                    k_sal = _planes_to_f16(r0, r1, r2, r3, B_LOW + NH, NSC_P, BLOCK_T)
+                    k_sal = _planes_to_f16(r0, r1, r2, r3, B_LOW + NH, NSC_P, BLOCK_T, PTX)
                     scores = tl.dot(u_sal, k_sal, scores)
                 p_blk, m_i, l_i, alpha = softmax_step(scores, m_i, l_i)
                 # Values of the same tokens, dequantized in registers (fp16: q * s + z).
                 t0 = g * G + sub * BLOCK_T
                 t = t0 + tl.arange(0, BLOCK_T)
                 raw_v = tl.load(vp + t[:, None] * VROW + vbyte[None, :])  # uint8 [BLOCK_T, VROW]
-                v_codes = tl.reshape(_bytes_to_f16(raw_v, BV, BLOCK_T, D), [BLOCK_T, NVG, GV])
+                v_codes = tl.reshape(_bytes_to_f16(raw_v, BV, BLOCK_T, D, PTX), [BLOCK_T, NVG, GV])
                 sz = t[:, None] * NVG + vg[None, :]
                 v_s = tl.load(vsc + sz)
                 v_z = tl.load(vze + sz)
@@ -268,6 +361,6 @@ def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_spli
         HKV=hkv, GQ=gq, M_P=m_p, D=d, G=g, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
         NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), NNS_P=next_pow2(max(d - n_sc, 16)),
         BV=cache.value_bits, GV=cache.value_group_size, BLOCK_T=min(g, BLOCK_T), BLOCK_R=BLOCK_R,
-        num_warps=NUM_WARPS, num_stages=1,
+        PTX=q.is_cuda, num_warps=NUM_WARPS, num_stages=1,
     )
     return combine_partials(pm, pl, pa, out, hkv)
