@@ -10,15 +10,19 @@ campaign reuses scores; the single-study strategies look them up again). For eve
 seed it records, after each charged evaluation, the hypervolume of the front of what was scored
 within each budget (reference point: the budget's bits and accuracy 0) as a fraction of the true
 front's. Strategies:
-- campaign: the product's campaign (tuner.campaign.CampaignRunner, one TPE study per budget with
-  warm starts, on a real SQLite database), 30 trials a budget, without the proxy screen (a sweep
-  holds no proxy values);
+- campaign: the product's campaign with its defaults (tuner.campaign.CampaignRunner on a real
+  SQLite database: one TPE study per budget, budgets from the lowest up, every score shared with
+  every budget it fits, warm starts), 45 trials a budget as `pnmix tune`, without the proxy screen
+  (a sweep holds no proxy values); campaign-N: N trials a budget; campaign+racing: with racing;
 - random, tpe, nsga2, gp: one Optuna study over the whole space (accuracy up, key bits down);
   its front serves every budget;
 - grid: the brute-force sweep in the space's enumeration order (bit pair, G, r, sinks);
 - tpe+racing: tpe, each candidate raced (tuner/racing.py) against the front of the fully scored
-  points of no more bits on a growing share of its items, charged that share of its seconds; a
-  stopped candidate's partial accuracy is what the sampler is told.
+  points of no more bits on a growing share of its items; a stopped candidate's partial accuracy
+  is what the sampler is told.
+A rung is charged its share of each part's units times that part's seconds in the sweep (items,
+fidelity), so a race that stops early pays for what it scored; a per-evaluation fixed cost, if a
+real rung has one, is not charged (this favours racing).
 Writes bench_tuner.json and bench_tuner.png to --out and prints the tables.
 """
 
@@ -52,7 +56,8 @@ BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
 SHARES = (0.025, 0.05, 0.1, 0.2, 0.3)  # of the sweep's evaluation seconds, where the tables read
 TARGET = 0.98
 GP_TRIALS = 100
-STRATEGIES = ("campaign", "random", "tpe", "nsga2", "gp", "grid", "tpe+racing")
+STRATEGIES = ("campaign", "campaign+racing", "random", "tpe", "nsga2", "gp", "grid", "tpe+racing")
+CAMPAIGN_TRIALS = 45  # a budget: the default of `pnmix tune`
 
 
 def hypervolume(points: list[tuple[float, float]], budget: float) -> float:
@@ -69,6 +74,9 @@ class Replay:
         self.profile = SimpleNamespace(name=profile)
         self.ledger: list[tuple[str, float, bool]] = []  # (config key, seconds charged, fully scored)
         self.full: set[str] = set()
+        self.paid: dict[str, float] = {}  # seconds charged so far per config (rungs of a race add up)
+        first = records[0]["units"]
+        self.counts = {name: len(u) for name, u in first.items()}
 
     def record(self, config: PNMixConfig) -> dict[str, Any]:
         key = config_key(config)
@@ -76,18 +84,45 @@ class Replay:
             raise EvalError(f"config not in the sweep: {key}")
         return self.by_key[key]
 
-    def charge(self, config: PNMixConfig, share: float = 1.0) -> dict[str, Any]:
+    def charge(self, config: PNMixConfig, upto: dict[str, int] | None = None) -> dict[str, Any]:
+        """Charges scoring `config` on the first `upto[part]` units of each part (None: all of them),
+        less what its earlier rungs paid; a config fully scored before costs nothing."""
         r = self.record(config)
         key = config_key(config)
-        if share >= 1.0:
-            if key not in self.full:
-                self.full.add(key)
-                self.ledger.append((key, r["seconds"], True))
-        else:
-            self.ledger.append((key, share * r["seconds"], False))
+        if key in self.full:
+            return r
+        cost = self.cost(r, upto)
+        self.ledger.append((key, max(0.0, cost - self.paid.get(key, 0.0)), upto is None))
+        self.paid[key] = max(cost, self.paid.get(key, 0.0))
+        if upto is None:
+            self.full.add(key)
         return r
 
-    def evaluate(self, config: PNMixConfig, measure: bool = True) -> Any:
+    def cost(self, r: dict[str, Any], upto: dict[str, int] | None) -> float:
+        """The sweep's seconds of `r`, or of its first `upto` units: each part's seconds (items,
+        fidelity; the rest spread over both) times the share of its units."""
+        if upto is None:
+            return float(r["seconds"])
+        timings = r.get("timings") or {}
+        parts = {"fidelity": ["fidelity"], "items": [n for n in self.counts if n != "fidelity"]}
+        timed = {k: float(timings[k]) for k in parts if k in timings and parts[k]}
+        if not timed:  # no timings: the share of all units
+            return r["seconds"] * sum(upto.values()) / sum(self.counts.values())
+        scale = r["seconds"] / sum(timed.values())  # overheads outside the parts, spread in proportion
+        return sum(scale * secs * sum(upto[n] for n in parts[k]) / sum(self.counts[n] for n in parts[k])
+                   for k, secs in timed.items())
+
+    def unit_counts(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def rung(self, config: PNMixConfig, upto: dict[str, int], have: Any = None) -> Any:
+        from tuner.evaluate import Rung
+
+        r = self.charge(config, upto)
+        return Rung(units={name: list(r["units"][name][:n]) for name, n in upto.items()}, agreements=[],
+                    seconds=self.cost(r, upto))
+
+    def evaluate(self, config: PNMixConfig, measure: bool = True, have: Any = None) -> Any:
         from tuner.evaluate import Score
 
         r = self.charge(config)
@@ -116,7 +151,8 @@ def curve(replay: Replay, total_seconds: float) -> dict[str, Any]:
         xs.append(seconds / total_seconds)
         for b in BUDGETS:
             ys[b].append(hypervolume(points, b) / truth[b])
-    return {"share": xs, "fraction": {f"{b:g}": ys[b] for b in BUDGETS}, "evaluations": len(replay.ledger)}
+    return {"share": xs, "fraction": {f"{b:g}": ys[b] for b in BUDGETS}, "evaluations": len(replay.full),
+            "rungs": sum(1 for _, _, full in replay.ledger if not full)}
 
 
 def at_share(c: dict[str, Any], budget: float, share: float) -> float:
@@ -160,7 +196,7 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
         for share in racing.RUNGS[:-1]:  # the last rung is the full score: nothing left to save
             verdict = racing.judge(r["units"], bits, [(p["key_bits"], p["units"]) for p in front(scored)], share)
             if verdict.stop:
-                replay.charge(cfg, share)
+                replay.charge(cfg, racing.rung_sizes(replay.counts, share))
                 stopped[key] = verdict.accuracy
                 return verdict.accuracy, bits  # the partial score (an estimate on fewer items)
         replay.charge(cfg)  # the rungs are nested: all of them cost one full score
@@ -170,7 +206,7 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
     study.optimize(objective, n_trials=n_trials)
 
 
-def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int) -> None:
+def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int, race: bool = False) -> None:
     """The product's campaign over the replay evaluator, `trials` a budget."""
     from tuner.campaign import CampaignRunner, CampaignSpec
     from tuner.session import find_or_create_campaign, open_db
@@ -178,7 +214,7 @@ def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int) -> 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         db = open_db(f"sqlite:///{tmp}/replay.db", upgrade=True)
         spec = CampaignSpec(model="smollm2-135m", budgets=BUDGETS, n_trials=trials, method=space.method,
-                            profile="full", seed=seed, multi_fidelity=False, space=space)
+                            profile="full", seed=seed, multi_fidelity=False, racing=race, space=space)
         cid = find_or_create_campaign(db, spec)
         runner = CampaignRunner(db, db.url, cid, spec, replay)
         runner.collect_garbage = False
@@ -194,8 +230,9 @@ def run(strategy: str, space: SearchSpace, replay: Replay, seed: int, n_trials: 
         # r exists only when b_high > b_low: GP models the rest and samples r at random.
         "gp": lambda: optuna.samplers.GPSampler(seed=seed, n_startup_trials=10, warn_independent_sampling=False),
     }
-    if strategy.startswith("campaign"):  # "campaign" (30 trials a budget, the default) or "campaign-N"
-        run_campaign(space, replay, seed, trials=int(strategy.partition("-")[2] or 30))
+    if strategy.startswith("campaign"):  # "campaign" (the default trial count), "campaign-N", "...+racing"
+        name, race = strategy.removesuffix("+racing"), strategy.endswith("+racing")
+        run_campaign(space, replay, seed, trials=int(name.partition("-")[2] or CAMPAIGN_TRIALS), race=race)
     elif strategy == "grid":
         for cfg in space.configs():
             replay.charge(cfg)
@@ -305,9 +342,18 @@ def main() -> None:
         med = statistics.median(reach)
         row["share_to_target"] = reach
         row["evaluations"] = statistics.median(c["evaluations"] for c in curves)
+        row["final_share"] = [c["share"][-1] if c["share"] else 0.0 for c in curves]
+        row["final"] = {f"{b:g}": [c["fraction"][f"{b:g}"][-1] if c["share"] else 0.0 for c in curves]
+                        for b in BUDGETS}
         summary["strategies"][name] = row
         print(f"| {name} | " + " | ".join(cells) + f" | {'never' if math.isinf(med) else f'{100 * med:.1f}%'} | "
               f"{row['evaluations']:.0f} |")
+    print("\nAt the end of each search: median share of the sweep's seconds spent, and median fraction")
+    print("| strategy | seconds share | " + " | ".join(f"{b:g} bits" for b in BUDGETS) + " |")
+    print("| --- " * (len(BUDGETS) + 2) + "|")
+    for name, row in summary["strategies"].items():
+        print(f"| {name} | {100 * statistics.median(row['final_share']):.1f}% | "
+              + " | ".join(f"{statistics.median(row['final'][f'{b:g}']):.3f}" for b in BUDGETS) + " |")
     (out / "bench_tuner.json").write_text(json.dumps(summary, indent=1))
     plot(results, out / "bench_tuner.png")
     print(f"\nwrote {out / 'bench_tuner.json'} and {out / 'bench_tuner.png'}")
