@@ -6,7 +6,7 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from pnmix.inputs import BUDGET, TRIALS
 from pnmix.names import BACKENDS, METHODS
@@ -17,6 +17,17 @@ from tuner.profiles import PROFILES
 
 # The ranges are pnmix.inputs', the command line's too: `pnmix recommend --bits` takes what `target_bits` takes.
 Budget = Annotated[float, Field(**BUDGET.constraints(), description="key bits per element")]
+
+
+def _whole(v: Any) -> Any:
+    """A JSON number with no fractional part (`30.0`) is an integer to JSON Schema, so to us;
+    `true` and `"30"` stay what they are and the strict check refuses them."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole)]
 Status = Literal[CAMPAIGN_STATUSES]  # type: ignore[valid-type]
 Optimize = Literal[OPTIMIZE]  # type: ignore[valid-type]
 
@@ -180,7 +191,7 @@ class CampaignCreate(BaseModel):
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name (not a "
                        "random-weight shape model: a campaign scores accuracy)")
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
-    n_trials: int = Field(default=45, ge=TRIALS.low, le=TRIALS.high,
+    n_trials: WholeNumber = Field(default=45, ge=TRIALS.low, le=TRIALS.high,
                           description="trials per budget (the default is `pnmix tune`'s)")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
     profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]
