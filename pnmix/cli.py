@@ -242,7 +242,7 @@ def generate(
         summary += " | " + _quantized_note(cache, config, ids["input_ids"].shape[1] + out.shape[1] - 1)
     console.print(tok.decode(out[0], skip_special_tokens=True))
     console.print(f"[dim]{out.shape[1]} tokens in {seconds:.1f} s ({path}) | prompt {ids['input_ids'].shape[1]} "
-                  f"tokens | {summary}[/dim]")
+                  f"tokens | {summary}[/dim]", soft_wrap=True)  # one line, however long: logs grep it
 
 
 def _quantized_note(cache: Any, config: PNMixConfig, tokens: int) -> str:

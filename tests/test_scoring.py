@@ -178,8 +178,8 @@ def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedd
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("--profile", "huge"), "unknown profile"),
-        (("--tasks", "passkey,poetry"), "unknown task 'poetry'"),
+        (("--profile", "huge"), "invalid --profile 'huge': allowed one of quick, full, smoke"),
+        (("--tasks", "passkey,poetry"), "invalid --tasks 'passkey,poetry': allowed distinct names among passkey"),
         (("--model", "no-such-model"), "unknown model"),
         (("--tasks", "gsm8k"), "needs a JSONL file"),
     ],

@@ -201,4 +201,4 @@ def test_cli_generate_static_prints_the_same_text(embedded):
     assert "static cache, eager" in static[-1] and "12 tokens" in static[-1]
     bad = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "hi", "--device", "tpu"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: invalid device='tpu': allowed cpu or cuda"
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: invalid --device 'tpu': allowed one of cpu, cuda"
