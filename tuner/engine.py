@@ -87,6 +87,24 @@ def free_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+def median_step_seconds(step: Callable[[], object], repeats: int, steps: int, cuda: bool) -> float:
+    """Seconds per decode step: two untimed steps (compile, capture, first allocations), then the
+    median over `repeats` timed runs of `steps` steps each, so one slow run cannot set the figure."""
+    for _ in range(2):
+        step()
+    run_times: list[float] = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        run_times.append((time.perf_counter() - t0) / steps)
+    return statistics.median(run_times)
+
+
 class ScoringEngine:
     """Scores configs on fixed items and trajectories of one model (see the module docstring).
 
@@ -386,26 +404,11 @@ class ScoringEngine:
         first = state.logits.argmax(-1)[None]
         cache = build_cache(self.model, config, [state])
         repeats, steps = COST_REPEATS["cuda" if cuda else "cpu"], COST_STEPS["cuda" if cuda else "cpu"]
-        run_times: list[float] = []  # seconds per step, one entry per timed run
-
-        def timed_runs(step: Callable[[], object]) -> None:
-            for _ in range(2):  # untimed: compile and capture (CUDA), first allocations
-                step()
-            for _ in range(repeats):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                if cuda:
-                    torch.cuda.synchronize()
-                run_times.append((time.perf_counter() - t0) / steps)
-
         if method is not None:
             static = StaticGenerator(self.model, method, max_len=COST_PROMPT_TOKENS + 4 + repeats * steps)
             static.start(cache, first)
             del cache
-            timed_runs(static.step)
+            step_seconds = median_step_seconds(static.step, repeats, steps, cuda)
         else:
             kw = cache_kwargs(self.model, cache)
             ids, pos = first[:, None], torch.tensor([[state.length]], device=self.device)
@@ -415,8 +418,7 @@ class ScoringEngine:
                 logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **self._last_only, **kw).logits
                 ids, pos = logits[:, -1].argmax(-1, keepdim=True), pos + 1
 
-            timed_runs(step)
-        step_seconds = statistics.median(run_times)
+            step_seconds = median_step_seconds(step, repeats, steps, cuda)
         peak = None
         if cuda:
             weights = sum(p.nbytes for p in self.model.parameters())

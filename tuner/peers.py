@@ -173,10 +173,9 @@ def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | 
     peer cache, and greedy decode steps follow. Bytes: what the cache holds once COST_NEW_TOKENS - 1
     new tokens went in. Tokens/s as the engine times PN-Mix (`ScoringEngine.measure_cost`): two
     untimed steps, then COST_REPEATS runs of COST_STEPS steps, one over the median step time."""
-    import statistics
 
     from pnmix.generation import cache_kwargs
-    from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, COST_REPEATS, COST_STEPS
+    from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, COST_REPEATS, COST_STEPS, median_step_seconds
 
     device = model.device
     cuda = device.type == "cuda"
@@ -200,25 +199,14 @@ def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | 
         if fed == COST_NEW_TOKENS - 1:  # the last new token is never fed back, as in `generate`
             kv_bytes = cache_bytes(cache)
 
-    for _ in range(2):  # untimed: first allocations
-        step()
-    run_times: list[float] = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-        run_times.append((time.perf_counter() - t0) / steps)
+    step_seconds = median_step_seconds(step, repeats, steps, cuda)  # as the engine times PN-Mix
     while fed < COST_NEW_TOKENS - 1:
         step()
     peak = None
     if cuda:
         weights = sum(q.nbytes for q in model.parameters())
         peak = weights + int(torch.cuda.max_memory_allocated(device)) - before
-    return kv_bytes, 1.0 / statistics.median(run_times), peak
+    return kv_bytes, 1.0 / step_seconds, peak
 
 
 def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
