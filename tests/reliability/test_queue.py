@@ -49,7 +49,7 @@ def test_enqueue_refuses_what_no_worker_can_run(pg_url):
         json.dumps({**good, "budgets": ["3.0"]}),
         json.dumps({**good, "n_trials": True}),
         json.dumps({**good, "n_trials": "30"}),
-        json.dumps({**good, "n_trials": 3.0}),
+        json.dumps({**good, "n_trials": 3.5}),  # 3.0 is an integer to JSON Schema, so it is taken as 3
         '{"model": "smollm2-135m", "budgets": [3.0], "budgets": [2.0]}',
         '{"model": "smollm2-135m", "model": "qwen3-8b-shape", "budgets": [3.0]}',
         json.dumps({**good, "model": "qwen3-8b-shape"}),
