@@ -61,6 +61,34 @@ class Score:
     units: dict[str, list[float]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds by part, and "cost"
 
+    @classmethod
+    def from_units(cls, units: dict[str, list[float]], agreements: list[float], timings: dict[str, float],
+                   cost: tuple[int, float, int | None], **fields: Any) -> Score:
+        """The Score of per-unit outcomes: the parts, the combined accuracy, their standard errors and
+        the fidelity means all follow from `units` (and `agreements`); `cost` is (bytes held, decode
+        tokens/s, peak device bytes); `fields` the rest (config, key_bits, backend, device, versions,
+        seconds, profile). PN-Mix configs and transformers' peers are scored into it alike."""
+        if not units:
+            raise EvalError("no task produced a score (every item was filtered out); use more items or other tasks")
+        parts = {name: stats.part_score(name, u) for name, u in units.items()}
+        kls = units.get("fidelity", [])
+        kv_bytes, tok_s, peak = cost
+        return cls(
+            accuracy=stats.combine(parts),
+            parts=parts,
+            fidelity_agreement=sum(agreements) / len(agreements) if agreements else float("nan"),
+            fidelity_kl=sum(kls) / len(kls) if kls else float("nan"),
+            kv_bytes=kv_bytes,
+            decode_tokens_per_s=tok_s,
+            peak_memory_bytes=peak,
+            items={name: len(u) for name, u in units.items()},
+            accuracy_se=stats.combined_se(units),
+            parts_se={name: stats.part_se(name, u) for name, u in units.items()},
+            units=units,
+            timings=timings,
+            **fields,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -327,36 +355,21 @@ class Evaluator:
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()
         units, agreements, timings = self._units(config, reference, have=have)
-        if not units:
-            raise EvalError("no task produced a score (every item was filtered out); use more items or other tasks")
-        parts = {name: stats.part_score(name, u) for name, u in units.items()}
-        kv_bytes, tok_s, peak = 0, float("nan"), None
-        if measure:
+        cost: tuple[int, float, int | None] = (0, float("nan"), None)
+        if measure and units:
             self.progress("measuring bytes and decode throughput")
             t0 = time.perf_counter()
-            kv_bytes, tok_s, peak = self.measure_cost(config)
+            cost = self.measure_cost(config)
             timings["cost"] = time.perf_counter() - t0
-        kls = units.get("fidelity", [])
-        return Score(
+        return Score.from_units(
+            units, agreements, timings, cost,
             config=config.to_dict(),
-            accuracy=stats.combine(parts),
-            parts=parts,
-            fidelity_agreement=sum(agreements) / len(agreements) if agreements else float("nan"),
-            fidelity_kl=sum(kls) / len(kls) if kls else float("nan"),
             key_bits=key_bits(config, self.head_dim).total,
-            kv_bytes=kv_bytes,
-            decode_tokens_per_s=tok_s,
-            peak_memory_bytes=peak,
             backend=self.backend,
             device=self._device_name(),
             versions=versions(),
             seconds=time.perf_counter() - start + (have.seconds if have else 0.0),
             profile=self.profile.name,
-            items={name: len(u) for name, u in units.items()},
-            accuracy_se=stats.combined_se(units),
-            parts_se={name: stats.part_se(name, u) for name, u in units.items()},
-            units=units,
-            timings=timings,
         )
 
     def measure_cost(self, config: PNMixConfig) -> tuple[int, float, int | None]:

@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pnmix.errors import PNMixError
-from tuner import stats
-from tuner.profiles import EvalError
 
 if TYPE_CHECKING:
     from tuner.evaluate import Evaluator, Score
@@ -243,36 +241,21 @@ def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
         timings["fidelity"] = time.perf_counter() - t0
         agreements = [a for a, _ in pairs]
         units["fidelity"] = [kl for _, kl in pairs]
-    if not units:
-        raise EvalError("no task produced a score (every item was filtered out); use more items or other tasks")
-    parts = {name: stats.part_score(name, u) for name, u in units.items()}
-    kv_bytes, tok_s, peak = 0, float("nan"), None
-    if measure:
+    cost: tuple[int, float, int | None] = (0, math.nan, None)
+    if measure and units:
         evaluator.progress(f"{p.name}: measuring bytes and decode throughput")
         t0 = time.perf_counter()
-        kv_bytes, tok_s, peak = measure_cost(model, p, evaluator.seed)
+        cost = measure_cost(model, p, evaluator.seed)
         timings["cost"] = time.perf_counter() - t0
-    kls = units.get("fidelity", [])
-    return Score(
+    return Score.from_units(
+        units, agreements, timings, cost,
         config=p.to_dict(),
-        accuracy=stats.combine(parts),
-        parts=parts,
-        fidelity_agreement=sum(agreements) / len(agreements) if agreements else math.nan,
-        fidelity_kl=sum(kls) / len(kls) if kls else math.nan,
         key_bits=p.key_bits(evaluator.head_dim),
-        kv_bytes=kv_bytes,
-        decode_tokens_per_s=tok_s,
-        peak_memory_bytes=peak,
         backend=f"transformers QuantizedCache ({p.backend})",
         device=evaluator._device_name(),
         versions={**versions(), **package_versions(p)},
         seconds=time.perf_counter() - start,
         profile=evaluator.profile.name,
-        items={name: len(u) for name, u in units.items()},
-        accuracy_se=stats.combined_se(units),
-        parts_se={name: stats.part_se(name, u) for name, u in units.items()},
-        units=units,
-        timings=timings,
     )
 
 
