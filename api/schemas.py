@@ -191,7 +191,7 @@ class CampaignCreate(BaseModel):
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name (not a "
                        "random-weight shape model: a campaign scores accuracy)")
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
-    n_trials: WholeNumber = Field(default=45, ge=TRIALS.low, le=TRIALS.high,
+    n_trials: WholeNumber = Field(default=30, ge=TRIALS.low, le=TRIALS.high,
                           description="trials per budget (the default is `pnmix tune`'s)")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
     profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]

@@ -12,7 +12,8 @@ within each budget (reference point: the budget's bits and accuracy 0) as a frac
 front's. Strategies:
 - campaign: the product's campaign with its defaults (tuner.campaign.CampaignRunner on a real
   SQLite database: one TPE study per budget, budgets from the lowest up, every score shared with
-  every budget it fits, warm starts), 45 trials a budget as `pnmix tune`, without the proxy screen
+  every budget it fits, warm starts including each bit pair's config that fills the budget, a
+  neighbour of a re-proposed config scored in its place), 30 trials a budget as `pnmix tune`, without the proxy screen
   (a sweep holds no proxy values); campaign-N: N trials a budget; campaign+racing: with racing;
 - random, tpe, nsga2, gp: one Optuna study over the whole space (accuracy up, key bits down);
   its front serves every budget;
@@ -57,7 +58,7 @@ SHARES = (0.025, 0.05, 0.1, 0.2, 0.3)  # of the sweep's evaluation seconds, wher
 TARGET = 0.98
 GP_TRIALS = 100
 STRATEGIES = ("campaign", "campaign+racing", "random", "tpe", "nsga2", "gp", "grid", "tpe+racing")
-CAMPAIGN_TRIALS = 45  # a budget: the default of `pnmix tune`
+CAMPAIGN_TRIALS = 30  # a budget: the default of `pnmix tune`
 
 
 def hypervolume(points: list[tuple[float, float]], budget: float) -> float:

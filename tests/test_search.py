@@ -166,3 +166,67 @@ def test_bench_tuner_replays_every_strategy_on_the_ground_truth(tmp_path):
     assert all(0.0 < x <= 0.2 for x in raced["final_share"])
     # The whole sweep reaches the true front exactly; random search at 10% of its seconds does not.
     assert max(summary["strategies"]["random"]["at_10pct"]["2.25"]) < 1.0
+
+
+# -- the campaign's own proposals ----------------------------------------------------------------
+
+
+def test_fullest_within_fills_each_pairs_budget_without_passing_it():
+    from pnmix.bits import key_bits
+    from tuner.space import RATIOS
+
+    space = SearchSpace()
+    for budget in (3.0, 2.5, 2.25, 2.0, 1.5):
+        configs = space.fullest_within(budget, 64)
+        pairs = {f"{c.b_high}/{c.b_low}" for c in configs}
+        assert len(pairs) == len(configs) and pairs <= set(space.pairs_within(budget, 64))
+        for c in configs:
+            assert space.contains(c) and key_bits(c, 64).total <= budget
+            if c.b_high > c.b_low and c.salient_ratio < RATIOS[-1]:  # one more step of r is over the budget
+                richer = space.config(c.b_high, c.b_low, c.group_size, round(c.salient_ratio + 0.1, 1), 0)
+                assert key_bits(richer, 64).total > budget, (budget, c.label)
+    # At 3.0 bits the 4/2 pair's fullest config is the true best's own corner: G128, r0.3.
+    top = {f"{c.b_high}/{c.b_low}": c for c in space.fullest_within(3.0, 64)}["4/2"]
+    assert (top.group_size, top.salient_ratio) == (128, 0.3)
+
+
+def test_neighbours_differ_by_one_step_of_one_knob():
+    space = SearchSpace()
+    cfg = space.config(3, 1, 64, 0.5, 16)
+    got = {c.label for c in space.neighbours(cfg)}
+    assert got == {"3/1 G64 r0.5 s8", "3/1 G64 r0.5 s32", "3/1 G64 r0.4 s16", "3/1 G64 r0.6 s16",
+                   "3/1 G32 r0.5 s16", "3/1 G128 r0.5 s16"}
+    edge = {c.label for c in space.neighbours(space.config(2, 2, 128, 0.0, 0))}
+    assert edge == {"2/2 G128 r0 s8", "2/2 G64 r0 s0"}  # no ratio for a uniform pair; no step past an end
+    assert {c.label for c in SearchSpace("kivi").neighbours(preset("kivi2"))} == {"2/2 G64 r0 s0"}
+
+
+def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
+    """On the ground truth: every trial the campaign queued as a neighbour is one step from the config
+    re-proposed before it, fits its budget, and is scored by its own run (no study held it before)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tuner import BUDGETS, Replay, head_dim_of
+
+    from tuner.campaign import CampaignRunner, CampaignSpec, scored_here
+    from tuner.session import find_or_create_campaign, open_db
+
+    replay = Replay(truth.records, head_dim_of(truth.records), "full", 0)
+    db = open_db(f"sqlite:///{tmp_path / 'r.db'}", upgrade=True)
+    spec = CampaignSpec(model="smollm2-135m", budgets=BUDGETS, n_trials=12, profile="full", seed=0,
+                        multi_fidelity=False, space=SearchSpace())
+    runner = CampaignRunner(db, db.url, find_or_create_campaign(db, spec), spec, replay)
+    studies = runner.run()
+    order = [key for key, _, _ in replay.ledger]  # every config the campaign paid for
+    queued = 0
+    for budget, study in studies.items():
+        for t in study.get_trials(deepcopy=False):
+            if "neighbour_of" not in t.user_attrs or t.user_attrs.get("shared"):  # not a copy another budget made
+                continue
+            queued += 1
+            cfg = PNMixConfig.from_dict(t.user_attrs["config"])
+            origin = next(c for c in SearchSpace().configs() if c.label == t.user_attrs["neighbour_of"])
+            assert cfg.label in {c.label for c in SearchSpace().neighbours(origin)}
+            assert t.user_attrs["key_bits"] <= budget
+            assert scored_here(t) and config_key(cfg) in order  # run here, not a copy of an earlier score
+    assert queued >= 5
+    db.engine.dispose()

@@ -19,9 +19,9 @@ A trial:
    the budget is an Optuna constraint (`key_bits - budget <= 0`); a config over budget never
    runs inference: it completes with accuracy 0 and is marked infeasible, so the sampler learns;
    a config the campaign already scored takes its score (no inference);
-2. multi-fidelity: the proxy (attention KL on recorded traces, milliseconds) screens it; a
-   candidate that an already fully evaluated trial beats on both proxy KL and key bits is pruned
-   (recorded as PRUNED with its proxy value), because it is unlikely to reach the front;
+2. multi-fidelity (opt-in, `--multi-fidelity`): the proxy (attention KL on recorded traces,
+   milliseconds) screens it; a candidate that an already fully evaluated trial beats on both
+   proxy KL and key bits is pruned (recorded as PRUNED with its proxy value);
 3. otherwise full evaluation by real inference (tuner.evaluate).
 After every finished trial the (campaign, budget) front, the study's feasible Pareto trials,
 replaces the stored one in one transaction: a killed run leaves the last whole front.
@@ -49,6 +49,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -99,7 +100,7 @@ class CampaignSpec:
     profile: str = "quick"
     objectives: tuple[str, ...] = ("accuracy", "key_bits")
     seed: int = 0
-    multi_fidelity: bool = True
+    multi_fidelity: bool = False  # the proxy screen: opt-in (docs/search.md, "Multi-fidelity")
     racing: bool = False  # race candidates on growing shares of the items (tuner/racing.py)
     backend: str = "auto"
     tasks: tuple[str, ...] | None = None
@@ -346,9 +347,13 @@ class CampaignRunner:
         return self._studies[budget]
 
     def _warm_start(self, study: optuna.Study, budget: float) -> None:
-        """Enqueues pnmix-paper, KIVI at the budget and the model's previous front (new studies only)."""
+        """Enqueues pnmix-paper, KIVI and Kitty where they fit the budget, the model's previous front,
+        and per bit pair the config that fills the budget (`SearchSpace.fullest_within`: the top of
+        a budget's front is where its best point lies, and TPE alone seldom reaches it); new studies
+        only."""
         candidates: list[PNMixConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
         candidates += self._stored_fronts(budget)
+        candidates += self.spec.space.fullest_within(budget, self.head_dim)
         seen = set()
         space = self.spec.space
         for cfg in candidates:
@@ -402,6 +407,7 @@ class CampaignRunner:
                 trial.set_user_attr("reused_from", twin.number)  # that trial stands on this front
             else:  # scored under another budget: the score is the same, and it belongs on this front too
                 trial.set_user_attr("score_from", f"{source}#{twin.number}")
+            self._enqueue_neighbour(trial.study, config, budget, trial.number)
             return tuple(twin.values)
         warm = bool(trial.user_attrs.get("warm_start"))
         if self.spec.multi_fidelity:  # warm starts get a proxy value too: they anchor the pruning rule
@@ -459,6 +465,32 @@ class CampaignRunner:
                 raise optuna.TrialPruned(f"beaten by a front point at <= {bits:.3f} bits by {diff:.3f} "
                                          f"(z {verdict.z:.2f}) on {share:g} of the items")
         return have
+
+    def _enqueue_neighbour(self, study: optuna.Study, config: PNMixConfig, budget: float, number: int) -> None:
+        """A sampler that proposes a config already scored has converged around it: the slot it
+        spent buys nothing, so the next trial of the budget scores a neighbour of that config (one
+        knob one step away, within the budget, drawn in an order seeded by the campaign's seed and
+        the trial number) that no study of the campaign has scored or queued yet. On the ground
+        truth this turns the re-proposals (about half of a budget's trials) into a local search
+        along the front (docs/search.md, "Budgets")."""
+        if len(finished(study)) + 1 >= self.spec.n_trials:  # this trial is the budget's last: no slot left
+            return
+        scored = set()
+        for b in self.spec.budgets:
+            st = study if study_name(self.campaign_id, b) == study.study_name else self._peek(b)
+            if st is not None:
+                scored |= scored_configs(st)
+        # A queued trial holds its parameters in fixed_params until a worker starts it.
+        pending = {json.dumps(t.system_attrs.get("fixed_params", t.params), sort_keys=True) for t in study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))}
+        candidates = self.spec.space.neighbours(config)
+        random.Random(self.spec.seed * 100_003 + number).shuffle(candidates)
+        for cfg in candidates:
+            params = SearchSpace.params_of(cfg, self.spec.space.method)
+            if (key_bits(cfg, self.head_dim).total <= budget and config_key(cfg.to_dict()) not in scored
+                    and json.dumps(params, sort_keys=True) not in pending):
+                study.enqueue_trial(params, user_attrs={"neighbour_of": config.label})
+                return
 
     def _evaluated_twin(self, study: optuna.Study,
                         config: PNMixConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:

@@ -289,7 +289,7 @@ def tune(
                                                         parser=Number(inputs.BUDGET))] = None,
     # 45: in the replay against the ground truth (benchmarks/bench_tuner.py) 45 a budget reached
     # 0.97-0.98 of the true front at each budget within a tenth of a full sweep's seconds; 30, 0.88-0.95.
-    trials: TrialsOpt = 45,
+    trials: TrialsOpt = 30,
     method: MethodOpt = "pnmix",
     profile_name: ProfileOpt = "quick",
     objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput]",
@@ -297,7 +297,9 @@ def tune(
                           ] = "accuracy,key_bits",
     backend: BackendOpt = "auto",
     seed: SeedOpt = 0,
-    multi_fidelity: Annotated[bool, typer.Option(help="screen candidates with the proxy")] = True,
+    multi_fidelity: Annotated[bool, typer.Option(
+        help="screen candidates with the attention-KL proxy before scoring them (off by default: on the "
+             "GPU it pruned configs of the true front)")] = False,
     racing: Annotated[bool, typer.Option(help="race candidates on growing shares of the items")] = False,
     tasks: Annotated[str | None, typer.Option(help=f"comma-separated: {', '.join(CAMPAIGN_TASKS)}",
                                               parser=Names(CAMPAIGN_TASKS, with_arguments=ARGUMENT_TASKS))] = None,

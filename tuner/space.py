@@ -85,6 +85,49 @@ class SearchSpace:
                 params["n_sink"] = config.n_sink
         return params
 
+    def fullest_within(self, budget: float, head_dim: int) -> list[PNMixConfig]:
+        """Per bit pair, the config that spends the budget on what buys accuracy: the most salient
+        channels (mixed pairs: the largest G and the most sinks, then the largest r that fits) or
+        the finest groups (uniform pairs: the smallest G that fits, the most sinks). Group metadata
+        and sinks cost a few hundredths of a bit; the salient ratio and G are where bits go."""
+        from pnmix.bits import key_bits
+
+        sinks = [32] if self.method == "kitty" else [0] if self.method == "kivi" else sorted(SINKS, reverse=True)
+        out: list[PNMixConfig] = []
+        for pair in self.pairs_within(budget, head_dim):
+            hi, lo = (int(x) for x in pair.split("/"))
+            if hi > lo and self.method != "kivi":
+                tries = [(max(GROUP_SIZES), r, s) for r in sorted(RATIOS, reverse=True) for s in sinks]
+            else:
+                tries = [(g, 0.0, s) for g in sorted(GROUP_SIZES) for s in sinks]
+            configs = (self.config(hi, lo, g, r, s) for g, r, s in tries)
+            first = next((c for c in configs if key_bits(c, head_dim).total <= budget), None)
+            if first is not None:
+                out.append(first)
+        return out
+
+    def neighbours(self, config: PNMixConfig) -> list[PNMixConfig]:
+        """The configs of the space one step from `config` on one searched knob (sinks, salient ratio,
+        group size: the next value down or up), in that order."""
+        if not self.contains(config):
+            return []
+
+        def steps(values: list[Any], v: Any) -> list[Any]:
+            i = values.index(v)
+            return [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
+
+        c = config
+        out: list[PNMixConfig] = []
+        if self.method == "pnmix":
+            out += [self.config(c.b_high, c.b_low, c.group_size, c.salient_ratio, s)
+                    for s in steps(list(SINKS), c.n_sink)]
+        if self.method != "kivi" and c.b_high > c.b_low:
+            out += [self.config(c.b_high, c.b_low, c.group_size, r, c.n_sink)
+                    for r in steps(list(RATIOS), c.salient_ratio)]
+        out += [self.config(c.b_high, c.b_low, g, c.salient_ratio, c.n_sink)
+                for g in steps(list(GROUP_SIZES), c.group_size)]
+        return out
+
     def contains(self, config: PNMixConfig) -> bool:
         if f"{config.b_high}/{config.b_low}" not in self.bit_pairs() or config.group_size not in GROUP_SIZES:
             return False
