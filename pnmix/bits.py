@@ -14,9 +14,11 @@ and `n_sink` fp16 sink tokens in front of them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from pnmix.config import UNQUANTIZED_BITS, PNMixConfig
+from pnmix.layerwise import LayerwiseConfig, as_layerwise
 
 DEFAULT_QUANTIZED_TOKENS = 32768
 FP16_BITS = 16
@@ -65,6 +67,23 @@ def key_bits(
     )
 
 
+def key_bits_by_layer(config: PNMixConfig | LayerwiseConfig, num_layers: int, head_dim: int = 128,
+                      quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> list[KeyBits]:
+    """`key_bits` of each layer's config. Every layer holds as many key elements, so the model's
+    average is the plain mean of the layers' figures (`mean_key_bits`)."""
+    return [key_bits(c, head_dim, quantized_tokens) for c in as_layerwise(config).per_layer(num_layers)]
+
+
+def mean_key_bits(config: PNMixConfig | LayerwiseConfig, num_layers: int, head_dim: int = 128,
+                  quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+    """The model's average key bits per element (metadata included: the tuner's figure); a config
+    whose layers are all alike gives exactly its single figure."""
+    configs = as_layerwise(config).per_layer(num_layers)
+    if len(set(configs)) == 1:
+        return key_bits(configs[0], head_dim, quantized_tokens).total
+    return math.fsum(key_bits(c, head_dim, quantized_tokens).total for c in configs) / num_layers
+
+
 def value_bits(config: PNMixConfig) -> float:
     """Average value bits per element: b_V plus an fp16 scale and zero per group of G_V channels."""
     if not config.values_quantized:
@@ -104,7 +123,16 @@ class KVBytes:
         return asdict(self)
 
 
-def kv_cache_bytes(config: PNMixConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:
+def kv_cache_bytes(config: PNMixConfig | LayerwiseConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:
+    """Bytes of the whole cache; a layer-wise config is summed layer by layer."""
+    if isinstance(config, LayerwiseConfig):
+        one = ModelShape(1, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        layers = [_kv_bytes(c, one, batch, seq_len).as_dict() for c in config.per_layer(shape.num_layers)]
+        return KVBytes(**{name: sum(layer[name] for layer in layers) for name in layers[0]})
+    return _kv_bytes(config, shape, batch, seq_len)
+
+
+def _kv_bytes(config: PNMixConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:
     d = shape.head_dim
     heads = shape.num_layers * shape.num_kv_heads * batch  # independent (layer, KV head, sequence) slots
     fp16_total = heads * seq_len * d * 2 * 2

@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from pnmix import backend, packing
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.families import check_model
+from pnmix.layerwise import LayerwiseConfig, as_layerwise
 from pnmix.saliency import Pairing, pair_channels, saliency_scores, select_salient_pairs
 
 REGIONS = ("packed_keys", "key_scales", "salient_sets", "packed_values", "value_scales", "sinks", "residual")
@@ -636,14 +637,18 @@ class PNMixCache(Cache):
     dequantized view, updated as groups are packed, instead of rebuilding it from the bytes each step.
     """
 
-    def __init__(self, model_config: Any, config: PNMixConfig, multi_token: bool = False) -> None:
-        if not isinstance(config, PNMixConfig):  # e.g. a dict or JSON text read from a file
+    def __init__(self, model_config: Any, config: PNMixConfig | LayerwiseConfig, multi_token: bool = False) -> None:
+        if not isinstance(config, PNMixConfig | LayerwiseConfig):  # e.g. a dict or JSON text read from a file
             raise ConfigError("config", type(config).__name__,
-                              "a PNMixConfig (load JSON with PNMixConfig.from_json or from_dict)")
-        pairing, _ = check_model(model_config, config)
+                              "a PNMixConfig or LayerwiseConfig (load JSON with pnmix.layerwise.load_config)")
+        layerwise = as_layerwise(config)
+        pairing, _ = check_model(model_config, layerwise.default)  # what it checks is shared by every layer
         text = model_config.get_text_config(decoder=True)
-        self.pnmix_config = config
-        layers = [PNMixLayer(config, pairing, i) for i in range(text.num_hidden_layers)]
+        # The shared fields (G, residual, sinks, values) are the default's: the static path reads them here.
+        self.pnmix_config = layerwise.default
+        self.layerwise = layerwise
+        per_layer = layerwise.per_layer(text.num_hidden_layers)
+        layers = [PNMixLayer(cfg, pairing, i) for i, cfg in enumerate(per_layer)]
         for layer in layers:
             layer.multi_token = multi_token
         super().__init__(layers=list[Any](layers))

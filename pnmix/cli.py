@@ -17,7 +17,7 @@ from rich.table import Table
 from pnmix import inputs
 from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
 from pnmix.config import CRITERIA, GROUP_SIZES, KEY_BITS, PRESETS, UNQUANTIZED_BITS, VALUE_BITS, PNMixConfig, preset
-from pnmix.inputs import INT32_MAX, Choice, Int, ModelName, Number, Range, Text
+from pnmix.inputs import INT32_MAX, Choice, InputFile, Int, ModelName, Number, Range, Text
 from pnmix.models import chat_ids
 
 # Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
@@ -98,16 +98,35 @@ def bits(
     seq_len: Annotated[int, typer.Option(help="sequence length for the KV byte total",
                                          parser=Int(inputs.COUNT))] = 8192,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    config_file: Annotated[str | None, typer.Option(
+        "--config", help="a JSON file holding a PNMixConfig or a layer-wise config (docs/layerwise.md); "
+                         "replaces the knob options", parser=InputFile())] = None,
+    layers: Annotated[int | None, typer.Option(help="layers of the model, for a layer-wise --config without "
+                                                    "--model", parser=Int(_POSITIVE))] = None,
 ) -> None:
-    """Bit-width breakdown of one PN-Mix config (docs/design.md, "Bit-width accounting")."""
-    config = config_from_options(
-        preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
-    )
+    """Bit-width breakdown of one PN-Mix config (docs/design.md, "Bit-width accounting"); for a
+    layer-wise config, each layer's key bits and the model's average."""
+    from pathlib import Path
+
+    from pnmix.layerwise import LayerwiseConfig, load_config
+
     shape: ModelShape | None = None
     if model is not None:
         from pnmix.models import model_shape
 
         shape = model_shape(model)
+    loaded = load_config(Path(config_file).read_bytes()) if config_file else None
+    if isinstance(loaded, LayerwiseConfig):
+        n_layers = shape.num_layers if shape is not None else layers
+        if n_layers is None:
+            raise inputs.InputError("--layers", "(missing)",
+                                    "the model's layer count (or --model) for a layer-wise config")
+        d = head_dim if head_dim is not None else (shape.head_dim if shape else 128)
+        _layerwise_bits(loaded, n_layers, d, tokens, shape, model, batch, seq_len, as_json)
+        return
+    config = loaded if loaded is not None else config_from_options(
+        preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
+    )
     d = head_dim if head_dim is not None else (shape.head_dim if shape else 128)
     config.check_head_dim(d)
     kb = key_bits(config, d, tokens)
@@ -136,6 +155,46 @@ def bits(
             f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
             f"(fp16 {kv.fp16_total / 2**20:.2f} MiB, {kv.fp16_total / max(kv.total, 1):.2f}x smaller)"
         )
+
+
+def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int, shape: ModelShape | None, model: str | None,
+                    batch: int, seq_len: int, as_json: bool) -> None:
+    """`pnmix bits --config` for a layer-wise config: key bits per layer and the model's average."""
+    from pnmix.bits import key_bits_by_layer, mean_key_bits
+
+    config.default.check_head_dim(d)
+    per_layer = config.per_layer(n_layers)
+    kbs = key_bits_by_layer(config, n_layers, d, tokens)
+    report: dict[str, Any] = {
+        "config": config.to_dict(), "head_dim": d, "layers": n_layers,
+        "key_bits_by_layer": [{"layer": i, "config": c.label, "total": kb.total, "key_bits": kb.key_bits}
+                              for i, (c, kb) in enumerate(zip(per_layer, kbs, strict=True))],
+        "mean_key_bits": mean_key_bits(config, n_layers, d, tokens),
+        "value_bits": value_bits(config.default),
+    }
+    if shape is not None:
+        report["model"] = model
+        report["kv_bytes"] = kv_cache_bytes(config, shape, batch, seq_len).as_dict()
+        report["batch"], report["seq_len"] = batch, seq_len
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table(title=f"PN-Mix key bits by layer, d={d}, T_q={tokens}: {config.label}")
+    table.add_column("layers")
+    table.add_column("config")
+    table.add_column("key bits (total)", justify="right")
+    start = 0
+    for i in range(1, n_layers + 1):  # runs of equal layers share a row
+        if i == n_layers or per_layer[i] != per_layer[start]:
+            name = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            table.add_row(name, per_layer[start].label, f"{kbs[start].total:.5f}")
+            start = i
+    table.add_row("model average", "", f"{report['mean_key_bits']:.5f}")
+    console.print(table)
+    if shape is not None:
+        kv = kv_cache_bytes(config, shape, batch, seq_len)
+        console.print(f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
+                      f"(fp16 {kv.fp16_total / 2**20:.2f} MiB, {kv.fp16_total / max(kv.total, 1):.2f}x smaller)")
 
 
 def budget_table(model: str, seq_len: int = 8192) -> Table:

@@ -11,6 +11,7 @@ from pnmix.attention import ATTENTION_NAME, register
 from pnmix.cache import PNMixCache
 from pnmix.config import PNMixConfig
 from pnmix.families import check_model
+from pnmix.layerwise import LayerwiseConfig
 
 
 def use_pnmix_attention(model: Any) -> None:
@@ -26,9 +27,14 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def new_cache(model: Any, config: PNMixConfig) -> PNMixCache:
-    """A fresh PN-Mix cache for one generation; validates the (model, config) pair first."""
-    check_model(model.config, config)
+def new_cache(model: Any, config: PNMixConfig | LayerwiseConfig) -> PNMixCache:
+    """A fresh PN-Mix cache for one generation (one config for every layer, or layer-wise);
+    validates the (model, config) pair first."""
+    if isinstance(config, LayerwiseConfig):
+        check_model(model.config, config.default)  # what it checks is shared by every layer
+        config.per_layer(model.config.get_text_config(decoder=True).num_hidden_layers)
+    else:
+        check_model(model.config, config)
     use_pnmix_attention(model)
     return PNMixCache(model.config, config)
 
@@ -37,7 +43,7 @@ def new_cache(model: Any, config: PNMixConfig) -> PNMixCache:
 def generate(
     model: Any,
     input_ids: torch.Tensor,
-    config: PNMixConfig,
+    config: PNMixConfig | LayerwiseConfig,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 32,
     **generate_kwargs: Any,

@@ -38,6 +38,7 @@ from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
+from pnmix.layerwise import LayerwiseConfig, as_layerwise
 
 
 def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
@@ -234,16 +235,19 @@ class StaticCache(Cache):
         return sum(layer.nbytes() for layer in self.static_layers)
 
 
-def _method_config(method: str | PNMixConfig) -> PNMixConfig | None:
-    """None for the fp16 baseline, else a PN-Mix config the static path supports."""
+def _method_config(method: str | PNMixConfig | LayerwiseConfig) -> LayerwiseConfig | None:
+    """None for the fp16 baseline, else the (layer-wise) PN-Mix config the static path supports:
+    keys and values quantized in every layer."""
     if isinstance(method, str) and method == "fp16":
         return None
-    if not isinstance(method, PNMixConfig):
-        raise ConfigError("method", method, "'fp16' or a PNMixConfig")
-    if not (method.keys_quantized and method.values_quantized):
-        raise ConfigError("method", method.to_dict() if hasattr(method, "to_dict") else method,
-                          "'fp16' or a config with quantized keys and values (the static path has no mixed mode)")
-    return method
+    if not isinstance(method, PNMixConfig | LayerwiseConfig):
+        raise ConfigError("method", method, "'fp16', a PNMixConfig or a LayerwiseConfig")
+    layerwise = as_layerwise(method)
+    for cfg in (layerwise.default, *(layerwise.for_layer(r.first) for r in layerwise.ranges)):
+        if not (cfg.keys_quantized and cfg.values_quantized):
+            raise ConfigError("method", cfg.to_dict(), "'fp16' or a config with quantized keys and values in "
+                                                        "every layer (the static path has no mixed mode)")
+    return layerwise
 
 
 class StaticGenerator:
@@ -252,17 +256,22 @@ class StaticGenerator:
         gen = StaticGenerator(model, preset("pnmix-paper"), max_len=8192 + 141)
         tokens = gen.generate(input_ids, attention_mask, max_new_tokens=64)   # [B, 64]
 
-    `method` is "fp16" or a PN-Mix config whose keys and values are quantized (PN-Mix, KIVI).
+    `method` is "fp16" or a PN-Mix config whose keys and values are quantized (PN-Mix, KIVI), one
+    for every layer or layer-wise (`pnmix.layerwise.LayerwiseConfig`: each layer's kernels launch
+    with its own bits and salient ratio).
     `max_len` bounds prompt + generated tokens per sequence. `graphs` (default: on CUDA) captures
     the step; off, the same step runs eagerly. No end-of-sequence stop: every sequence gets
     `max_new_tokens` tokens (a serving loop would mask finished rows).
     """
 
-    def __init__(self, model: Any, method: str | PNMixConfig, max_len: int, graphs: bool | None = None) -> None:
+    def __init__(self, model: Any, method: str | PNMixConfig | LayerwiseConfig, max_len: int,
+                 graphs: bool | None = None) -> None:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"invalid max_len={max_len!r}: allowed an integer >= 2 (prompt + new tokens per row)")
         self.model = model
-        self.config = _method_config(method)
+        self.layerwise = _method_config(method)
+        # The fields every layer shares (sinks, residual, G) set the flush schedule: the default's.
+        self.config = self.layerwise.default if self.layerwise is not None else None
         self.max_len = max_len
         self.graphs_on = model.device.type == "cuda" if graphs is None else graphs
         self.decoder = model.get_decoder()
@@ -292,7 +301,7 @@ class StaticGenerator:
         if int(n_real.max()) + 1 > self.max_len:
             raise ValueError(f"prompt of {int(n_real.max())} tokens leaves no room under max_len={self.max_len}")
         use_pnmix_attention(model)
-        cache: Any = new_cache(model, self.config) if self.config is not None else DynamicCache()
+        cache: Any = new_cache(model, self.layerwise) if self.layerwise is not None else DynamicCache()
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,

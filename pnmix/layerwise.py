@@ -1,0 +1,157 @@
+"""Layer-wise PN-Mix: one `PNMixConfig` per decoder layer, written as a default plus overrides.
+
+Layers are not equally sensitive to key quantization, so a cache may give each layer its own
+bit pair and salient ratio. What may differ between layers is `LAYER_FIELDS` (b_high, b_low,
+salient_ratio); everything else is shared by every layer: the token group G, the residual
+length and the sink count fix when a token leaves the fp16 residual and is packed, and the static
+CUDA-graph path runs one flush schedule for all layers; the value format and the saliency
+criterion are one per cache as well.
+
+JSON form (`LayerwiseConfig.from_json`), ranges inclusive and counted from 0:
+
+    {"default": {"b_high": 3, "b_low": 1, "salient_ratio": 0.5, ...},
+     "layers": {"0-3": {"b_high": 4, "b_low": 2, "salient_ratio": 0.3}, "29": {"salient_ratio": 0.7}}}
+
+A layer no range names takes the default. Ranges may not overlap; a range past the model's last
+layer is refused when the config meets the model (`per_layer`). Every error is one line that
+names the layer range and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pnmix.config import ConfigError, PNMixConfig
+
+LAYER_FIELDS = ("b_high", "b_low", "salient_ratio")
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Layers `first`..`last` (inclusive) with `changes` applied to the default."""
+
+    first: int
+    last: int
+    changes: tuple[tuple[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+    @classmethod
+    def parse(cls, text: str, changes: Any) -> LayerRange:
+        allowed = 'a layer "N" or an inclusive range "A-B" of layers counted from 0, A <= B'
+        parts = text.split("-") if isinstance(text, str) else []
+        if len(parts) not in (1, 2) or not all(p.strip().isdigit() and len(p.strip()) <= 6 for p in parts):
+            raise ConfigError("layers", text, allowed)
+        first, last = int(parts[0]), int(parts[-1])
+        if first > last:
+            raise ConfigError("layers", text, allowed)
+        if not isinstance(changes, dict) or not changes:
+            raise ConfigError(f"layers {text}", changes, "a non-empty JSON object of " + ", ".join(LAYER_FIELDS))
+        for name in changes:
+            if name not in LAYER_FIELDS:
+                raise ConfigError(f"layers {text}: {name}", changes[name],
+                                  f"the same value in every layer (per layer: {', '.join(LAYER_FIELDS)}; "
+                                  "G, residual, sinks, values and criterion are shared)")
+        return cls(first, last, tuple(sorted(changes.items())))
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    default: PNMixConfig
+    ranges: tuple[LayerRange, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.default, PNMixConfig):
+            raise ConfigError("default", type(self.default).__name__, "a PNMixConfig")
+        spans = sorted(self.ranges, key=lambda r: r.first)
+        for a, b in zip(spans, spans[1:], strict=False):
+            if b.first <= a.last:
+                raise ConfigError(f"layers {b.name}", f"overlaps layers {a.name}",
+                                  "ranges that name each layer at most once")
+        for r in self.ranges:  # each range's layers must form a valid config on their own
+            self._layer_config(r)
+
+    def _layer_config(self, r: LayerRange) -> PNMixConfig:
+        try:
+            return self.default.with_(**dict(r.changes))
+        except ConfigError as exc:
+            raise ConfigError(f"layers {r.name}: {exc.field}", exc.value, exc.allowed) from None
+
+    def for_layer(self, index: int) -> PNMixConfig:
+        """The config of layer `index` (the default where no range names it)."""
+        for r in self.ranges:
+            if r.first <= index <= r.last:
+                return self._layer_config(r)
+        return self.default
+
+    def per_layer(self, num_layers: int) -> list[PNMixConfig]:
+        """One config per layer of a model with `num_layers` layers; refuses ranges past its end."""
+        for r in self.ranges:
+            if r.last >= num_layers:
+                raise ConfigError(f"layers {r.name}", r.last,
+                                  f"layers 0-{num_layers - 1} (the model has {num_layers})")
+        return [self.for_layer(i) for i in range(num_layers)]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the default's config (no range changes anything)."""
+        return all(self._layer_config(r) == self.default for r in self.ranges)
+
+    @property
+    def label(self) -> str:
+        """"3/1 G128 r0.5 s32; 0-3: 4/2 r0.3" (the default, then each range's own bits and ratio)."""
+        parts = [self.default.label]
+        for r in sorted(self.ranges, key=lambda r: r.first):
+            c = self._layer_config(r)
+            parts.append(f"{r.name}: {c.b_high}/{c.b_low} r{c.salient_ratio:g}")
+        return "; ".join(parts)
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"default": self.default.to_dict(),
+                "layers": {r.name: dict(r.changes) for r in sorted(self.ranges, key=lambda r: r.first)}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LayerwiseConfig:
+        if not isinstance(data, dict) or "default" not in data:
+            raise ConfigError("config", type(data).__name__, 'a JSON object {"default": {...}, "layers": {...}}')
+        unknown = sorted(set(data) - {"default", "layers"})
+        if unknown:
+            raise ConfigError(unknown[0], data[unknown[0]], "default, layers")
+        layers = data.get("layers") or {}
+        if not isinstance(layers, dict):
+            raise ConfigError("layers", type(layers).__name__, 'a JSON object {"A-B": {field: value}}')
+        return cls(PNMixConfig.from_dict(data["default"]),
+                   tuple(LayerRange.parse(k, v) for k, v in layers.items()))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LayerwiseConfig:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, ValueError, TypeError):
+            raise ConfigError("config", str(text)[:40], "valid JSON of a layer-wise config") from None
+        return cls.from_dict(data)
+
+
+def as_layerwise(config: PNMixConfig | LayerwiseConfig) -> LayerwiseConfig:
+    """Either form as a layer-wise config (a single config: every layer the same)."""
+    return config if isinstance(config, LayerwiseConfig) else LayerwiseConfig(config)
+
+
+def load_config(text: str | bytes) -> PNMixConfig | LayerwiseConfig:
+    """A config from JSON: a layer-wise one when it has a "default" key, else a single one."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError, TypeError):
+        raise ConfigError("config", str(text)[:40], "valid JSON of a PNMixConfig or a layer-wise config") from None
+    if isinstance(data, dict) and "default" in data:
+        return LayerwiseConfig.from_dict(data)
+    return PNMixConfig.from_dict(data)

@@ -1,0 +1,157 @@
+"""Layer-wise PN-Mix (pnmix/layerwise.py): one config per layer, in the cache, the formula and the static path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_static import SMALL, batch_of_three, until_eos
+from tiny import tiny_model
+
+from pnmix import backend
+from pnmix.bits import ModelShape, key_bits, key_bits_by_layer, kv_cache_bytes, mean_key_bits
+from pnmix.config import ConfigError, PNMixConfig
+from pnmix.generation import cache_kwargs, generate, new_cache
+from pnmix.layerwise import LayerRange, LayerwiseConfig, load_config
+from pnmix.static import StaticGenerator
+
+# Layer 0 keeps more salient channels at 4/2 bits, layer 1 fewer at 2/1: the two layers' packed
+# regions differ in size and content.
+MIXED = LayerwiseConfig(SMALL, (LayerRange.parse("0", {"b_high": 4, "b_low": 2, "salient_ratio": 0.25}),
+                                LayerRange.parse("1", {"b_high": 2, "b_low": 1, "salient_ratio": 0.75})))
+
+
+def test_every_layer_equal_gives_the_single_configs_tokens_and_bytes():
+    model = tiny_model("llama")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=5)
+    same = LayerwiseConfig(SMALL, (LayerRange.parse("0-1", {"b_high": SMALL.b_high, "salient_ratio": 0.5}),))
+    assert same.uniform and not MIXED.uniform
+    want, cache_one = generate(model, ids, SMALL, attention_mask=mask, max_new_tokens=40)
+    got, cache_lw = generate(model, ids, same, attention_mask=mask, max_new_tokens=40)
+    assert torch.equal(got, want)
+    assert cache_lw.nbytes() == cache_one.nbytes()
+    for a, b in zip(cache_lw.layers, cache_one.layers, strict=True):
+        for name, t in a.packed.items():
+            assert torch.equal(t, b.packed[name]), name
+
+
+def test_per_layer_bytes_match_the_formula():
+    """After a prefill, each layer holds the bytes `kv_cache_bytes` gives for that layer's config."""
+    model = tiny_model("qwen3")
+    t = SMALL.n_sink + 3 * SMALL.group_size + 7  # three packed groups and a partial residual
+    ids = torch.randint(3, model.config.vocab_size, (2, t), generator=torch.Generator().manual_seed(1))
+    cache = new_cache(model, MIXED)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    held = cache.nbytes()["layers"]
+    one = ModelShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    compared = ("packed_keys", "key_scales", "salient_sets", "packed_values", "value_scales")
+    for i, layer in enumerate(held):
+        want = kv_cache_bytes(MIXED.for_layer(i), one, batch=2, seq_len=t).as_dict()
+        assert {k: layer[k] for k in compared} == {k: want[k] for k in compared}, i
+    assert held[0]["packed_keys"] != held[1]["packed_keys"]
+    # The whole-model figure is the sum of the layers'.
+    shape = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    total = kv_cache_bytes(MIXED, shape, batch=2, seq_len=t)
+    assert total.packed_keys == sum(layer["packed_keys"] for layer in held)
+
+
+def test_key_bits_per_layer_and_the_model_average():
+    per = key_bits_by_layer(MIXED, 2, head_dim=16)
+    assert [kb.total for kb in per] == [key_bits(MIXED.for_layer(i), 16).total for i in range(2)]
+    assert mean_key_bits(MIXED, 2, 16) == pytest.approx((per[0].total + per[1].total) / 2)
+    assert mean_key_bits(LayerwiseConfig(SMALL), 30, 16) == key_bits(SMALL, 16).total
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_path_equals_generate_for_a_layerwise_config(family):
+    model = tiny_model(family)
+    ids, mask = batch_of_three(model.config.vocab_size, seed=3)
+    n = 80  # each row flushes at least once (groups of 32) and the short row fills its sinks
+    want = generate(model, ids, MIXED, attention_mask=mask, max_new_tokens=n)[0]
+    gen = StaticGenerator(model, MIXED, max_len=160)
+    got = gen.generate(ids, mask, max_new_tokens=n)
+    assert [layer.config for layer in gen.layers] == [MIXED.for_layer(0), MIXED.for_layer(1)]
+    eos = model.generation_config.eos_token_id
+    assert until_eos(got, eos) == until_eos(want, eos)
+
+
+def test_static_kernel_path_runs_each_layer_with_its_own_constants():
+    """PNMIX_BACKEND=triton: every layer's decode kernel (interpreted) launches with its own bits."""
+    model = tiny_model("qwen3")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=9)
+    n = 34
+    backend.set_backend("triton")
+    try:
+        gen = StaticGenerator(model, MIXED, max_len=120)
+        got = gen.generate(ids, mask, max_new_tokens=n)
+        assert all(layer.use_kernels for layer in gen.layers)
+        want = generate(model, ids, MIXED, attention_mask=mask, max_new_tokens=n)[0]
+    finally:
+        backend.set_backend(None)
+    eos = model.generation_config.eos_token_id
+    assert until_eos(got, eos) == until_eos(want, eos)
+
+
+def test_json_round_trip_and_either_form_loads():
+    assert LayerwiseConfig.from_json(MIXED.to_json()) == MIXED
+    assert load_config(MIXED.to_json()) == MIXED
+    assert load_config(SMALL.to_json()) == SMALL
+    assert MIXED.label == "3/1 G32 r0.5 s4; 0: 4/2 r0.25; 1: 2/1 r0.75"
+    # A range written "A-B" covers both ends; a layer no range names takes the default.
+    lw = load_config('{"default": {}, "layers": {"2-4": {"b_low": 2}}}')
+    assert isinstance(lw, LayerwiseConfig)
+    assert [c.b_low for c in lw.per_layer(6)] == [1, 1, 2, 2, 2, 1]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"default": {}, "layers": {"4-2": {"b_low": 2}}}', "invalid layers='4-2': allowed a layer"),
+    ('{"default": {}, "layers": {"x": {"b_low": 2}}}', "invalid layers='x'"),
+    ('{"default": {}, "layers": {"0-3": {"group_size": 64}}}', "invalid layers 0-3: group_size=64: allowed the "
+                                                               "same value in every layer"),
+    ('{"default": {}, "layers": {"5": {"b_low": 4}}}', "invalid layers 5: b_low=4: allowed at most b_high=3"),
+    ('{"default": {}, "layers": {"0-3": {"b_low": 2}, "3-5": {"b_high": 4}}}', "invalid layers 3-5="),
+    ('{"default": {}, "layers": {"1": {}}}', "invalid layers 1={}"),
+    ('{"default": {}, "extra": 1}', "invalid extra=1: allowed default, layers"),
+    ('{"default": {"b_low": 9}}', "invalid b_low=9"),
+])
+def test_bad_layer_ranges_give_one_line_naming_the_layer(text, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(text)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_range_past_the_models_layers_is_refused_with_the_model_in_the_message():
+    model = tiny_model("llama")  # 2 layers
+    lw = LayerwiseConfig(SMALL, (LayerRange.parse("1-3", {"b_low": 1}),))
+    with pytest.raises(ConfigError, match=r"^invalid layers 1-3=3: allowed layers 0-1 \(the model has 2\)$"):
+        new_cache(model, lw)
+    with pytest.raises(ConfigError, match="every layer"):  # the static path needs quantized keys everywhere
+        StaticGenerator(model, LayerwiseConfig(SMALL, (LayerRange.parse("0", {"b_high": 16, "b_low": 16}),)), 64)
+    assert isinstance(lw.default, PNMixConfig)
+
+
+def test_bits_command_reports_each_layer_and_the_model_average(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "layers.json"
+    path.write_text('{"default": {}, "layers": {"0-3": {"b_high": 4, "b_low": 2, "salient_ratio": 0.3}}}')
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "api.cli", "bits", "--config", str(path), *args],
+                              capture_output=True, text=True, timeout=120)
+
+    out = run("--model", "smollm2-135m", "--json", "--seq-len", "1000")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    rows = report["key_bits_by_layer"]
+    assert report["layers"] == len(rows) == 30 and report["head_dim"] == 64
+    high = key_bits(PNMixConfig(b_high=4, b_low=2, salient_ratio=0.3), 64).total
+    assert [r["total"] for r in rows[:4]] == [high] * 4
+    assert rows[4]["total"] == key_bits(PNMixConfig(), 64).total
+    assert report["mean_key_bits"] == pytest.approx((4 * high + 26 * rows[4]["total"]) / 30)
+    assert 0 < report["kv_bytes"]["total"] < report["kv_bytes"]["fp16_total"]
+    out = run("--layers", "2")  # ranges past the stated layer count: one line, exit 2
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: invalid layers 0-3=3: allowed layers 0-1 (the model has 2)"
