@@ -96,6 +96,44 @@ class LayerwiseConfig:
                                   f"layers 0-{num_layers - 1} (the model has {num_layers})")
         return [self.for_layer(i) for i in range(num_layers)]
 
+    # -- what every layer shares, read as on a single config (the cache, the static path and the
+    # scoring engine ask these of either form) --------------------------------------------------
+
+    @property
+    def keys_quantized(self) -> bool:
+        return all(self._layer_config(r).keys_quantized for r in self.ranges) and self.default.keys_quantized
+
+    @property
+    def values_quantized(self) -> bool:
+        return self.default.values_quantized
+
+    @property
+    def group_size(self) -> int:
+        return self.default.group_size
+
+    @property
+    def n_sink(self) -> int:
+        return self.default.n_sink
+
+    @property
+    def residual_len(self) -> int:
+        return self.default.residual_len
+
+    @property
+    def value_bits(self) -> int:
+        return self.default.value_bits
+
+    @property
+    def value_group_size(self) -> int:
+        return self.default.value_group_size
+
+    @property
+    def criterion(self) -> str:
+        return self.default.criterion
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.default.check_head_dim(head_dim)
+
     @property
     def uniform(self) -> bool:
         """Whether every layer has the default's config (no range changes anything)."""
@@ -109,6 +147,29 @@ class LayerwiseConfig:
             c = self._layer_config(r)
             parts.append(f"{r.name}: {c.b_high}/{c.b_low} r{c.salient_ratio:g}")
         return "; ".join(parts)
+
+    @classmethod
+    def from_layers(cls, configs: list[PNMixConfig]) -> LayerwiseConfig:
+        """The compact form of one config per layer: the most common config is the default, and
+        each run of consecutive layers that differs from it is a range. The configs must agree on
+        every shared field."""
+        if not configs:
+            raise ConfigError("layers", "[]", "at least one layer's config")
+        default = max(dict.fromkeys(configs), key=configs.count)  # the most common; the first of equals
+        ranges: list[LayerRange] = []
+        start = 0
+        for i in range(1, len(configs) + 1):
+            if i < len(configs) and configs[i] == configs[start]:
+                continue
+            cfg = configs[start]
+            if cfg != default:
+                changes = {f: getattr(cfg, f) for f in LAYER_FIELDS if getattr(cfg, f) != getattr(default, f)}
+                if cfg != default.with_(**changes):
+                    raise ConfigError(f"layer {start}", cfg.label, "the default's shared fields (G, residual, "
+                                                                    "sinks, values, criterion)")
+                ranges.append(LayerRange(start, i - 1, tuple(sorted(changes.items()))))
+            start = i
+        return cls(default, tuple(ranges))
 
     # -- serialisation -------------------------------------------------------------------------
 

@@ -125,7 +125,7 @@ def build_cache(model: Any, config: PNMixConfig, states: list[PrefillState], mul
     use_pnmix_attention(model)
     cache = PNMixCache(model.config, config, multi_token=multi_token)
     for li, layer in enumerate(la for la in cache.layers if isinstance(la, PNMixLayer)):
-        _load_layer(layer, config, states, li)
+        _load_layer(layer, layer.config, states, li)  # a layer-wise config: each layer its own
     return cache
 
 

@@ -155,3 +155,38 @@ def test_bits_command_reports_each_layer_and_the_model_average(tmp_path):
     out = run("--layers", "2")  # ranges past the stated layer count: one line, exit 2
     assert out.returncode == 2
     assert out.stderr.strip() == "error: invalid layers 0-3=3: allowed layers 0-1 (the model has 2)"
+
+
+# -- allocation (tuner/layers.py) ----------------------------------------------------------------
+
+
+def test_allocation_gives_the_bits_to_the_layer_that_needs_them():
+    from tuner.layers import allocate
+
+    a = PNMixConfig(b_high=2, b_low=2, salient_ratio=0.0)
+    b = PNMixConfig(b_high=4, b_low=2, salient_ratio=0.5)
+    bits_a, bits_b = key_bits(a, 64).total, key_bits(b, 64).total
+    kl = {a: [1.0, 1.0, 1.0, 1.0], b: [0.9, 0.1, 0.8, 0.95]}
+    one_up = (3 * bits_a + bits_b) / 4
+    assert allocate(kl, one_up, 64) == [a, b, a, a]  # layer 1 saves the most
+    assert allocate(kl, (2 * bits_a + 2 * bits_b) / 4, 64) == [a, b, b, a]
+    with pytest.raises(Exception, match="no allocation fits"):
+        allocate(kl, bits_a - 0.01, 64)
+
+
+def test_allocation_is_never_worse_than_the_best_uniform_choice_that_fits():
+    from pnmix.bits import mean_key_bits
+    from tuner.layers import allocate, candidates_like
+    from tuner.space import SearchSpace
+
+    gen = torch.Generator().manual_seed(4)
+    cands = candidates_like(PNMixConfig(), SearchSpace())[:12]
+    for trial in range(5):
+        kl = {c: torch.rand(6, generator=gen).tolist() for c in cands}
+        bits = {c: key_bits(c, 64).total for c in cands}
+        budget = float(torch.empty(1).uniform_(min(bits.values()), max(bits.values()), generator=gen))
+        choice = allocate(kl, budget, 64)
+        assert mean_key_bits(LayerwiseConfig.from_layers(choice), 6, 64) <= budget + 1e-9
+        fits = [c for c in cands if bits[c] <= budget]
+        got = sum(kl[c][i] for i, c in enumerate(choice))
+        assert got <= min(sum(kl[c]) for c in fits) + 1e-12, trial

@@ -36,6 +36,7 @@ import torch
 
 from pnmix.config import PNMixConfig
 from pnmix.generation import cache_kwargs
+from pnmix.layerwise import as_layerwise
 from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill
 from pnmix.static import StaticGenerator, static_method
 from tuner.profiles import EvalError
@@ -386,14 +387,17 @@ class ScoringEngine:
             ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng)
             self._cost_state = record_prefill(self.model, ids)
         state = self._on_device([self._cost_state])[0]
-        # Every layer holds the same token counts in the same format, so one layer's appends give
-        # the bytes of all of them.
-        layer = build_layer(self.model, config, [state])
-        k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
-        for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-            layer.append(k, v)
-        kv_bytes = len(state.keys) * sum(layer.nbytes().values())
-        del layer
+        # Every layer holds the same token counts, so one layer's appends give the bytes of every
+        # layer of its format (a layer-wise config: one layer per distinct format, times its count).
+        per_layer = as_layerwise(config).per_layer(len(state.keys))
+        kv_bytes = 0
+        for fmt in dict.fromkeys(per_layer):
+            layer = build_layer(self.model, fmt, [state], layer_idx=per_layer.index(fmt))
+            k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
+            for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
+                layer.append(k, v)
+            kv_bytes += per_layer.count(fmt) * sum(layer.nbytes().values())
+            del layer
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from pnmix import models
-from pnmix.bits import key_bits
+from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import rope_pairing
+from pnmix.layerwise import LayerwiseConfig
 from tuner import fidelity, stats
 from tuner import tasks as tasks_module
 from tuner.engine import ScoringEngine, Trajectory
@@ -258,10 +259,9 @@ class Evaluator:
 
     # -- the proxy -----------------------------------------------------------------------------
 
-    def proxy(self, config: PNMixConfig) -> float:
-        """Attention KL on recorded traces (tuner.proxy), milliseconds per layer."""
+    def trace(self) -> Any:
+        """The proxy's recorded Q/K trace of this model (recorded once, cached on disk)."""
         from pnmix.analysis import record_trace
-        from tuner.proxy import proxy_kl
 
         if self._trace is None:
             path = self._cache_file().with_name(f"trace-{self.profile.proxy_tokens}.pt")
@@ -275,7 +275,19 @@ class Evaluator:
                 self._trace = record_trace(self.model, ids, self.profile.proxy_tokens)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self._trace, path)
-        return proxy_kl(self._trace, config, self.pairing)
+        return self._trace
+
+    def proxy(self, config: PNMixConfig) -> float:
+        """Attention KL on recorded traces (tuner.proxy), milliseconds per layer."""
+        from tuner.proxy import proxy_kl
+
+        return proxy_kl(self.trace(), config, self.pairing)
+
+    def proxy_by_layer(self, config: PNMixConfig | LayerwiseConfig) -> list[float]:
+        """The proxy's attention KL of each layer under its own config (tuner.layers reads it)."""
+        from tuner.proxy import proxy_kl_by_layer
+
+        return proxy_kl_by_layer(self.trace(), config, self.pairing)
 
     # -- full evaluation -----------------------------------------------------------------------
 
@@ -364,7 +376,7 @@ class Evaluator:
         return Score.from_units(
             units, agreements, timings, cost,
             config=config.to_dict(),
-            key_bits=key_bits(config, self.head_dim).total,
+            key_bits=mean_key_bits(config, self.loaded.shape.num_layers, self.head_dim),
             backend=self.backend,
             device=self._device_name(),
             versions=versions(),

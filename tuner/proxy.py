@@ -19,6 +19,7 @@ import torch
 
 from pnmix.analysis import Trace, masked_kl, quantize_pnmix
 from pnmix.config import PNMixConfig
+from pnmix.layerwise import LayerwiseConfig, as_layerwise
 from pnmix.saliency import Pairing, saliency_scores, select_salient_pairs
 
 
@@ -32,40 +33,52 @@ def quantized_tokens(config: PNMixConfig, prefill: int, total: int) -> int:
     return at_prefill + residual // config.residual_len * config.residual_len
 
 
-def proxy_kl(trace: Trace, config: PNMixConfig, pairing: Pairing, n_queries: int = 64) -> float:
+def proxy_kl(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairing, n_queries: int = 64) -> float:
     """Mean attention KL over layers and ~n_queries decode queries spread over the trace (0 for fp16 keys).
 
     Each query sees the cache as it was when that query ran: the packed region then, exact
     sinks and residual buffer.
     """
-    if not config.keys_quantized:
-        return 0.0
-    total = 0.0
+    per_layer = proxy_kl_by_layer(trace, config, pairing, n_queries)
+    return sum(per_layer) / len(per_layer)
+
+
+def proxy_kl_by_layer(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairing,
+                      n_queries: int = 64) -> list[float]:
+    """`proxy_kl` layer by layer, each layer under its own config (a layer-wise config's), from
+    which the layer-sensitivity profile (`tuner/sensitivity.py`) is read."""
+    layers = as_layerwise(config).per_layer(len(trace.keys))
+    shared = layers[0]  # sinks, G and residual: the same in every layer
     p = trace.prefill_len
     t = trace.keys[0].shape[1]
     stride = max(1, (t - p) // n_queries)
     dev = trace.keys[0].device
     positions = torch.arange(p, t, stride)  # [Q]
-    packed_upto = torch.tensor([quantized_tokens(config, p, int(pos) + 1) for pos in positions], device=dev)
+    packed_upto = torch.tensor([quantized_tokens(shared, p, int(pos) + 1) for pos in positions], device=dev)
     positions = positions.to(dev)
     s_idx = torch.arange(t, device=dev)
-    sinks = min(config.n_sink, t)
+    sinks = min(shared.n_sink, t)
     use_packed = (s_idx[None, :] >= sinks) & (s_idx[None, :] < sinks + packed_upto[:, None])  # [Q, T]
     causal = s_idx[None, :] <= positions[:, None]
     n_q = int(packed_upto.max())
+    out: list[float] = []
     for li, (q, k) in enumerate(zip(trace.queries, trace.keys, strict=True)):
+        cfg = layers[li]
+        if not cfg.keys_quantized:
+            out.append(0.0)
+            continue
         h_kv, _, d = k.shape
         group = q.shape[0] // h_kv
         prefill_mask = torch.ones((1, p), dtype=torch.bool, device=dev)
-        scores = saliency_scores(config.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
-                                 config.seed + li)[0]
-        pairs = select_salient_pairs(scores, config.salient_pairs(d))
+        scores = saliency_scores(cfg.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
+                                 cfg.seed + li)[0]
+        pairs = select_salient_pairs(scores, cfg.salient_pairs(d))
         k_hat = k.clone()
-        k_hat[:, sinks : sinks + n_q] = quantize_pnmix(k[:, sinks : sinks + n_q], pairs, config.b_high, config.b_low,
-                                                       config.group_size, pairing)
+        k_hat[:, sinks : sinks + n_q] = quantize_pnmix(k[:, sinks : sinks + n_q], pairs, cfg.b_high, cfg.b_low,
+                                                       cfg.group_size, pairing)
         qs = q[:, positions]  # [Hq, Q, d]
         exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
         approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
         mixed = torch.where(use_packed, approx, exact)
-        total += float(masked_kl(exact, mixed, causal).mean())
-    return total / len(trace.keys)
+        out.append(float(masked_kl(exact, mixed, causal).mean()))
+    return out

@@ -1,0 +1,88 @@
+"""Which layers get the bits: layer sensitivity and a layer-wise allocation under a key-bit budget.
+
+The proxy (tuner/proxy.py) scores each layer's attention KL from recorded Q/K traces, and a
+layer's KL depends only on that layer's own keys and config. So one proxy pass per candidate
+config gives a table kl[c][layer], and choosing one candidate per layer to minimise the summed
+KL under a mean-bits budget is a multiple-choice knapsack over independent layers. `allocate`
+solves its Lagrangian relaxation exactly (each layer takes argmin kl + lambda * bits; lambda by
+bisection until the mean fits) and then spends the slack the relaxation leaves on the upgrades
+with the best KL saved per bit. The result never has a larger summed proxy KL than the best
+uniform candidate that fits, since uniform choices are among those it weighs. The table's
+rows are also the model's layer-sensitivity profile: how much attention KL each layer takes
+under a given config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pnmix.bits import key_bits
+from pnmix.config import PNMixConfig
+from pnmix.layerwise import LayerwiseConfig
+from tuner.profiles import EvalError
+from tuner.space import RATIOS, SearchSpace
+
+BISECTION_STEPS = 60
+
+
+def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
+    """The configs a layer may take beside `base`: every bit pair and salient ratio of the space,
+    with `base`'s shared fields (G, sinks, residual, values, criterion)."""
+    out = [base]
+    for pair in space.bit_pairs():
+        hi, lo = (int(x) for x in pair.split("/"))
+        for r in (RATIOS if hi > lo else (0.0,)):
+            cfg = base.with_(b_high=hi, b_low=lo, salient_ratio=r)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def allocate(kl: dict[PNMixConfig, Sequence[float]], budget: float, head_dim: int) -> list[PNMixConfig]:
+    """One config per layer minimising the summed KL with mean key bits <= budget.
+
+    kl[c][i]: layer i's KL under candidate c (every candidate lists every layer). Raises EvalError
+    when not even the cheapest candidate in every layer fits the budget.
+    """
+    cands = list(kl)
+    n = len(next(iter(kl.values())))
+    bits = {c: key_bits(c, head_dim).total for c in cands}
+    limit = budget * n + 1e-9
+
+    def choose(lam: float) -> list[PNMixConfig]:
+        return [min(cands, key=lambda c: (kl[c][i] + lam * bits[c], bits[c])) for i in range(n)]
+
+    def total(choice: list[PNMixConfig]) -> float:
+        return sum(bits[c] for c in choice)
+
+    if total(choice := choose(0.0)) > limit:
+        lo, hi = 0.0, 1.0
+        while total(choose(hi)) > limit:
+            hi *= 2
+            if hi > 1e12:
+                cheapest = min(bits.values())
+                raise EvalError(f"no allocation fits {budget:g} key bits: the cheapest candidate needs {cheapest:.3f}")
+        for _ in range(BISECTION_STEPS):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if total(choose(mid)) <= limit else (mid, hi)
+        choice = choose(hi)
+    # Spend the slack: the upgrade with the most KL saved per added bit, while it fits.
+    while True:
+        spare = limit - total(choice)
+        best: tuple[float, int, PNMixConfig] | None = None
+        for i, cur in enumerate(choice):
+            for c in cands:
+                extra = bits[c] - bits[cur]
+                saved = kl[cur][i] - kl[c][i]
+                if 0 < extra <= spare and saved > 0 and (best is None or saved / extra > best[0]):
+                    best = (saved / extra, i, c)
+        if best is None:
+            return choice
+        choice[best[1]] = best[2]
+
+
+def layerwise_for_budget(base: PNMixConfig, budget: float, head_dim: int, space: SearchSpace,
+                         kl_of: dict[PNMixConfig, Sequence[float]]) -> LayerwiseConfig:
+    """`allocate` over `candidates_like(base)` whose per-layer KL `kl_of` holds, in compact form."""
+    table = {c: kl_of[c] for c in candidates_like(base, space) if c in kl_of}
+    return LayerwiseConfig.from_layers(allocate(table, budget, head_dim))
