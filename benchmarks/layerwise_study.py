@@ -5,9 +5,10 @@
 For each budget (3.0, 2.5, 2.25, 2.0, 1.5) the uniform config is the ground truth's best within
 it (benchmarks/ground_truth/, full profile, seed 0). The layer-wise configs keep that config's
 shared fields (G, sinks, residual, values) and let each layer take any bit pair and salient
-ratio of the space, chosen by `tuner.layers.allocate` from the proxy's per-layer attention KL:
-  - "lw at budget": mean key bits <= the budget;
-  - "lw at uniform's bits": mean key bits <= the uniform config's own (equal or fewer bits).
+ratio of the space, chosen by `tuner.layers.allocate` from the proxy's per-layer attention KL
+(`--variants`):
+  - uniform-bits: mean key bits <= the uniform config's own (equal or fewer bits);
+  - budget: mean key bits <= the budget.
 All are scored with the full profile on the same items and trajectories; the table gives each
 layer-wise config's accuracy minus the uniform's, paired item by item, with its standard error.
 Writes layerwise_study.json and layerwise_study.md to --out and prints the table.
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="full")
     ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS))
+    ap.add_argument("--variants", default="uniform-bits,budget",
+                    help="uniform-bits: mean key bits <= the uniform config's; budget: <= the budget")
     ap.add_argument("--out", default="out/layerwise_study")
     args = ap.parse_args()
     out = Path(args.out)
@@ -63,7 +66,8 @@ def main() -> None:
                                "uniform_accuracy": uniform.accuracy, "uniform_se": uniform.accuracy_se,
                                "uniform_proxy": sum(kl_of[base]), "proxy_seconds": proxy_s, "device": uniform.device,
                                "layerwise": {}}
-        for name, limit in (("at budget", budget), ("at uniform's bits", uniform.key_bits)):
+        limits = {"uniform-bits": ("at uniform's bits", uniform.key_bits), "budget": ("at budget", budget)}
+        for name, limit in (limits[v] for v in args.variants.split(",")):
             lw = layerwise_for_budget(base, limit, d, space, kl_of)
             score = ev.evaluate(lw, measure=False)
             diff, se = paired(score.units, uniform.units)["accuracy"]
@@ -72,7 +76,12 @@ def main() -> None:
                 "accuracy": score.accuracy, "accuracy_se": score.accuracy_se, "minus_uniform": diff,
                 "minus_uniform_se": se, "proxy": sum(kl_of[c][i] for i, c in enumerate(lw.per_layer(n_layers)))}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "layerwise"}), flush=True)
+        print(json.dumps(row), flush=True)
+        write(rows, out, args.profile)
+
+
+def write(rows: list[dict[str, Any]], out: Path, profile_name: str) -> None:
+    """The table so far (each budget is written as it finishes, so a cut run keeps what it did)."""
     lines = ["| budget | uniform (ground truth's best) | bits | accuracy +- SE | layer-wise | bits | accuracy +- SE "
              "| minus uniform (paired) | summed proxy KL, uniform / layer-wise |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -87,7 +96,7 @@ def main() -> None:
     print("\n" + table)
     (out / "layerwise_study.md").write_text(table + "\n")
     device = rows[0]["device"] if rows else ""
-    (out / "layerwise_study.json").write_text(json.dumps({"device": device, "profile": args.profile, "rows": rows},
+    (out / "layerwise_study.json").write_text(json.dumps({"device": device, "profile": profile_name, "rows": rows},
                                                          indent=1))
 
 

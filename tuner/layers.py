@@ -14,7 +14,7 @@ under a given config.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
@@ -38,7 +38,7 @@ def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
     return out
 
 
-def allocate(kl: dict[PNMixConfig, Sequence[float]], budget: float, head_dim: int) -> list[PNMixConfig]:
+def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim: int) -> list[PNMixConfig]:
     """One config per layer minimising the summed KL with mean key bits <= budget.
 
     kl[c][i]: layer i's KL under candidate c (every candidate lists every layer). Raises EvalError
@@ -82,7 +82,7 @@ def allocate(kl: dict[PNMixConfig, Sequence[float]], budget: float, head_dim: in
 
 
 def layerwise_for_budget(base: PNMixConfig, budget: float, head_dim: int, space: SearchSpace,
-                         kl_of: dict[PNMixConfig, Sequence[float]]) -> LayerwiseConfig:
+                         kl_of: Mapping[PNMixConfig, Sequence[float]]) -> LayerwiseConfig:
     """`allocate` over `candidates_like(base)` whose per-layer KL `kl_of` holds, in compact form."""
     table = {c: kl_of[c] for c in candidates_like(base, space) if c in kl_of}
     return LayerwiseConfig.from_layers(allocate(table, budget, head_dim))
