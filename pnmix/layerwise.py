@@ -202,6 +202,9 @@ class LayerwiseConfig:
         return cls.from_dict(data)
 
 
+AnyConfig = PNMixConfig | LayerwiseConfig  # what the cache, the static path and the scoring engine take
+
+
 def as_layerwise(config: PNMixConfig | LayerwiseConfig) -> LayerwiseConfig:
     """Either form as a layer-wise config (a single config: every layer the same)."""
     return config if isinstance(config, LayerwiseConfig) else LayerwiseConfig(config)

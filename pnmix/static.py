@@ -38,7 +38,7 @@ from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
-from pnmix.layerwise import LayerwiseConfig, as_layerwise
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 
 
 def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
@@ -429,7 +429,7 @@ class StaticGenerator:
         return torch.stack(tokens, dim=1)
 
 
-def static_method(config: PNMixConfig, device: torch.device, head_dim: int) -> str | PNMixConfig | None:
+def static_method(config: AnyConfig, device: torch.device, head_dim: int) -> str | AnyConfig | None:
     """What the static path runs for `config` on `device`: "fp16" (nothing quantized), the config
     (keys and values quantized, decode kernels available), or None (not covered: mixed configs,
     or a quantized config whose attention would take the torch path, which syncs with the host)."""

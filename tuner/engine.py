@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 
-from pnmix.config import PNMixConfig
 from pnmix.generation import cache_kwargs
-from pnmix.layerwise import as_layerwise
+from pnmix.layerwise import AnyConfig, as_layerwise
 from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill
 from pnmix.static import StaticGenerator, static_method
 from tuner.profiles import EvalError
@@ -232,15 +231,15 @@ class ScoringEngine:
     # -- item tasks ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def answers(self, config: PNMixConfig, task: str, start: int = 0) -> list[str]:
+    def answers(self, config: AnyConfig, task: str, start: int = 0) -> list[str]:
         """The greedy answer under `config` of every item of `task` from index `start` on, decoded."""
         return self._answers(config, {task: range(start, len(self.items[task]))})[task]
 
-    def outcomes(self, config: PNMixConfig, task: str, start: int = 0) -> list[float]:
+    def outcomes(self, config: AnyConfig, task: str, start: int = 0) -> list[float]:
         """1.0 for every item (from index `start` on) answered correctly under `config`, else 0.0."""
         return self.all_outcomes(config, {task: range(start, len(self.items[task]))})[task]
 
-    def all_outcomes(self, config: PNMixConfig, spans: dict[str, range]) -> dict[str, list[float]]:
+    def all_outcomes(self, config: AnyConfig, spans: dict[str, range]) -> dict[str, list[float]]:
         """`outcomes` of several tasks (task -> the item indices to answer), all those items in one
         batch: one cache build and one captured decode graph for the lot."""
         answers = self._answers(config, spans)
@@ -249,7 +248,7 @@ class ScoringEngine:
                 for task, span in spans.items()}
 
     @torch.inference_mode()
-    def _answers(self, config: PNMixConfig, spans: dict[str, range]) -> dict[str, list[str]]:
+    def _answers(self, config: AnyConfig, spans: dict[str, range]) -> dict[str, list[str]]:
         items = [self.items[task][i] for task, span in spans.items() for i in span]
         states = [self.states[task][i] for task, span in spans.items() for i in span]
         texts: list[str] = []
@@ -271,7 +270,7 @@ class ScoringEngine:
                 return seq[: j + 1]
         return seq
 
-    def greedy(self, config: PNMixConfig, states: list[PrefillState], new_tokens: int,
+    def greedy(self, config: AnyConfig, states: list[PrefillState], new_tokens: int,
                 stop: bool = True) -> torch.Tensor:
         """Greedy tokens [B, new_tokens] after each state's prompt (the first from its logits).
 
@@ -324,7 +323,7 @@ class ScoringEngine:
     # -- fidelity --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def fidelity(self, config: PNMixConfig, chunk: int | None = None,
+    def fidelity(self, config: AnyConfig, chunk: int | None = None,
                  rows: range | None = None) -> list[tuple[float, float]]:
         """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory (or those of `rows`)
         under `config`.
@@ -367,7 +366,7 @@ class ScoringEngine:
     # -- cost ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def measure_cost(self, config: PNMixConfig, seed: int = 0) -> tuple[int, float, int | None]:
+    def measure_cost(self, config: AnyConfig, seed: int = 0) -> tuple[int, float, int | None]:
         """(bytes the cache holds, decode tokens/s, peak device bytes) on the fixed workload: a
         prompt of COST_PROMPT_TOKENS random ids (prefilled once), then COST_NEW_TOKENS new tokens.
 

@@ -25,7 +25,7 @@ from pnmix import models
 from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import rope_pairing
-from pnmix.layerwise import LayerwiseConfig
+from pnmix.layerwise import AnyConfig
 from tuner import fidelity, stats
 from tuner import tasks as tasks_module
 from tuner.engine import ScoringEngine, Trajectory
@@ -283,7 +283,7 @@ class Evaluator:
 
         return proxy_kl(self.trace(), config, self.pairing)
 
-    def proxy_by_layer(self, config: PNMixConfig | LayerwiseConfig) -> list[float]:
+    def proxy_by_layer(self, config: AnyConfig) -> list[float]:
         """The proxy's attention KL of each layer under its own config (tuner.layers reads it)."""
         from tuner.proxy import proxy_kl_by_layer
 
@@ -301,7 +301,7 @@ class Evaluator:
             counts["lm_eval"] = len(self.harness.kept())
         return counts
 
-    def _units(self, config: PNMixConfig, reference: bool = False, have: Rung | None = None,
+    def _units(self, config: AnyConfig, reference: bool = False, have: Rung | None = None,
                upto: dict[str, int] | None = None) -> tuple[dict[str, list[float]], list[float], dict[str, float]]:
         """Per-unit outcomes of every part that runs, the trajectories' agreements, seconds by part.
 
@@ -349,14 +349,14 @@ class Evaluator:
             units["fidelity"] = units.get("fidelity", []) + [kl for _, kl in pairs]
         return units, agreements, timings
 
-    def rung(self, config: PNMixConfig, upto: dict[str, int], have: Rung | None = None) -> Rung:
+    def rung(self, config: AnyConfig, upto: dict[str, int], have: Rung | None = None) -> Rung:
         """A race's next rung: `have` extended to the first `upto[part]` units of every part."""
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()
         units, agreements, _ = self._units(config, have=have, upto=upto)
         return Rung(units, agreements, (have.seconds if have else 0.0) + time.perf_counter() - start)
 
-    def evaluate(self, config: PNMixConfig, reference: bool = False, measure: bool = True,
+    def evaluate(self, config: AnyConfig, reference: bool = False, measure: bool = True,
                  have: Rung | None = None) -> Score:
         """Scores `config` through the engine (reference=True: item by item through `generate`).
 
@@ -384,7 +384,7 @@ class Evaluator:
             profile=self.profile.name,
         )
 
-    def measure_cost(self, config: PNMixConfig) -> tuple[int, float, int | None]:
+    def measure_cost(self, config: AnyConfig) -> tuple[int, float, int | None]:
         """(bytes held, decode tokens/s, peak device bytes) on the fixed cost workload (tuner/engine.py)."""
         return self.engine.measure_cost(config, self.seed)
 

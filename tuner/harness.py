@@ -29,6 +29,7 @@ from typing import Any
 
 from pnmix import models
 from pnmix.config import PNMixConfig, preset
+from pnmix.layerwise import AnyConfig
 from tuner.profiles import EvalError
 
 PART = "lm_eval"
@@ -110,7 +111,7 @@ class HarnessPart:
                                 + (f" (looked in {self.include} too)" if self.include else ""))
         return self._lm, self._manager
 
-    def _run(self, config: PNMixConfig | None, docs: Sequence[int] | None, make_cache: Any = None) -> dict[int, float]:
+    def _run(self, config: AnyConfig | None, docs: Sequence[int] | None, make_cache: Any = None) -> dict[int, float]:
         """{doc id: outcome} of the documents `docs` (None: the first `limit`) under `config`
         (or a peer's cache factory)."""
         import lm_eval
@@ -193,7 +194,7 @@ class HarnessPart:
 
     # -- scoring -------------------------------------------------------------------------------
 
-    def outcomes(self, config: PNMixConfig | None, span: range, make_cache: Any = None) -> list[float]:
+    def outcomes(self, config: AnyConfig | None, span: range, make_cache: Any = None) -> list[float]:
         """Outcomes of the kept documents in `span` (their positions among the kept), in that order."""
         docs = [self.kept()[i] for i in span]
         if not docs:
