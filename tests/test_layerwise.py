@@ -190,3 +190,57 @@ def test_allocation_is_never_worse_than_the_best_uniform_choice_that_fits():
         fits = [c for c in cands if bits[c] <= budget]
         got = sum(kl[c][i] for i, c in enumerate(choice))
         assert got <= min(sum(kl[c]) for c in fits) + 1e-12, trial
+
+
+# -- scoring (tuner/evaluate.py) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny import save_tiny_llama
+    from transformers import AutoTokenizer
+
+    from pnmix import models
+
+    tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tok)
+
+
+def test_the_scoring_engine_scores_a_layerwise_config(tiny_dir):
+    """Equal layers score exactly as the single config; mixed layers report the model's mean key
+    bits, each layer's proxy KL under its own config, and the bytes of every layer's format."""
+    from tuner.evaluate import Evaluator
+    from tuner.profiles import profile
+
+    base = PNMixConfig(b_high=3, b_low=1, salient_ratio=0.5, group_size=32, n_sink=4, residual_len=32)
+    mixed = LayerwiseConfig(base, (LayerRange.parse("1", {"b_high": 4, "b_low": 2, "salient_ratio": 0.25}),))
+    ev = Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",))
+    one = ev.evaluate(base)
+    same = ev.evaluate(LayerwiseConfig(base, (LayerRange.parse("0", {"b_low": 1}),)))
+    assert same.units == one.units and same.kv_bytes == one.kv_bytes and same.key_bits == one.key_bits
+    lw = ev.evaluate(mixed)
+    assert lw.key_bits == pytest.approx(mean_key_bits(mixed, 2, 64)) and lw.key_bits > one.key_bits
+    assert lw.kv_bytes > one.kv_bytes and lw.config == mixed.to_dict()
+    per_layer = ev.proxy_by_layer(mixed)
+    assert per_layer[0] == pytest.approx(ev.proxy_by_layer(base)[0])
+    assert per_layer[1] == pytest.approx(ev.proxy_by_layer(base.with_(b_high=4, b_low=2, salient_ratio=0.25))[1])
+
+
+def test_layers_command_reports_sensitivity_and_writes_a_config_within_the_bits(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "layers.json"
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "layers", "--bits", "2.45", "-o", str(out), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    lw = load_config(out.read_text())
+    assert isinstance(lw, LayerwiseConfig) and lw.to_dict() == report["config"]
+    assert report["key_bits"] == pytest.approx(mean_key_bits(lw, 30, 64)) and report["key_bits"] <= 2.45 + 1e-9
+    assert len(report["sensitivity"]) == len(report["layer_kl"]) == 30
+    assert sum(report["layer_kl"]) < sum(report["sensitivity"])  # more bits, and spent where the KL is
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "layers", "--config", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give a single PNMixConfig as the base" in proc.stderr

@@ -76,8 +76,9 @@ def eval_config(
                                                 parser=Names(_compare_names))] = None,
     lm_eval_task: LmEvalTaskOpt = None,
     lm_eval_limit: LmEvalLimitOpt = None,
-    config_file: Annotated[str | None, typer.Option("--config", help="PNMixConfig JSON file, e.g. from "
-                                                    "`pnmix export`", parser=InputFile())] = None,
+    config_file: Annotated[str | None, typer.Option(
+        "--config", help="PNMixConfig JSON file, e.g. from `pnmix export`, or a layer-wise config",
+        parser=InputFile())] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Score PN-Mix configs by real inference: accuracy parts, key bits, bytes held, decode tokens/s."""
@@ -186,17 +187,18 @@ def _diff(value: float, se: float | None) -> str:
 
 
 def load_config_file(path: str) -> Any:
-    """A PNMixConfig from a JSON file (what `pnmix export` writes); bad files end in one line."""
+    """A PNMixConfig (what `pnmix export` writes) or a layer-wise config (docs/layerwise.md) from a
+    JSON file; bad files end in one line."""
     from pathlib import Path
 
-    from pnmix.config import PNMixConfig
+    from pnmix.layerwise import load_config
 
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise EvalError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        return PNMixConfig.from_json(text)
+        return load_config(text)
     except TypeError as exc:  # e.g. a field given twice through an odd mapping
         raise EvalError(f"config file {path}: {exc}") from None
 
@@ -592,6 +594,66 @@ def export(
         config = best_point(s, model, bits).config
     write_regular_file(Path(output), config.to_json() + "\n")
     console.print(f"wrote {output}: {config.to_json()}")
+
+
+def layers(
+    model: ModelOpt = "smollm2-135m",
+    bits: Annotated[float | None, typer.Option(help="mean key-bit budget (default: the base config's own bits)",
+                                               parser=Number(inputs.BUDGET))] = None,
+    preset_name: PresetOpt = None,
+    config_file: Annotated[str | None, typer.Option(
+        "--config", help="the base PNMixConfig as a JSON file (default: --preset, else pnmix-paper)",
+        parser=InputFile())] = None,
+    profile_name: ProfileOpt = "quick",
+    output: Annotated[str | None, typer.Option("-o", "--output", help="write the layer-wise config here (JSON)",
+                                               parser=OutputFile())] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
+    config, then every layer's bit pair and salient ratio chosen so that the summed KL is least
+    with mean key bits within --bits (tuner/layers.py; docs/layerwise.md)."""
+    import json
+    from pathlib import Path
+
+    from pnmix.bits import mean_key_bits
+    from pnmix.config import PNMixConfig, preset
+    from tuner.evaluate import Evaluator
+    from tuner.layers import candidates_like, layerwise_for_budget
+    from tuner.profiles import profile
+    from tuner.space import SearchSpace
+
+    base = load_config_file(config_file) if config_file else preset(preset_name or "pnmix-paper")
+    if not isinstance(base, PNMixConfig):
+        raise EvalError(f"--config {config_file}: give a single PNMixConfig as the base, not a layer-wise one")
+    ev = Evaluator(model, profile(profile_name), tasks=("fidelity",))
+    n_layers, d = ev.loaded.shape.num_layers, ev.head_dim
+    budget = bits if bits is not None else mean_key_bits(base, n_layers, d)
+    space = SearchSpace()
+    with console.status("proxy KL of every candidate, layer by layer"):
+        kl_of = {c: ev.proxy_by_layer(c) for c in candidates_like(base, space)}
+    lw = layerwise_for_budget(base, budget, d, space, kl_of)
+    chosen = lw.per_layer(n_layers)
+    layer_kl = [kl_of[c][i] for i, c in enumerate(chosen)]
+    report: dict[str, Any] = {"model": model, "base": base.to_dict(), "budget": budget,
+              "base_key_bits": mean_key_bits(base, n_layers, d), "key_bits": mean_key_bits(lw, n_layers, d),
+              "sensitivity": kl_of[base], "layer_kl": layer_kl,
+              "config": lw.to_dict()}
+    if output:
+        write_regular_file(Path(output), lw.to_json() + "\n")
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table(title=f"{model}: per-layer attention KL (proxy), base {base.label}")
+    for col in ("layer", "base KL", "chosen", "its KL"):
+        table.add_column(col, justify="right")
+    for i, c in enumerate(chosen):
+        table.add_row(str(i), f"{kl_of[base][i]:.4f}", f"{c.b_high}/{c.b_low} r{c.salient_ratio:g}",
+                      f"{kl_of[c][i]:.4f}")
+    console.print(table)
+    console.print(f"layer-wise: {lw.label}")
+    console.print(f"mean key bits {report['key_bits']:.3f} (budget {budget:.3f}; base {report['base_key_bits']:.3f}); "
+                  f"summed KL {sum(layer_kl):.3f} (base {sum(kl_of[base]):.3f})"
+                  + (f"; wrote {output}" if output else "") + f"; score it: pnmix eval --config {output or 'FILE'}")
 
 
 def write_regular_file(target: Path, text: str) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix import models
-from pnmix.config import PNMixConfig, preset
+from pnmix.config import preset
 from pnmix.layerwise import AnyConfig
 from tuner.profiles import EvalError
 
