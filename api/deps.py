@@ -76,6 +76,9 @@ async def no_duplicate_keys(request: Request) -> None:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
 ReadSession = Annotated[Session, Depends(read_session)]
-WriteSession = Annotated[Session, Depends(write_session)]
+# scope="function": the session commits before the response is sent, so a client that reads what
+# it just wrote (the Location of a new campaign) finds it; by default the exit code of a dependency
+# with yield runs after the response.
+WriteSession = Annotated[Session, Depends(write_session, scope="function")]
 TokenChecked = Depends(require_token)
 NoDuplicateKeys = Depends(no_duplicate_keys)

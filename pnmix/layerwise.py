@@ -195,11 +195,8 @@ class LayerwiseConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LayerwiseConfig:
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, ValueError, TypeError):
-            raise ConfigError("config", str(text)[:40], "valid JSON of a layer-wise config") from None
-        return cls.from_dict(data)
+        config = load_config(text)
+        return config if isinstance(config, LayerwiseConfig) else cls(config)
 
 
 AnyConfig = PNMixConfig | LayerwiseConfig  # what the cache, the static path and the scoring engine take
@@ -214,8 +211,8 @@ def load_config(text: str | bytes) -> PNMixConfig | LayerwiseConfig:
     """A config from JSON: a layer-wise one when it has a "default" key, else a single one."""
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError, ValueError, TypeError):
-        raise ConfigError("config", str(text)[:40], "valid JSON of a PNMixConfig or a layer-wise config") from None
+    except (RecursionError, ValueError, TypeError):  # JSONDecodeError is a ValueError
+        return PNMixConfig.from_json(text)  # raises the parse error in PNMixConfig's own one-line words
     if isinstance(data, dict) and "default" in data:
         return LayerwiseConfig.from_dict(data)
     return PNMixConfig.from_dict(data)

@@ -76,10 +76,10 @@ def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
     # Warm start: the paper config and KIVI at the budget come first (kitty's 2.39 bits do not fit).
     warm = [t.user_attrs["config"] for t in trials if t.user_attrs.get("warm_start")]
     assert warm[0]["b_high"] == 3 and warm[0]["salient_ratio"] == 0.5 and warm[0]["n_sink"] == 32
-    # then, per bit pair that fits, the config that fills the budget.
-    fullest = {c.label for c in spec.space.fullest_within(2.3, 64)}
-    presets = {"3/1 G128 r0.5 s32", "2/2 G128 r0 s0", "1/1 G128 r0 s0"}
-    assert {PNMixConfig.from_dict(c).label for c in warm} == presets | fullest
+    # then, per bit pair that fits, the config that fills the budget; at most half the trials.
+    fullest = [c.label for c in spec.space.fullest_within(2.3, 64)]
+    presets = ["3/1 G128 r0.5 s32", "2/2 G128 r0 s0", "1/1 G128 r0 s0"]
+    assert [PNMixConfig.from_dict(c).label for c in warm] == list(dict.fromkeys(presets + fullest))[:5]
     # The constraint: a config over budget never runs inference and is infeasible.
     for t in trials:
         assert "key_bits" in t.user_attrs, (t.number, t.state, t.user_attrs, t.params)
@@ -99,7 +99,8 @@ def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
 
 def test_every_score_reaches_every_budget_it_fits(tmp_path, tiny_dir):
     db = sqlite_db(tmp_path)
-    spec = spec_for(tiny_dir, [3.0, 2.8], n_trials=6, multi_fidelity=False)  # every proposal fully scored
+    # Every proposal fully scored; 12 trials: past the warm starts (presets, each pair's fullest config).
+    spec = spec_for(tiny_dir, [3.0, 2.8], n_trials=12, multi_fidelity=False)
     campaign_id = find_or_create_campaign(db, spec)
     runner = CampaignRunner(db, db.url, campaign_id, spec, Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",)))
     # The config of the most key bits within 2.8, proposed in the 3.0 study only.
@@ -125,8 +126,8 @@ def test_every_score_reaches_every_budget_it_fits(tmp_path, tiny_dir):
             source = f"{study_name(campaign_id, other)}#{t.number}"
             assert copy.user_attrs["shared"] and copy.user_attrs["score_from"] == source
             assert copy.values == t.values and copy.user_attrs["accuracy"] == t.user_attrs["accuracy"]
-        # Shared copies take no slot: each budget still ran its own six.
-        assert len(finished(study)) == 6
+        # Shared copies take no slot: each budget still ran its own twelve.
+        assert len(finished(study)) == 12
     # It has a score in the 2.8 study too, wherever it was scored.
     assert key in {json.dumps(t.user_attrs["config"], sort_keys=True) for t in studies[2.8].trials
                    if "accuracy" in t.user_attrs}

@@ -205,14 +205,14 @@ def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
     """On the ground truth: every trial the campaign queued as a neighbour is one step from the config
     re-proposed before it, fits its budget, and is scored by its own run (no study held it before)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_tuner import BUDGETS, Replay, head_dim_of
+    from bench_tuner import Replay, head_dim_of
 
     from tuner.campaign import CampaignRunner, CampaignSpec, scored_here
     from tuner.session import find_or_create_campaign, open_db
 
     replay = Replay(truth.records, head_dim_of(truth.records), "full", 0)
     db = open_db(f"sqlite:///{tmp_path / 'r.db'}", upgrade=True)
-    spec = CampaignSpec(model="smollm2-135m", budgets=BUDGETS, n_trials=12, profile="full", seed=0,
+    spec = CampaignSpec(model="smollm2-135m", budgets=(2.25, 3.0), n_trials=12, profile="full", seed=0,
                         multi_fidelity=False, space=SearchSpace())
     runner = CampaignRunner(db, db.url, find_or_create_campaign(db, spec), spec, replay)
     studies = runner.run()

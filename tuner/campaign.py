@@ -322,6 +322,11 @@ class CampaignRunner:
         self._own.add(budget)
         return study
 
+    def finished_count(self, budget: float) -> int:
+        """Trials of `budget` that count toward its number (its study created on first use, as
+        `study` does, with database faults handled as every other step's)."""
+        return int(self._guarded(f"budget {budget:g}", lambda: len(finished(self.study(budget)))))
+
     def _pairs(self, budget: float) -> list[str]:
         """The bit pairs this budget's sampler chooses from: those with a config within the budget
         (a pair whose cheapest config is over it could only ever give over-budget proposals). A study
@@ -349,8 +354,9 @@ class CampaignRunner:
     def _warm_start(self, study: optuna.Study, budget: float) -> None:
         """Enqueues pnmix-paper, KIVI and Kitty where they fit the budget, the model's previous front,
         and per bit pair the config that fills the budget (`SearchSpace.fullest_within`: the top of
-        a budget's front is where its best point lies, and TPE alone seldom reaches it); new studies
-        only."""
+        a budget's front is where its best point lies, and TPE alone seldom reaches it), in that
+        order, at most half the budget's trials (queued trials run first: a dead worker's retried
+        trial queues behind them); new studies only."""
         candidates: list[PNMixConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
         candidates += self._stored_fronts(budget)
         candidates += self.spec.space.fullest_within(budget, self.head_dim)
@@ -365,6 +371,8 @@ class CampaignRunner:
             if frozen not in seen:
                 seen.add(frozen)
                 study.enqueue_trial(params, user_attrs={"warm_start": True})
+            if len(seen) >= max(1, self.spec.n_trials // 2):  # the sampler keeps at least half the slots
+                return
 
     def _stored_fronts(self, budget: float) -> list[PNMixConfig]:
         """The best stored front points of this model from earlier campaigns that fit `budget` (this

@@ -256,7 +256,7 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
                                 worker_id=worker_id)
         tasks = {b: bar.add_task(f"budget {b:g} bits", total=spec.n_trials, best="") for b in spec.budgets}
         for b in spec.budgets:
-            bar.update(tasks[b], completed=len(finished(runner.study(b))))
+            bar.update(tasks[b], completed=runner.finished_count(b))
 
         def on_trial(budget: float, study: Any) -> None:
             front = front_trials(study)

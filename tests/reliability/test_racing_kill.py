@@ -16,7 +16,7 @@ from rel_helpers import stub_campaign, stub_worker_args, wait_for, worker_env
 from storage.testing import sqlite_url
 from tuner.campaign import finished, study_name
 
-TRIALS = 8
+TRIALS = 16  # past the warm starts (they are not raced)
 
 
 def rows(log):
