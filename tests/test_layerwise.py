@@ -232,9 +232,11 @@ def test_layers_command_reports_sensitivity_and_writes_a_config_within_the_bits(
     import sys
 
     out = tmp_path / "layers.json"
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "layers", "--bits", "2.45", "-o", str(out), "--json"],
-                          capture_output=True, text=True, timeout=300)
+    picture = tmp_path / "layers.png"
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "layers", "--bits", "2.45", "-o", str(out), "--json",
+                           "--plot", str(picture)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert picture.stat().st_size > 10_000
     report = json.loads(proc.stdout)
     lw = load_config(out.read_text())
     assert isinstance(lw, LayerwiseConfig) and lw.to_dict() == report["config"]

@@ -607,6 +607,8 @@ def layers(
     profile_name: ProfileOpt = "quick",
     output: Annotated[str | None, typer.Option("-o", "--output", help="write the layer-wise config here (JSON)",
                                                parser=OutputFile())] = None,
+    plot: Annotated[str | None, typer.Option(help="draw the per-layer KL and bits here (PNG)",
+                                             parser=OutputFile())] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
@@ -640,6 +642,12 @@ def layers(
               "config": lw.to_dict()}
     if output:
         write_regular_file(Path(output), lw.to_json() + "\n")
+    if plot:
+        from tuner.plot import layers_plot
+
+        layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot),
+                    f"{model}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "
+                    f"({report['key_bits']:.3f} bits)")
     if as_json:
         print(json.dumps(report))
         return
@@ -653,7 +661,8 @@ def layers(
     console.print(f"layer-wise: {lw.label}")
     console.print(f"mean key bits {report['key_bits']:.3f} (budget {budget:.3f}; base {report['base_key_bits']:.3f}); "
                   f"summed KL {sum(layer_kl):.3f} (base {sum(kl_of[base]):.3f})"
-                  + (f"; wrote {output}" if output else "") + f"; score it: pnmix eval --config {output or 'FILE'}")
+                  + (f"; wrote {output}" if output else "") + (f"; plot {plot}" if plot else "")
+                  + f"; score it: pnmix eval --config {output or 'FILE'}")
 
 
 def write_regular_file(target: Path, text: str) -> None:

@@ -50,3 +50,34 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str) -> Path:
 def _same_method(a: PNMixConfig, b: PNMixConfig) -> bool:
     keys = ("b_high", "b_low", "group_size", "salient_ratio", "n_sink")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def layers_plot(sensitivity: list[float], chosen: list[PNMixConfig], chosen_kl: list[float], head_dim: int,
+                path: Path, title: str) -> Path:
+    """Per layer: the base config's proxy KL (the sensitivity profile), the allocated config's KL,
+    and the allocated config's key bits (right axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pnmix.bits import key_bits
+
+    layers = list(range(len(sensitivity)))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.bar([i - 0.2 for i in layers], sensitivity, width=0.4, color="C0", label="base config: attention KL")
+    ax.bar([i + 0.2 for i in layers], chosen_kl, width=0.4, color="C1", label="layer-wise: attention KL")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention KL (proxy)")
+    right = ax.twinx()
+    right.plot(layers, [key_bits(c, head_dim).total for c in chosen], "k.-", label="layer-wise: key bits")
+    right.set_ylabel("key bits of the layer's config")
+    ax.set_title(title, fontsize=10)
+    handles = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
