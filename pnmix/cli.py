@@ -116,53 +116,52 @@ def bits(
 
         shape = model_shape(model)
     loaded = load_config(Path(config_file).read_bytes()) if config_file else None
-    if isinstance(loaded, LayerwiseConfig):
-        n_layers = shape.num_layers if shape is not None else layers
-        if n_layers is None:
-            raise inputs.InputError("--layers", "(missing)",
-                                    "the model's layer count (or --model) for a layer-wise config")
-        d = head_dim if head_dim is not None else (shape.head_dim if shape else 128)
-        _layerwise_bits(loaded, n_layers, d, tokens, shape, model, batch, seq_len, as_json)
-        return
     config = loaded if loaded is not None else config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
     )
     d = head_dim if head_dim is not None else (shape.head_dim if shape else 128)
     config.check_head_dim(d)
-    kb = key_bits(config, d, tokens)
-    report: dict[str, object] = {
-        "config": config.to_dict(),
-        "key_bits": asdict(kb),
-        "value_bits": value_bits(config),
-    }
-    if shape is not None:
+    if isinstance(config, LayerwiseConfig):
+        n_layers = shape.num_layers if shape is not None else layers
+        if n_layers is None:
+            raise inputs.InputError("--layers", "(missing)",
+                                    "the model's layer count (or --model) for a layer-wise config")
+        report, table = _layerwise_bits(config, n_layers, d, tokens)
+    else:
+        report, table = _single_bits(config, d, tokens)
+    kv = kv_cache_bytes(config, shape, batch, seq_len) if shape is not None else None
+    if kv is not None:
         report["model"] = model
-        report["kv_bytes"] = kv_cache_bytes(config, shape, batch, seq_len).as_dict()
+        report["kv_bytes"] = kv.as_dict()
         report["batch"], report["seq_len"] = batch, seq_len
     if as_json:
         print(json.dumps(report))
         return
-    table = Table(title=f"PN-Mix key bits, d={d}, T_q={tokens}")
-    table.add_column("term")
-    table.add_column("bits / element", justify="right")
-    for name in ("payload", "sinks", "scales", "key_bits", "metadata", "total"):
-        table.add_row(name, f"{getattr(kb, name):.5f}")
-    table.add_row("value bits", f"{value_bits(config):.5f}")
     console.print(table)
-    if shape is not None:
-        kv = kv_cache_bytes(config, shape, batch, seq_len)
+    if kv is not None:
         console.print(
             f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
             f"(fp16 {kv.fp16_total / 2**20:.2f} MiB, {kv.fp16_total / max(kv.total, 1):.2f}x smaller)"
         )
 
 
-def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int, shape: ModelShape | None, model: str | None,
-                    batch: int, seq_len: int, as_json: bool) -> None:
-    """`pnmix bits --config` for a layer-wise config: key bits per layer and the model's average."""
+def _single_bits(config: PNMixConfig, d: int, tokens: int) -> tuple[dict[str, Any], Table]:
+    """`pnmix bits` for one config: the formula term by term (report, table)."""
+    kb = key_bits(config, d, tokens)
+    report: dict[str, Any] = {"config": config.to_dict(), "key_bits": asdict(kb), "value_bits": value_bits(config)}
+    table = Table(title=f"PN-Mix key bits, d={d}, T_q={tokens}")
+    table.add_column("term")
+    table.add_column("bits / element", justify="right")
+    for name in ("payload", "sinks", "scales", "key_bits", "metadata", "total"):
+        table.add_row(name, f"{getattr(kb, name):.5f}")
+    table.add_row("value bits", f"{value_bits(config):.5f}")
+    return report, table
+
+
+def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int) -> tuple[dict[str, Any], Table]:
+    """`pnmix bits` for a layer-wise config: key bits per layer and the model's average (report, table)."""
     from pnmix.bits import key_bits_by_layer, mean_key_bits
 
-    config.default.check_head_dim(d)
     per_layer = config.per_layer(n_layers)
     kbs = key_bits_by_layer(config, n_layers, d, tokens)
     report: dict[str, Any] = {
@@ -172,13 +171,6 @@ def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int, shape: Mode
         "mean_key_bits": mean_key_bits(config, n_layers, d, tokens),
         "value_bits": value_bits(config.default),
     }
-    if shape is not None:
-        report["model"] = model
-        report["kv_bytes"] = kv_cache_bytes(config, shape, batch, seq_len).as_dict()
-        report["batch"], report["seq_len"] = batch, seq_len
-    if as_json:
-        print(json.dumps(report))
-        return
     table = Table(title=f"PN-Mix key bits by layer, d={d}, T_q={tokens}: {config.label}")
     table.add_column("layers")
     table.add_column("config")
@@ -190,11 +182,7 @@ def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int, shape: Mode
             table.add_row(name, per_layer[start].label, f"{kbs[start].total:.5f}")
             start = i
     table.add_row("model average", "", f"{report['mean_key_bits']:.5f}")
-    console.print(table)
-    if shape is not None:
-        kv = kv_cache_bytes(config, shape, batch, seq_len)
-        console.print(f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
-                      f"(fp16 {kv.fp16_total / 2**20:.2f} MiB, {kv.fp16_total / max(kv.total, 1):.2f}x smaller)")
+    return report, table
 
 
 def budget_table(model: str, seq_len: int = 8192) -> Table:
