@@ -641,13 +641,12 @@ class PNMixCache(Cache):
         if not isinstance(config, PNMixConfig | LayerwiseConfig):  # e.g. a dict or JSON text read from a file
             raise ConfigError("config", type(config).__name__,
                               "a PNMixConfig or LayerwiseConfig (load JSON with pnmix.layerwise.load_config)")
+        pairing, _ = check_model(model_config, config)
         layerwise = as_layerwise(config)
-        pairing, _ = check_model(model_config, layerwise.default)  # what it checks is shared by every layer
-        text = model_config.get_text_config(decoder=True)
         # The shared fields (G, residual, sinks, values) are the default's: the static path reads them here.
         self.pnmix_config = layerwise.default
         self.layerwise = layerwise
-        per_layer = layerwise.per_layer(text.num_hidden_layers)
+        per_layer = layerwise.per_layer(model_config.get_text_config(decoder=True).num_hidden_layers)
         layers = [PNMixLayer(cfg, pairing, i) for i, cfg in enumerate(per_layer)]
         for layer in layers:
             layer.multi_token = multi_token

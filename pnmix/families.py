@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pnmix.config import PNMixConfig
 from pnmix.errors import PNMixError
+from pnmix.layerwise import AnyConfig, LayerwiseConfig
 from pnmix.saliency import Pairing
 
 # Hugging Face implementations of these families apply RoPE with `rotate_half` (channel i pairs
@@ -50,11 +50,14 @@ def rope_pairing(model_config: Any) -> Pairing:
     return "rotate_half"
 
 
-def check_model(model_config: Any, config: PNMixConfig) -> tuple[Pairing, int]:
-    """Validates a (model, PN-Mix config) pair; returns (pairing, head_dim)."""
+def check_model(model_config: Any, config: AnyConfig) -> tuple[Pairing, int]:
+    """Validates a (model, PN-Mix config) pair, a layer-wise config's ranges against the model's
+    layers too; returns (pairing, head_dim)."""
     from pnmix.models import shape_of_config
 
     pairing = rope_pairing(model_config)
-    head_dim = shape_of_config(model_config).head_dim
-    config.check_head_dim(head_dim)
-    return pairing, head_dim
+    shape = shape_of_config(model_config)
+    config.check_head_dim(shape.head_dim)
+    if isinstance(config, LayerwiseConfig):
+        config.per_layer(shape.num_layers)
+    return pairing, shape.head_dim

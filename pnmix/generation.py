@@ -30,11 +30,7 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
 def new_cache(model: Any, config: PNMixConfig | LayerwiseConfig) -> PNMixCache:
     """A fresh PN-Mix cache for one generation (one config for every layer, or layer-wise);
     validates the (model, config) pair first."""
-    if isinstance(config, LayerwiseConfig):
-        check_model(model.config, config.default)  # what it checks is shared by every layer
-        config.per_layer(model.config.get_text_config(decoder=True).num_hidden_layers)
-    else:
-        check_model(model.config, config)
+    check_model(model.config, config)
     use_pnmix_attention(model)
     return PNMixCache(model.config, config)
 

@@ -29,7 +29,7 @@ from pnmix.cache import LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
 from pnmix.config import PNMixConfig
 from pnmix.families import check_model, rope_pairing
 from pnmix.generation import cache_kwargs, use_pnmix_attention
-from pnmix.layerwise import AnyConfig, as_layerwise
+from pnmix.layerwise import AnyConfig
 from pnmix.saliency import Pairing, saliency_scores
 
 # Criteria whose scores depend on the prefill: recorded once per sequence.
@@ -122,7 +122,7 @@ def build_cache(model: Any, config: AnyConfig, states: list[PrefillState], multi
     """
     if not states:
         raise ValueError("build_cache needs at least one prefill state")
-    check_model(model.config, as_layerwise(config).default)  # what it checks is shared by every layer
+    check_model(model.config, config)
     use_pnmix_attention(model)
     cache = PNMixCache(model.config, config, multi_token=multi_token)
     for li, layer in enumerate(la for la in cache.layers if isinstance(la, PNMixLayer)):

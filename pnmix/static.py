@@ -243,10 +243,9 @@ def _method_config(method: str | PNMixConfig | LayerwiseConfig) -> LayerwiseConf
     if not isinstance(method, PNMixConfig | LayerwiseConfig):
         raise ConfigError("method", method, "'fp16', a PNMixConfig or a LayerwiseConfig")
     layerwise = as_layerwise(method)
-    for cfg in (layerwise.default, *(layerwise.for_layer(r.first) for r in layerwise.ranges)):
-        if not (cfg.keys_quantized and cfg.values_quantized):
-            raise ConfigError("method", cfg.to_dict(), "'fp16' or a config with quantized keys and values in "
-                                                        "every layer (the static path has no mixed mode)")
+    if not (layerwise.keys_quantized and layerwise.values_quantized):
+        raise ConfigError("method", method.to_dict(), "'fp16' or a config with quantized keys and values in "
+                                                      "every layer (the static path has no mixed mode)")
     return layerwise
 
 

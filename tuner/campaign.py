@@ -483,11 +483,7 @@ class CampaignRunner:
         along the front (docs/search.md, "Budgets")."""
         if len(finished(study)) + 1 >= self.spec.n_trials:  # this trial is the budget's last: no slot left
             return
-        scored = set()
-        for b in self.spec.budgets:
-            st = study if study_name(self.campaign_id, b) == study.study_name else self._peek(b)
-            if st is not None:
-                scored |= scored_configs(st)
+        scored = set().union(*(scored_configs(st) for st in self._campaign_studies(study)))
         # A queued trial holds its parameters in fixed_params until a worker starts it.
         pending = {json.dumps(t.system_attrs.get("fixed_params", t.params), sort_keys=True) for t in study.get_trials(
             deepcopy=False, states=(optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))}
@@ -500,16 +496,18 @@ class CampaignRunner:
                 study.enqueue_trial(params, user_attrs={"neighbour_of": config.label})
                 return
 
+    def _campaign_studies(self, study: optuna.Study) -> list[optuna.Study]:
+        """`study`, then every other budget's study of the campaign that exists yet."""
+        others = [self._peek(b) for b in self.spec.budgets if study_name(self.campaign_id, b) != study.study_name]
+        return [study, *(st for st in others if st is not None)]
+
     def _evaluated_twin(self, study: optuna.Study,
                         config: PNMixConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:
         """(study name, trial) of an earlier full evaluation of `config` in this campaign: in this
         budget's study first (a score shared into it included), then in the other budgets' (one
         evaluator, profile and seed per campaign, so a config scores the same under every budget)."""
         wanted = config.to_dict()
-        others = [self._peek(b) for b in self.spec.budgets if study_name(self.campaign_id, b) != study.study_name]
-        for st in [study, *others]:
-            if st is None:  # that budget's study does not exist yet
-                continue
+        for st in self._campaign_studies(study):
             for t in st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
                 attrs = t.user_attrs
                 # Elsewhere, point at the original evaluation, not at another budget's copy of it.
