@@ -47,10 +47,9 @@ import optuna
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
 from tuner import racing
-from tuner.campaign import hypervolume_2d
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
-from tuner.sweep import config_key, front, read_sweep
+from tuner.sweep import config_key, front, hypervolume, read_sweep
 
 DATASET = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -59,11 +58,6 @@ TARGET = 0.98
 GP_TRIALS = 100
 STRATEGIES = ("campaign", "campaign+racing", "random", "tpe", "nsga2", "gp", "grid", "tpe+racing")
 CAMPAIGN_TRIALS = 30  # a budget: the default of `pnmix tune`
-
-
-def hypervolume(points: list[tuple[float, float]], budget: float) -> float:
-    """Area dominated by (bits, accuracy) points within `budget` bits, above accuracy 0."""
-    return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)
 
 
 class Replay:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig, preset
-from tuner.sweep import config_key, front, read_sweep
+from tuner.sweep import config_key, front, hypervolume, read_sweep
 
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
 PRESETS = ("pnmix-paper", "kivi2", "kitty", "kivi1")
@@ -80,12 +80,8 @@ def against_campaign(url: str, campaign_id: int | None, header: dict[str, Any], 
                      fronts: dict[float, list[dict[str, Any]]], paper: dict[str, Any] | None) -> dict[str, Any]:
     """A stored campaign's fronts against the sweep's true fronts, per budget (printed and returned)."""
     from storage.read import list_campaigns, list_front_points
-    from tuner.campaign import hypervolume_2d
     from tuner.session import open_db
     from tuner.stats import paired
-
-    def hv(points: list[tuple[float, float]], budget: float) -> float:
-        return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)
 
     db = open_db(url)
     with db.session(readonly=True) as s:
@@ -106,10 +102,10 @@ def against_campaign(url: str, campaign_id: int | None, header: dict[str, Any], 
         mine = [r for r in rows if abs(r[0] - b) < 1e-9]
         if not mine or not fronts[b]:
             continue
-        truth = hv([(r["key_bits"], r["accuracy"]) for r in fronts[b]], b)
-        own = hv([(bits, acc) for _, _, bits, acc, _ in mine], b) / truth
+        truth = hypervolume([(r["key_bits"], r["accuracy"]) for r in fronts[b]], b)
+        own = hypervolume([(bits, acc) for _, _, bits, acc, _ in mine], b) / truth
         swept = [by_key[config_key(cfg)] for _, cfg, *_ in mine if config_key(cfg) in by_key]
-        theirs = hv([(r["key_bits"], r["accuracy"]) for r in swept], b) / truth
+        theirs = hypervolume([(r["key_bits"], r["accuracy"]) for r in swept], b) / truth
         _, cfg, bits, acc, se = max(mine, key=lambda r: (r[3], -r[2]))
         true_best = fronts[b][-1]
         gap = acc - true_best["accuracy"]

@@ -163,3 +163,11 @@ def front(records: Iterable[dict[str, Any]], budget: float = float("inf")) -> li
         if not out or r["accuracy"] > out[-1]["accuracy"]:
             out.append(r)
     return out
+
+
+def hypervolume(points: Iterable[tuple[float, float]], budget: float) -> float:
+    """Area that (key bits, accuracy) points within `budget` bits dominate, above accuracy 0: the
+    measure by which a front is compared with the true one."""
+    from tuner.campaign import hypervolume_2d
+
+    return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)
