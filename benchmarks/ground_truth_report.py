@@ -86,11 +86,11 @@ def against_campaign(url: str, campaign_id: int | None, header: dict[str, Any], 
     db = open_db(url)
     with db.session(readonly=True) as s:
         if campaign_id is None:
-            mine = [c for c in list_campaigns(s, model=header["model"]).items
-                    if c.options.get("method", "pnmix") == header["method"]]
-            if not mine:
+            same_method = [c for c in list_campaigns(s, model=header["model"]).items
+                           if c.options.get("method", "pnmix") == header["method"]]
+            if not same_method:
                 raise SystemExit(f"error: {url} holds no {header['method']} campaign of {header['model']}")
-            campaign_id = max(c.id for c in mine)
+            campaign_id = max(c.id for c in same_method)
         points = list_front_points(s, header["model"], campaign_id=campaign_id).items
         rows = [(p.budget, p.config.to_dict(), p.key_bits, p.accuracy, p.accuracy_se or 0.0) for p in points]
     print(f"\ncampaign {campaign_id} of {url} against the true fronts")
