@@ -6,17 +6,19 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from pnmix.inputs import BUDGET, TRIALS
-from pnmix.names import BACKENDS, METHODS
+from pnmix.inputs import BUDGET, LAYER_GROUPS, TRIALS
+from pnmix.names import BACKENDS, BUDGET_ON, METHODS
 from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from storage.read import OPTIMIZE, ModelSummary
 from storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
-from tuner.profiles import PROFILES
+from tuner.profiles import PROFILES, EvalError
+from tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
 
 # The ranges are pnmix.inputs', the command line's too: `pnmix recommend --bits` takes what `target_bits` takes.
-Budget = Annotated[float, Field(**BUDGET.constraints(), description="key bits per element")]
+Budget = Annotated[float, Field(**BUDGET.constraints(), description="bits per element")]
+BitsOf = Literal[BUDGET_ON]  # type: ignore[valid-type]
 
 
 def _whole(v: Any) -> Any:
@@ -66,7 +68,8 @@ class ModelPublic(BaseModel):
 
 
 class ConfigPublic(BaseModel):
-    """Every `PNMixConfig` field; `PNMixConfig.from_dict(...)` accepts it as is."""
+    """Every `PNMixConfig` field; `PNMixConfig.from_dict(...)` accepts it as is. Of a layer-wise
+    config, the default (the point's `layers` holds its ranges)."""
 
     b_high: int
     b_low: int
@@ -86,11 +89,17 @@ class PointPublic(BaseModel):
     budget: float
     trial_number: int
     config: ConfigPublic
+    layers: dict[str, dict[str, float]] | None = Field(
+        default=None, description='a layer-wise config\'s ranges over `config`, {"A-B": {field: value}} '
+        '(LayerwiseConfig JSON "layers"); null: every layer has `config`')
     accuracy: float
     accuracy_se: float | None = Field(default=None, description="standard error of accuracy; null where the point "
                                       "was stored without one")
     accuracy_parts: dict[str, float]
-    key_bits: float = Field(description="pnmix.bits.key_bits(config, head_dim).total at T_q = 32768")
+    key_bits: float = Field(description="key bits per element, the layers' mean (pnmix.bits.mean_key_bits, "
+                            "T_q = 32768)")
+    kv_bits: float = Field(description="key and value bits per cached element (pnmix.bits.kv_bits)")
+    budget_on: BitsOf = Field(description="the figure the campaign's budget constrained: key or kv bits")
     kv_bytes: int = Field(description="measured KV-cache bytes on the campaign's workload")
     throughput: float = Field(description="measured decode tokens/s on the campaign's workload")
     backend: str
@@ -102,10 +111,11 @@ class PointPublic(BaseModel):
     def of(cls, p: FrontPoint) -> PointPublic:
         return cls(
             id=p.id, campaign_id=p.campaign_id, budget=p.budget, trial_number=p.trial_number,
-            config=ConfigPublic(**p.config.to_dict()), accuracy=p.accuracy,
+            config=ConfigPublic(**_default(p.config).to_dict()), layers=p.layers or None, accuracy=p.accuracy,
             accuracy_se=p.accuracy_se if p.accuracy_se is not None and _finite(p.accuracy_se) else None,
             accuracy_parts={k: float(v) for k, v in p.accuracy_parts.items() if _finite(v)},
-            key_bits=p.key_bits, kv_bytes=p.kv_bytes, throughput=p.throughput, backend=p.backend, device=p.device,
+            key_bits=p.key_bits, kv_bits=p.kv_bits, budget_on=p.budget_on,  # type: ignore[arg-type]
+            kv_bytes=p.kv_bytes, throughput=p.throughput, backend=p.backend, device=p.device,
             versions={str(k): str(v) for k, v in p.versions.items()}, created_at=p.created_at,
         )
 
@@ -113,14 +123,16 @@ class PointPublic(BaseModel):
 class Recommendation(BaseModel):
     model: str
     target_bits: float
+    bits_of: BitsOf = Field(description="the figure target_bits bounds: key bits or KV bits")
     optimize: Optimize
     min_accuracy: float
     point: PointPublic
-    pnmix_config: str = Field(description="the PNMixConfig as JSON (PNMixConfig.from_json reads it)")
+    pnmix_config: str = Field(description="the config as JSON, a PNMixConfig or a layer-wise one "
+                              "(pnmix.layerwise.load_config reads either)")
     ties: list[PointPublic] = Field(
         default_factory=list,
         description="optimize=accuracy: the points statistically tied with the most accurate one (accuracy "
-                    "within 2 standard errors of the difference), one per config, by fewest key bits, then "
+                    "within 2 standard errors of the difference), one per config, by fewest bits, then "
                     "highest throughput; `point` is the first. Empty for the other objectives")
 
 
@@ -148,6 +160,7 @@ class CampaignPublic(BaseModel):
     profile: str
     objectives: list[str]
     backend: str
+    budget_on: BitsOf
     search_space: dict[str, Any] | None
     status: Status
     trials_done: int
@@ -165,7 +178,9 @@ class CampaignPublic(BaseModel):
     def of(cls, c: Campaign) -> CampaignPublic:
         return cls(
             id=c.id, model=c.model.name, method=c.method, budgets=[float(b) for b in c.budgets], n_trials=c.n_trials,
-            profile=c.profile, objectives=list(c.objectives), backend=c.backend, search_space=c.search_space,
+            profile=c.profile, objectives=list(c.objectives), backend=c.backend,
+            budget_on=c.budget_on,  # type: ignore[arg-type]
+            search_space=c.search_space,
             status=c.status,  # type: ignore[arg-type]
             trials_done=c.trials_done, trials_total=c.trials_total,
             progress=c.trials_done / c.trials_total if c.trials_total else 0.0,
@@ -190,20 +205,29 @@ class CampaignCreate(BaseModel):
 
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name (not a "
                        "random-weight shape model: a campaign scores accuracy)")
-    budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True})
+    budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True},
+                                  description="bit budgets, on the figure `budget_on` names")
     n_trials: WholeNumber = Field(default=30, ge=TRIALS.low, le=TRIALS.high,
                           description="trials per budget (the default is `pnmix tune`'s)")
     method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
     profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]
     objectives: list[Literal[tuple(OBJECTIVES)]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(REQUIRED_OBJECTIVES), min_length=2, max_length=len(OBJECTIVES),
-        description=f"distinct names; must include {' and '.join(REQUIRED_OBJECTIVES)}",
+        description=f"distinct names; must include {' and '.join(REQUIRED_OBJECTIVES)} (under budget_on=kv, "
+                    "key_bits stands for kv_bits)",
         json_schema_extra={
             "uniqueItems": True,
             "allOf": [{"contains": {"const": name}} for name in REQUIRED_OBJECTIVES],
         },
     )
     backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
+    budget_on: BitsOf = Field(default="key", description="what the budgets constrain: key bits, or key and "
+                              "value bits together per cached element (kv)")
+    layer_groups: WholeNumber = Field(default=DEFAULT_LAYER_GROUPS, ge=LAYER_GROUPS.low, le=LAYER_GROUPS.high,
+                                      description="method pnmix-layers: groups of layers, each with its own "
+                                                  "b_high, b_low and r, formed by layer sensitivity")
+    search_values: bool = Field(default=False, description="search value bits and value group size too (needs "
+                                "budget_on=kv: under a key budget values cost nothing)")
 
     # The schema above documents the rules; the checks themselves are the storage's (an
     # InvalidValueError is a ValueError, so pydantic answers it as a 422).
@@ -216,7 +240,26 @@ class CampaignCreate(BaseModel):
     @field_validator("objectives")
     @classmethod
     def _objectives(cls, v: list[str]) -> list[str]:
-        return check_objectives(v)
+        return check_objectives(v)  # under budget_on=kv the storage puts kv_bits in key_bits' place
+
+    @model_validator(mode="after")
+    def _space(self) -> CampaignCreate:
+        try:
+            self.space()
+        except EvalError as exc:  # e.g. search_values under a key budget
+            raise ValueError(str(exc)) from None
+        check_objectives(self.objectives, self.budget_on)
+        return self
+
+    def space(self) -> SearchSpace:
+        """The search space this request asks for (its checks are the tuner's: EvalError, one line)."""
+        return SearchSpace(method=self.method, budget_on=self.budget_on, search_values=self.search_values,
+                           layer_groups=self.layer_groups)
+
+
+def _default(config: Any) -> Any:
+    """A layer-wise config's default, a single config itself."""
+    return getattr(config, "default", config)
 
 
 def _finite(v: Any) -> bool:

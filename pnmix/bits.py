@@ -10,6 +10,15 @@ and `n_sink` fp16 sink tokens in front of them.
     key_bits = (payload + sinks + scales) / ((T_q + n_sink) * d)
     metadata = d/2-bit salient mask per (layer, KV head, sequence) / ((T_q + n_sink) * d)
     total    = key_bits + metadata
+
+A layer-wise config's key bits are the mean of its layers' totals (every layer holds as many key
+elements). Values, counted the same way (fp16 sinks in, the residual out):
+
+    value    = (T_q * (b_V + 2 * 16 / G_V) + n_sink * 16) / (T_q + n_sink)     (16 when unquantized)
+    kv_bits  = (key total + value) / 2
+
+`kv_bits` is the whole cache's bits per cached element (a key and a value element each), the
+figure a `--budget-on kv` campaign constrains.
 """
 
 from __future__ import annotations
@@ -89,6 +98,25 @@ def value_bits(config: PNMixConfig) -> float:
     if not config.values_quantized:
         return float(UNQUANTIZED_BITS)
     return config.value_bits + 2 * FP16_BITS / config.value_group_size
+
+
+def value_bits_total(config: PNMixConfig | LayerwiseConfig,
+                     quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+    """Value bits per element as keys are counted: codes and per-group scales over T_q tokens plus
+    the fp16 sink tokens (every layer shares the value format, so one figure serves the model)."""
+    c = as_layerwise(config).default
+    if not c.values_quantized:
+        return float(UNQUANTIZED_BITS)
+    t_q = quantized_tokens
+    return (t_q * value_bits(c) + c.n_sink * FP16_BITS) / (t_q + c.n_sink)
+
+
+def kv_bits(config: PNMixConfig | LayerwiseConfig, num_layers: int, head_dim: int = 128,
+            quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+    """Bits per cached element over keys and values together: the mean of `mean_key_bits` and
+    `value_bits_total` (a token holds as many key elements as value elements)."""
+    keys = mean_key_bits(config, num_layers, head_dim, quantized_tokens)
+    return (keys + value_bits_total(config, quantized_tokens)) / 2
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ BUDGET = Range(0.0, 16.0, low_open=True)  # key bits per element: 16 is the unqu
 ACCURACY = Range(0.0, 1.0)  # a combined accuracy, and the floor a recommendation asks for
 CAMPAIGN_ID = Range(1, INT32_MAX, integer=True)
 TRIALS = Range(1, 10_000, integer=True)  # trials per budget of a campaign
+LAYER_GROUPS = Range(1, 8, integer=True)  # groups of layers with their own bits (method pnmix-layers)
 SEED = Range(0, INT32_MAX, integer=True)
 PORT = Range(1, 65535, integer=True)
 PAGE_SIZE = Range(1, 500, integer=True)

@@ -207,12 +207,25 @@ def as_layerwise(config: PNMixConfig | LayerwiseConfig) -> LayerwiseConfig:
     return config if isinstance(config, LayerwiseConfig) else LayerwiseConfig(config)
 
 
+def simplest(config: PNMixConfig | LayerwiseConfig) -> PNMixConfig | LayerwiseConfig:
+    """A layer-wise config whose layers are all alike as its single config; anything else as it is.
+    Stored points, trial records and JSON answers hold this form, so one cache has one spelling."""
+    if isinstance(config, LayerwiseConfig) and config.uniform:
+        return config.default
+    return config
+
+
+def config_from_dict(data: Any) -> PNMixConfig | LayerwiseConfig:
+    """Either form from its `to_dict()`: layer-wise when it has a "default" key, else a single one."""
+    if isinstance(data, dict) and "default" in data:
+        return LayerwiseConfig.from_dict(data)
+    return PNMixConfig.from_dict(data)
+
+
 def load_config(text: str | bytes) -> PNMixConfig | LayerwiseConfig:
     """A config from JSON: a layer-wise one when it has a "default" key, else a single one."""
     try:
         data = json.loads(text)
     except (RecursionError, ValueError, TypeError):  # JSONDecodeError is a ValueError
         return PNMixConfig.from_json(text)  # raises the parse error in PNMixConfig's own one-line words
-    if isinstance(data, dict) and "default" in data:
-        return LayerwiseConfig.from_dict(data)
-    return PNMixConfig.from_dict(data)
+    return config_from_dict(data)

@@ -7,7 +7,9 @@ Table names carry a `pnmix_` prefix because the same database also holds Optuna'
 - `pnmix_models`: a model a campaign can tune, with the shape the bit formula needs.
 - `pnmix_campaigns`: one tuning campaign over several bit budgets; workers claim queued ones.
 - `pnmix_front_points`: the feasible Pareto front of one (campaign, budget); every `PNMixConfig`
-  field as its own column, so queries can filter on them.
+  field as its own column, so queries can filter on them. A layer-wise config stores its default
+  in those columns and its per-layer ranges in `layers` (NULL: every layer the same). Each point
+  carries both bit figures, key bits and KV bits, so a recommendation answers for either.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from pnmix.config import PNMixConfig
+from pnmix.layerwise import LayerwiseConfig
 
 CAMPAIGN_STATUSES = ("queued", "running", "done", "failed")
 TERMINAL_STATUSES = ("done", "failed")
@@ -128,6 +131,7 @@ class Campaign(Base):
     profile: Mapped[str] = mapped_column(String(16))  # quick | full
     objectives: Mapped[list[Any]] = mapped_column()  # e.g. ["accuracy", "key_bits"]
     backend: Mapped[str] = mapped_column(String(16), default="auto")  # auto | torch | triton
+    budget_on: Mapped[str] = mapped_column(String(8), default="key", server_default="key")  # pnmix.names.BUDGET_ON
     search_space: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     options: Mapped[dict[str, Any]] = mapped_column(default=dict)  # tuner knobs not worth a column
     status: Mapped[str] = mapped_column(String(16), default="queued")
@@ -151,12 +155,14 @@ class FrontPoint(Base):
     __tablename__ = "pnmix_front_points"
     __table_args__ = (
         UniqueConstraint("campaign_id", "budget", "trial_number"),
-        CheckConstraint("key_bits > 0 AND key_bits <= budget + 1e-9", name="within_budget"),
+        CheckConstraint("key_bits > 0 AND kv_bits > 0 AND (budget_on = 'key' AND key_bits <= budget + 1e-9 OR "
+                        "budget_on = 'kv' AND kv_bits <= budget + 1e-9)", name="within_budget"),
         CheckConstraint("accuracy >= 0 AND accuracy <= 1", name="accuracy_range"),
         CheckConstraint("b_low <= b_high", name="bits_order"),
         CheckConstraint("kv_bytes >= 0 AND throughput >= 0", name="measurements"),
         # recommend(): a model's points under a bit budget
         Index("ix_pnmix_front_points_model_bits", "model_id", "key_bits"),
+        Index("ix_pnmix_front_points_model_kv_bits", "model_id", "kv_bits"),
         # fronts: a campaign's points per budget
         Index("ix_pnmix_front_points_campaign_budget", "campaign_id", "budget"),
     )
@@ -166,6 +172,7 @@ class FrontPoint(Base):
     # Copied from the campaign so that the recommendation query needs no join.
     model_id: Mapped[int] = mapped_column(ForeignKey("pnmix_models.id", ondelete="CASCADE"))
     budget: Mapped[float] = mapped_column(Double)
+    budget_on: Mapped[str] = mapped_column(String(8), default="key", server_default="key")  # the campaign's
     trial_number: Mapped[int] = mapped_column(Integer)
     # every PNMixConfig field
     b_high: Mapped[int] = mapped_column(Integer)
@@ -178,11 +185,14 @@ class FrontPoint(Base):
     value_group_size: Mapped[int] = mapped_column(Integer)
     criterion: Mapped[str] = mapped_column(String(32))
     seed: Mapped[int] = mapped_column(Integer)
+    # a layer-wise config's ranges, {"A-B": {field: value}} (LayerwiseConfig.to_dict()["layers"]); NULL: none
+    layers: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # metrics
     accuracy: Mapped[float] = mapped_column(Double)  # aggregate score in [0, 1]
     accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True)  # its standard error; None: unknown
     accuracy_parts: Mapped[dict[str, Any]] = mapped_column(default=dict)  # e.g. passkey, top1_agreement, kl
-    key_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.key_bits(config, head_dim).total
+    key_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.mean_key_bits(config, layers, head_dim)
+    kv_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.kv_bits(config, layers, head_dim)
     kv_bytes: Mapped[int] = mapped_column(BigInteger)  # measured cache.nbytes() total on the workload
     throughput: Mapped[float] = mapped_column(Double)  # decode tokens/s on the workload
     backend: Mapped[str] = mapped_column(String(32))  # torch | triton
@@ -193,5 +203,12 @@ class FrontPoint(Base):
     campaign: Mapped[Campaign] = relationship(back_populates="points")
 
     @property
-    def config(self) -> PNMixConfig:
-        return PNMixConfig(**{name: getattr(self, name) for name in CONFIG_FIELDS})
+    def config(self) -> PNMixConfig | LayerwiseConfig:
+        default = PNMixConfig(**{name: getattr(self, name) for name in CONFIG_FIELDS})
+        if not self.layers:
+            return default
+        return LayerwiseConfig.from_dict({"default": default.to_dict(), "layers": self.layers})
+
+    def bits(self, of: str) -> float:
+        """The point's key bits (`of="key"`) or KV bits (`"kv"`)."""
+        return self.kv_bits if of == "kv" else self.key_bits

@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, joinedload
 
+from pnmix.names import BUDGET_ON
 from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
 from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
 from storage.write import BITS_EPS
@@ -109,15 +110,23 @@ def tied_with(best: FrontPoint, point: FrontPoint) -> bool:
     return best.accuracy - point.accuracy <= TIE_Z * math.hypot(best.accuracy_se, point.accuracy_se)
 
 
+def bits_column(bits_of: str) -> Any:
+    """The column of the bit figure a recommendation's budget is on: key bits or KV bits."""
+    if bits_of not in BUDGET_ON:
+        raise InvalidValueError(f"invalid bits_of={bits_of!r}: allowed {', '.join(BUDGET_ON)}")
+    return FrontPoint.kv_bits if bits_of == "kv" else FrontPoint.key_bits
+
+
 def applied_floor(session: Session, model: str, target_bits: float, optimize: str = "accuracy",
-                  min_accuracy: float | None = None, campaign_id: int | None = None) -> float:
+                  min_accuracy: float | None = None, campaign_id: int | None = None, bits_of: str = "key") -> float:
     """The accuracy floor a recommendation uses: `min_accuracy` when given; else 0 for accuracy and,
     for throughput and memory, RELATIVE_FLOOR times the best accuracy of the points within the budget."""
+    bits = bits_column(bits_of)
     if min_accuracy is not None:
         return min_accuracy
     if optimize == "accuracy":
         return 0.0
-    conditions = [Model.name == model, FrontPoint.key_bits <= target_bits + BITS_EPS]
+    conditions = [Model.name == model, bits <= target_bits + BITS_EPS]
     if campaign_id is not None:
         conditions.append(FrontPoint.campaign_id == campaign_id)
     best = session.scalar(select(func.max(FrontPoint.accuracy)).join(Model, FrontPoint.model_id == Model.id)
@@ -132,9 +141,10 @@ def recommend(
     optimize: str = "accuracy",
     min_accuracy: float | None = None,
     campaign_id: int | None = None,
+    bits_of: str = "key",
 ) -> FrontPoint:
     """The recommended point: `recommend_with_ties(...)[0]`."""
-    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id)[0]
+    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)[0]
 
 
 def recommend_with_ties(
@@ -144,23 +154,27 @@ def recommend_with_ties(
     optimize: str = "accuracy",
     min_accuracy: float | None = None,
     campaign_id: int | None = None,
+    bits_of: str = "key",
 ) -> tuple[FrontPoint, list[FrontPoint]]:
-    """The recommended stored point of `model` with key bits <= `target_bits` and accuracy >=
-    `min_accuracy`, and the points tied with the most accurate one (the recommendation among them).
+    """The recommended stored point of `model` with key bits (`bits_of="key"`) or KV bits (`"kv"`)
+    <= `target_bits` and accuracy >= `min_accuracy`, and the points tied with the most accurate one
+    (the recommendation among them). Every point carries both figures, so either question is
+    answered from every campaign's points, whichever figure their budgets constrained.
 
     Looks at every front of the model (all campaigns and budgets, or one campaign). `optimize`:
     - "accuracy": the most accurate point and every point statistically tied with it (`tied_with`,
-      one per config); among them the one with the fewest key bits, then the highest measured
+      one per config); among them the one with the fewest bits (of `bits_of`), then the highest measured
       throughput, then the fewest KV bytes. Ties are ordered the same way, the recommendation first.
     - "throughput" (highest decode tokens/s) or "memory" (fewest measured KV bytes): that point,
       no ties. Without `min_accuracy`, only points with at least RELATIVE_FLOOR of the best accuracy
       within the budget count (`applied_floor`).
-    Raises NotFoundError for an unknown model, NoFeasiblePointError (with the smallest key bits
-    that would fit) when nothing satisfies the constraints.
+    Raises NotFoundError for an unknown model, NoFeasiblePointError (with the smallest bits that
+    would fit) when nothing satisfies the constraints.
     """
     if optimize not in OPTIMIZE:
         raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
-    min_accuracy = applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id)
+    bits = bits_column(bits_of)
+    min_accuracy = applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
     # On the hot path: one query for the best point (the model joined by name) and, for accuracy,
     # one for the points that may tie with it; the slower queries that explain an empty answer
     # (unknown model, or the smallest bits that would fit) run only when it is empty.
@@ -168,28 +182,29 @@ def recommend_with_ties(
     if campaign_id is not None:
         conditions.append(FrontPoint.campaign_id == campaign_id)
     feasible_of_model = (select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
-                         .where(Model.name == model, FrontPoint.key_bits <= target_bits + BITS_EPS, *conditions))
+                         .where(Model.name == model, bits <= target_bits + BITS_EPS, *conditions))
     best = session.scalars(feasible_of_model.order_by(*_ORDER[optimize], FrontPoint.id).limit(1)).first()
     if best is not None:
         if optimize != "accuracy":
             return best, []
         if best.accuracy_se is None:  # only equal accuracy ties with it
             equal = feasible_of_model.where(FrontPoint.accuracy == best.accuracy)
-            return _tie_order(best, list(session.scalars(equal)))
-        return _tie_order(best, list(session.scalars(feasible_of_model)))
+            return _tie_order(best, list(session.scalars(equal)), bits_of)
+        return _tie_order(best, list(session.scalars(feasible_of_model)), bits_of)
     model_row = get_model(session, model)
-    feasible = select(FrontPoint.key_bits).where(FrontPoint.model_id == model_row.id, *conditions).subquery()
-    smallest = session.scalar(select(func.min(feasible.c.key_bits)))
-    raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest))
+    feasible = select(bits.label("bits")).where(FrontPoint.model_id == model_row.id, *conditions).subquery()
+    smallest = session.scalar(select(func.min(feasible.c.bits)))
+    raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest),
+                               bits_of)
 
 
-def _tie_order(best: FrontPoint, points: list[FrontPoint]) -> tuple[FrontPoint, list[FrontPoint]]:
+def _tie_order(best: FrontPoint, points: list[FrontPoint], bits_of: str) -> tuple[FrontPoint, list[FrontPoint]]:
     """(recommendation, ties): one point per config, tied with `best`, fewest bits first."""
     by_config: dict[str, FrontPoint] = {}
     for p in sorted(points, key=lambda p: (-p.accuracy, p.id)):
         if tied_with(best, p):
             by_config.setdefault(p.config.to_json(), p)
-    ties = sorted(by_config.values(), key=lambda p: (p.key_bits, -p.throughput, p.kv_bytes, p.id))
+    ties = sorted(by_config.values(), key=lambda p: (p.bits(bits_of), -p.throughput, p.kv_bytes, p.id))
     return ties[0], ties
 
 

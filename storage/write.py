@@ -26,17 +26,21 @@ from typing import Any, Literal
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from pnmix.bits import key_bits
+from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig
 from pnmix.inputs import BUDGET, TRIALS
-from pnmix.names import BACKENDS, METHODS
+from pnmix.layerwise import LayerwiseConfig, simplest
+from pnmix.names import BACKENDS, BUDGET_ON, METHODS
 from storage.errors import InvalidValueError, NotFoundError
 from storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 
 # What a campaign may optimize: measured columns of its front points, each with the direction that
 # improves it (the tuner's Optuna study directions). Every campaign optimizes accuracy and key bits.
+# Every campaign optimizes accuracy and the bit figure its budgets constrain: key bits, or KV bits
+# for a `budget_on="kv"` campaign (`CampaignSpec` puts kv_bits in key_bits' place).
 OBJECTIVES: dict[str, Literal["maximize", "minimize"]] = {
-    "accuracy": "maximize", "key_bits": "minimize", "kv_bytes": "minimize", "throughput": "maximize"}
+    "accuracy": "maximize", "key_bits": "minimize", "kv_bits": "minimize", "kv_bytes": "minimize",
+    "throughput": "maximize"}
 REQUIRED_OBJECTIVES = ("accuracy", "key_bits")
 MODEL_SOURCES = ("embedded", "shape", "local", "hub")
 MAX_BITS = BUDGET.high
@@ -79,9 +83,11 @@ class ModelIn:
 
 @dataclass(frozen=True)
 class FrontPointIn:
-    """One Pareto point as the tuner measured it. Key bits are not given: `replace_front` computes
-    them from `config` and the model's head_dim with `pnmix.bits.key_bits(...).total`.
+    """One Pareto point as the tuner measured it. Bits are not given: `replace_front` computes the
+    key bits (`pnmix.bits.mean_key_bits`) and KV bits (`pnmix.bits.kv_bits`) from `config` and the
+    model's shape.
 
+    config:         a `PNMixConfig` or a `LayerwiseConfig`
     accuracy:       aggregate score in [0, 1] (what the front maximizes)
     accuracy_se:    its standard error (tuner/stats.py), None where not measured
     accuracy_parts: the score's parts by name, e.g. {"passkey": 0.8, "top1_agreement": 0.93, "kl": 0.04}
@@ -93,7 +99,7 @@ class FrontPointIn:
     versions:       package -> version, e.g. {"torch": "2.13.0", "transformers": "5.24.0"}
     """
 
-    config: PNMixConfig
+    config: PNMixConfig | LayerwiseConfig
     accuracy: float
     kv_bytes: int
     throughput: float
@@ -105,8 +111,9 @@ class FrontPointIn:
     accuracy_se: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.config, PNMixConfig):
-            raise InvalidValueError(f"config must be a PNMixConfig, got {type(self.config).__name__}")
+        if not isinstance(self.config, PNMixConfig | LayerwiseConfig):
+            raise InvalidValueError(f"config must be a PNMixConfig or LayerwiseConfig, "
+                                    f"got {type(self.config).__name__}")
         _check_number("accuracy", self.accuracy, low=0.0, high=1.0)
         _check_number("throughput", self.throughput, low=0.0)
         if self.accuracy_se is not None:
@@ -168,6 +175,7 @@ def create_campaign(
     profile: str = "quick",
     objectives: Sequence[str] = ("accuracy", "key_bits"),
     backend: str = "auto",
+    budget_on: str = "key",
     search_space: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
     status: str = "queued",
@@ -176,7 +184,8 @@ def create_campaign(
     """Creates a campaign of `model` (already stored, or a registry model, which is stored first).
 
     `status="queued"` (the default) leaves it for `claim_next_queued_campaign`; a tuner that runs
-    the campaign itself passes `status="running"` (and its `worker_id`). `trials_total` starts at
+    the campaign itself passes `status="running"` (and its `worker_id`). `budget_on`: which bit
+    figure the budgets constrain, "key" (key bits) or "kv" (keys and values). `trials_total` starts at
     `n_trials * len(budgets)`; `study_names` starts empty (set it with `update_campaign_progress`).
     """
     budgets = check_budgets(budgets)
@@ -188,8 +197,9 @@ def create_campaign(
     if not isinstance(profile, str) or not 0 < len(profile) <= 16:
         raise InvalidValueError(f"invalid profile={profile!r}: a profile name of 1 to 16 characters")
     _check_choice("backend", backend, BACKENDS)
+    _check_choice("budget_on", budget_on, BUDGET_ON)
     _check_choice("status", status, ("queued", "running"))
-    objectives = check_objectives(objectives)
+    objectives = check_objectives(objectives, budget_on)
     model_row = _model_or_registry(session, model)
     if model_row.source == "shape":  # a worker would load it for accuracy and refuse: refuse it here
         raise InvalidValueError(f"model {model!r} has random weights (performance work only); a campaign scores "
@@ -203,6 +213,7 @@ def create_campaign(
         profile=profile,
         objectives=objectives,
         backend=backend,
+        budget_on=budget_on,
         search_space=dict(search_space) if search_space is not None else None,
         options=dict(options or {}),
         status=status,
@@ -341,9 +352,11 @@ def replace_front(
 ) -> list[FrontPoint]:
     """Replaces the stored front of (campaign, budget) with `points`, atomically.
 
-    `budget` must be one of the campaign's budgets. Each point's key bits are computed here from
-    its config and the model's head_dim (`pnmix.bits.key_bits(config, head_dim).total`, T_q =
-    32768) and must not exceed the budget; trial numbers must be distinct. All points are checked
+    `budget` must be one of the campaign's budgets. Each point's key bits and KV bits are computed
+    here from its config and the model's shape (`pnmix.bits.mean_key_bits`, `kv_bits`, T_q = 32768);
+    the figure the campaign's `budget_on` names must not exceed the budget; trial numbers must be
+    distinct. A layer-wise config is checked against the model's layers and stored compactly (its
+    default in the config columns, its ranges in `layers`; all layers alike: no ranges). All points are checked
     before anything changes, and the old front is deleted and the new one inserted in the caller's
     transaction, so readers see either the old front or the new one, never a mix. The campaign row
     is locked first (`FOR UPDATE` on PostgreSQL, the write lock on SQLite), so two workers
@@ -355,7 +368,7 @@ def replace_front(
     budget = check_budgets([budget])[0]
     if budget not in campaign.budgets:
         raise InvalidValueError(f"budget {budget:g} is not one of campaign {campaign_id}'s budgets {campaign.budgets}")
-    head_dim = campaign.model.head_dim
+    head_dim, num_layers = campaign.model.head_dim, campaign.model.num_layers
     rows: list[FrontPoint] = []
     seen: set[int] = set()
     for point in points:
@@ -364,25 +377,32 @@ def replace_front(
         if point.trial_number in seen:
             raise InvalidValueError(f"trial {point.trial_number} appears twice in the front of budget {budget:g}")
         seen.add(point.trial_number)
+        config = simplest(point.config)
         try:
-            bits = key_bits(point.config, head_dim).total
-        except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size)
+            key = mean_key_bits(config, num_layers, head_dim)
+            kv = kv_bits(config, num_layers, head_dim)
+        except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size, layers)
             raise InvalidValueError(f"trial {point.trial_number}: {exc}") from None
+        bits = kv if campaign.budget_on == "kv" else key
         if bits > budget + BITS_EPS:
             raise InvalidValueError(
-                f"trial {point.trial_number} needs {bits:.5f} key bits, over the budget {budget:g}"
+                f"trial {point.trial_number} needs {bits:.5f} {campaign.budget_on} bits, over the budget {budget:g}"
             )
+        default = config.default if isinstance(config, LayerwiseConfig) else config
         rows.append(
             FrontPoint(
                 campaign_id=campaign.id,
                 model_id=campaign.model_id,
                 budget=budget,
+                budget_on=campaign.budget_on,
                 trial_number=point.trial_number,
-                **{name: getattr(point.config, name) for name in CONFIG_FIELDS},
+                **{name: getattr(default, name) for name in CONFIG_FIELDS},
+                layers=config.to_dict()["layers"] if isinstance(config, LayerwiseConfig) else None,
                 accuracy=float(point.accuracy),
                 accuracy_se=None if point.accuracy_se is None else float(point.accuracy_se),
                 accuracy_parts={str(k): float(v) for k, v in point.accuracy_parts.items()},
-                key_bits=bits,
+                key_bits=key,
+                kv_bits=kv,
                 kv_bytes=point.kv_bytes,
                 throughput=float(point.throughput),
                 backend=point.backend,
@@ -401,17 +421,28 @@ def replace_front(
     return rows
 
 
-def check_objectives(objectives: Sequence[str]) -> list[str]:
-    """Objectives as a list: distinct names of `OBJECTIVES` that include accuracy and key_bits."""
+def check_objectives(objectives: Sequence[str], budget_on: str = "key") -> list[str]:
+    """Objectives as a list: distinct names of `OBJECTIVES` that include accuracy and key_bits.
+
+    Under a KV budget (`budget_on="kv"`) the bit objective is the KV bits: a key_bits given there
+    stands for it and is replaced (so the same `--objectives` serves either budget)."""
     if isinstance(objectives, str | bytes) or not isinstance(objectives, Sequence):
         raise InvalidValueError(f"invalid objectives={objectives!r}: a list of names")
     out = list(objectives)
     for name in out:
         _check_choice("objective", name, tuple(OBJECTIVES))
-    if len(set(out)) != len(out) or not set(REQUIRED_OBJECTIVES) <= set(out):
+    if len(set(out)) != len(out) or not set(REQUIRED_OBJECTIVES) <= set(out) and budget_on == "key":
         raise InvalidValueError(
             f"invalid objectives={out}: distinct names that include {' and '.join(REQUIRED_OBJECTIVES)}"
         )
+    if budget_on == "kv":
+        out = ["kv_bits" if name == "key_bits" else name for name in out]
+        if len(set(out)) != len(out) or not {"accuracy", "kv_bits"} <= set(out):
+            raise InvalidValueError(f"invalid objectives={list(objectives)}: under a KV budget, distinct names "
+                                    "that include accuracy and key_bits or kv_bits (the budget's bits)")
+    elif "kv_bits" in out:
+        raise InvalidValueError(f"invalid objectives={out}: kv_bits is the bit objective of a KV budget "
+                                "(budget_on kv); under a key budget the bits are key_bits")
     return out
 
 

@@ -79,7 +79,7 @@ def test_serve_answers_over_http(tmp_path):
     )
     try:
         health = wait_ready(base, proc)
-        assert health["ready"] and health["schema_revision"] == "0003" and health["database"] == url
+        assert health["ready"] and health["schema_revision"] == "0004" and health["database"] == url
         with httpx.Client(base_url=base, timeout=10) as client:
             r = client.get("/v1/recommend", params={"model": "smollm2-135m", "target_bits": 2.3})
             assert r.status_code == 200

@@ -55,10 +55,10 @@ def test_search_space_round_trips_through_trial_params(method):
         hi, lo = (int(x) for x in pair.split("/"))
         cfg = space.config(hi, lo, 64, 0.3 if hi > lo else 0.0, 0 if method == "kivi" else 32)
         assert space.contains(cfg)
-        params = SearchSpace.params_of(cfg, method)
+        params = space.params_of(cfg)
         assert space.suggest(optuna.trial.FixedTrial(params)) == cfg
     assert len(SearchSpace("pnmix").bit_pairs()) == 10 and SearchSpace("kivi").bit_pairs() == ["1/1", "2/2"]
-    assert SearchSpace("pnmix").min_key_bits(64) == pytest.approx(1.25)
+    assert SearchSpace("pnmix").min_bits(64) == pytest.approx(1.25)
 
 
 def test_constraint_warm_start_and_front(tmp_path, tiny_dir):
@@ -106,7 +106,7 @@ def test_every_score_reaches_every_budget_it_fits(tmp_path, tiny_dir):
     # The config of the most key bits within 2.8, proposed in the 3.0 study only.
     rich = max((c for c in spec.space.configs() if key_bits(c, runner.head_dim).total <= 2.8),
                key=lambda c: key_bits(c, runner.head_dim).total)
-    runner.study(3.0).enqueue_trial(SearchSpace.params_of(rich, "pnmix"))
+    runner.study(3.0).enqueue_trial(SearchSpace().params_of(rich))
     studies = runner.run()
     assert list(studies) == [2.8, 3.0]  # from the lowest budget up
     key = json.dumps(rich.to_dict(), sort_keys=True)
@@ -141,7 +141,7 @@ def test_every_score_reaches_every_budget_it_fits(tmp_path, tiny_dir):
 class FormulaEvaluator:
     """Scores a config by a fixed function of its fields, instantly: what the campaign's bookkeeping needs."""
 
-    head_dim = 64
+    head_dim, num_layers = 64, 30
 
     def __init__(self) -> None:
         self.calls: list[str] = []

@@ -32,7 +32,7 @@ class CountingEvaluator:
     """Scores a config by a fixed function of its fields: what the file mechanics need, and a
     count of how often each config was scored."""
 
-    model_name, seed, tasks, head_dim = "smollm2-135m", 0, ("passkey",), 64
+    model_name, seed, tasks, head_dim, num_layers = "smollm2-135m", 0, ("passkey",), 64, 30
 
     class profile:  # noqa: N801 (the evaluator's profile attribute)
         name = "smoke"

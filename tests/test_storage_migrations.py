@@ -8,6 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
+from pnmix.bits import kv_bits, value_bits_total
 from storage import Database, SchemaError, check_schema, current_revision, head_revision, upgrade
 from storage.migrations import VERSION_TABLE, downgrade
 from storage.orm import Base, Campaign
@@ -73,7 +74,7 @@ def test_upgrade_from_the_first_revision_keeps_the_data(empty_db):
             " accuracy_parts, key_bits, kv_bytes, throughput, backend, device, versions, created_at) VALUES"
             " (1, 1, 2.5, 0, 2, 2, 128, 0.0, 0, 128, 2, 32, 'qk_pair_norm', 0, 0.75, '{\"passkey\": 0.75}', 2.25,"
             " 123456, 14.5, 'torch', 'cpu', '{}', :t)"), {"t": "2026-11-01 10:06:00+00:00"})
-    with pytest.raises(SchemaError, match=r"at schema revision 0001, this pnmix needs 0003: run `pnmix db upgrade`"):
+    with pytest.raises(SchemaError, match=r"at schema revision 0001, this pnmix needs 0004: run `pnmix db upgrade`"):
         check_schema(db)
 
     assert upgrade(db) == ("0001", head_revision())
@@ -86,6 +87,12 @@ def test_upgrade_from_the_first_revision_keeps_the_data(empty_db):
         best = recommend(s, "smollm2-135m", 2.5)
         assert (best.key_bits, best.kv_bytes, best.accuracy_parts) == (2.25, 123456, {"passkey": 0.75})
         assert best.accuracy_se is None  # 0003: points stored before standard errors read as unknown
+        # 0004: a single config, a key budget, and its KV bits from the formula (2-bit values, G_V = 32)
+        assert (best.layers, best.budget_on, s.get(Campaign, 1).budget_on) == (None, "key", "key")
+        assert best.kv_bits == pytest.approx((2.25 + 3.0) / 2)
+        assert best.kv_bits == pytest.approx(kv_bits(best.config, 30, 64))  # the SQL formula is pnmix.bits'
+        assert value_bits_total(best.config) == 3.0
+        assert recommend(s, "smollm2-135m", 2.7, bits_of="kv").id == best.id
         assert list_front_points(s, "smollm2-135m").total == 1
 
 
@@ -141,7 +148,7 @@ def test_a_writing_command_creates_a_new_database_but_never_migrates_an_old_one(
     assert current_revision(db.engine) == head_revision()
     downgrade(db, "0002")
     db.dispose()
-    with pytest.raises(SchemaError, match=r"at schema revision 0002, this pnmix needs 0003: run `pnmix db upgrade`"):
+    with pytest.raises(SchemaError, match=r"at schema revision 0002, this pnmix needs 0004: run `pnmix db upgrade`"):
         open_db(url, create=True)
     with pytest.raises(SchemaError, match="does not exist"):  # commands that only read create nothing
         open_db(sqlite_url(tmp_path / "other"))

@@ -15,8 +15,9 @@ before it existed, or of a worker that died before sharing).
 
 A trial:
 1. samples a config from the search space (tuner.space; TPE, multivariate and grouped, choosing
-   among the bit pairs that have a config within the budget) and computes its key bits (formula);
-   the budget is an Optuna constraint (`key_bits - budget <= 0`); a config over budget never
+   among the bit pairs that have a config within the budget) and computes its bits (the formula's
+   key bits, or KV bits under a KV budget: `SearchSpace.cost`, stored as the trial's "bits");
+   the budget is an Optuna constraint (`bits - budget <= 0`); a config over budget never
    runs inference: it completes with accuracy 0 and is marked infeasible, so the sampler learns;
    a config the campaign already scored takes its score (no inference);
 2. multi-fidelity (opt-in, `--multi-fidelity`): the proxy (attention KL on recorded traces,
@@ -61,10 +62,11 @@ from typing import Any
 import optuna
 from optuna.exceptions import ExperimentalWarning
 
-from pnmix.bits import key_bits
+from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.errors import PNMixError
 from pnmix.inputs import SEED, TRIALS, shorten
+from pnmix.layerwise import AnyConfig, config_from_dict
 from pnmix.names import BACKENDS
 from storage.errors import StorageError
 from storage.write import OBJECTIVES, check_budgets, check_objectives
@@ -114,7 +116,9 @@ class CampaignSpec:
         for name, value, allowed in (("trials", self.n_trials, TRIALS), ("seed", self.seed, SEED)):
             if not allowed.contains(value):
                 raise EvalError(f"invalid {name}={shorten(value)}: allowed {allowed.allowed}")
-        check_objectives(self.objectives)
+        if self.method != self.space.method:
+            raise EvalError(f"method {self.method!r} and its search space's {self.space.method!r} differ")
+        object.__setattr__(self, "objectives", tuple(check_objectives(self.objectives, self.space.budget_on)))
         profiles.profile(self.profile)
         if self.backend not in BACKENDS:
             raise EvalError(f"unknown backend {shorten(self.backend)}: allowed {', '.join(BACKENDS)}")
@@ -130,7 +134,7 @@ class CampaignSpec:
     def options(self) -> dict[str, Any]:
         return {"seed": self.seed, "multi_fidelity": self.multi_fidelity, "racing": self.racing, "tasks": self.tasks,
                 "spec_key": self.key(),
-                "space": {k: v for k, v in asdict(self.space).items() if k != "fixed"}}
+                "space": self.space.to_options()}
 
     @classmethod
     def from_campaign(cls, row: Any) -> CampaignSpec:
@@ -138,7 +142,7 @@ class CampaignSpec:
         e.g. written by another version or straight into the database."""
         try:
             opts = row.options or {}
-            space = SearchSpace(**{**opts.get("space", {}), "method": row.method})
+            space = SearchSpace(**{**opts.get("space", {}), "method": row.method, "budget_on": row.budget_on})
             tasks = tuple(opts["tasks"]) if opts.get("tasks") else None
             return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
                        profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
@@ -285,11 +289,14 @@ class CampaignRunner:
         self.progress = progress or (lambda message: None)
         self.worker_id = worker_id
         self.head_dim = evaluator.head_dim
+        self.num_layers = evaluator.num_layers
+        self.space = spec.space  # pnmix-layers: with the model's layer groups once `_layer_groups` has run
         self.storage = optuna_storage(url)
         self._db_failures = 0  # consecutive; a finished trial resets it
         self._studies: dict[float, optuna.Study] = {}  # by budget: `study` (its sampler) or `_peek` (reading)
         self._own: set[float] = set()
         self._pair_cache: dict[float, list[str]] = {}
+        self._layer_kl_cache: dict[PNMixConfig, list[float]] = {}
 
     # -- the study of one budget ---------------------------------------------------------------
 
@@ -338,7 +345,7 @@ class CampaignRunner:
             if isinstance(old, optuna.distributions.CategoricalDistribution):
                 self._pair_cache[budget] = [str(c) for c in old.choices]
                 return self._pair_cache[budget]
-            self._pair_cache[budget] = self.spec.space.pairs_within(budget, self.head_dim)
+            self._pair_cache[budget] = self.space.pairs_within(budget, self.head_dim)
         return self._pair_cache[budget]
 
     def _peek(self, budget: float) -> optuna.Study | None:
@@ -355,18 +362,22 @@ class CampaignRunner:
         """Enqueues pnmix-paper, KIVI and Kitty where they fit the budget, the model's previous front,
         and per bit pair the config that fills the budget (`SearchSpace.fullest_within`: the top of
         a budget's front is where its best point lies, and TPE alone seldom reaches it), in that
-        order, at most half the budget's trials (queued trials run first: a dead worker's retried
-        trial queues behind them); new studies only."""
-        candidates: list[PNMixConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
+        order; pnmix-layers first enqueues, for each of those uniform configs, the layer-wise one
+        that the proxy's per-layer KL says spends the same budget best across the groups
+        (`tuner.layers.grouped_for_budget`). At most half the budget's trials (queued trials run
+        first: a dead worker's retried trial queues behind them); new studies only."""
+        space = self.space
+        candidates: list[AnyConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
         candidates += self._stored_fronts(budget)
-        candidates += self.spec.space.fullest_within(budget, self.head_dim)
+        candidates += space.fullest_within(budget, self.head_dim)
+        candidates = [space.recast(c) for c in candidates if space.layered or isinstance(c, PNMixConfig)]
+        if space.layered:
+            candidates = [*self._grouped(candidates, budget), *candidates]
         seen = set()
-        space = self.spec.space
         for cfg in candidates:
-            cfg = space.config(cfg.b_high, cfg.b_low, cfg.group_size, cfg.salient_ratio, cfg.n_sink)
-            if not space.contains(cfg) or key_bits(cfg, self.head_dim).total > budget:
+            if not space.contains(cfg) or space.cost(cfg, self.head_dim) > budget:
                 continue
-            params = SearchSpace.params_of(cfg, space.method)
+            params = space.params_of(cfg)
             frozen = json.dumps(params, sort_keys=True)
             if frozen not in seen:
                 seen.add(frozen)
@@ -380,13 +391,56 @@ class CampaignRunner:
         from sqlalchemy import select
 
         from storage import FrontPoint, Model
+        from storage.read import bits_column
 
         with self.db.session(readonly=True) as s:
             rows = s.scalars(select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
-                             .where(Model.name == self.spec.model, FrontPoint.key_bits <= budget,
+                             .where(Model.name == self.spec.model, bits_column(self.space.budget_on) <= budget,
                                     FrontPoint.campaign_id != self.campaign_id)
                              .order_by(FrontPoint.accuracy.desc()).limit(8)).all()
             return [row.config for row in rows]
+
+    def _grouped(self, uniform: list[AnyConfig], budget: float) -> list[AnyConfig]:
+        """pnmix-layers warm starts: for each uniform config's shared fields (G, sinks, values), the
+        layer-wise config of the groups that `grouped_for_budget` finds within `budget`."""
+        from tuner.layers import candidates_like, grouped_for_budget
+
+        out: list[AnyConfig] = []
+        # One base per set of shared fields: the candidates differ only in bits and ratio.
+        shared = {c.with_(b_high=3, b_low=1, salient_ratio=0.5): None for c in uniform
+                  if isinstance(c, PNMixConfig) and c.b_high > c.b_low}
+        for base in shared:
+            kl_of = {c: self._layer_kl(c) for c in candidates_like(base, self.space)}
+            cfg = grouped_for_budget(self.space, kl_of, budget, self.head_dim)
+            if cfg is not None and cfg not in out:
+                out.append(cfg)
+        return out
+
+    def _layer_kl(self, config: PNMixConfig) -> list[float]:
+        """The proxy's per-layer attention KL of `config`, computed once per runner."""
+        if config not in self._layer_kl_cache:
+            self._layer_kl_cache[config] = self.evaluator.proxy_by_layer(config)
+        return self._layer_kl_cache[config]
+
+    def _layer_groups(self) -> None:
+        """pnmix-layers: the model's layers in `layer_groups` groups by sensitivity (each layer's proxy
+        KL under pnmix-paper, `tuner.layers.group_layers`). The first worker stores them on the
+        campaign row (`search_space["groups"]`); every later one, and a resumed run, reads them
+        there, so all of a campaign's trials share one grouping."""
+        if not self.space.layered or self.space.groups:
+            return
+        from storage import get_campaign
+        from tuner.layers import group_layers
+
+        with self.db.session(readonly=True) as s:
+            stored = (get_campaign(s, self.campaign_id).search_space or {}).get("groups")
+        if not stored:
+            self.progress(f"layer sensitivity: proxy KL of {self.num_layers} layers")
+            paper = preset("pnmix-paper")
+            base = self.space.config(paper.b_high, paper.b_low, paper.group_size, paper.salient_ratio, paper.n_sink)
+            stored = group_layers(self._layer_kl(base), self.space.layer_groups)
+            self.set_progress(search_space=self.space.with_groups(stored).to_dict())
+        self.space = self.space.with_groups(stored)
 
     # -- one trial -------------------------------------------------------------------------------
 
@@ -397,11 +451,13 @@ class CampaignRunner:
             trial.set_user_attr("surplus", True)
             trial.study.stop()
             raise optuna.TrialPruned("trial cap reached by other workers")
-        config = self.spec.space.suggest(trial, self._pairs(budget))
-        bits = key_bits(config, self.head_dim).total
+        config = self.space.suggest(trial, self._pairs(budget), head_dim=self.head_dim)
+        bits = self.space.cost(config, self.head_dim)
         trial.set_user_attr("config", config.to_dict())
-        trial.set_user_attr("key_bits", bits)
-        trial.set_constraint("key_bits", bits - budget)
+        trial.set_user_attr("bits", bits)
+        trial.set_user_attr("key_bits", mean_key_bits(config, self.num_layers, self.head_dim))
+        trial.set_user_attr("kv_bits", kv_bits(config, self.num_layers, self.head_dim))
+        trial.set_constraint(f"{self.space.budget_on}_bits", bits - budget)
         if bits > budget:
             trial.set_user_attr("skipped", "over budget: no inference run")
             return self._values(0.0, bits, None)
@@ -424,8 +480,7 @@ class CampaignRunner:
             if not warm and self._dominated(trial.study, bits, proxy):
                 self.progress(f"budget {budget:g}: trial {trial.number} pruned by the proxy")
                 raise optuna.TrialPruned(f"proxy KL {proxy:.4g} beaten at <= {bits:.3f} bits")
-        self.progress(f"budget {budget:g}: trial {trial.number} {config.b_high}/{config.b_low} "
-                      f"G{config.group_size} r{config.salient_ratio:g} sinks {config.n_sink}: evaluating")
+        self.progress(f"budget {budget:g}: trial {trial.number} {config.label}: evaluating")
         try:
             have = self._race(trial, config, bits) if self.spec.racing and not warm else None
             score = self.evaluator.evaluate(config, have=have) if have is not None else self.evaluator.evaluate(config)
@@ -441,7 +496,7 @@ class CampaignRunner:
         trial.set_user_attr("accuracy", score.accuracy)
         return self._values(score.accuracy, bits, score)
 
-    def _race(self, trial: optuna.Trial, config: PNMixConfig, bits: float) -> Any:
+    def _race(self, trial: optuna.Trial, config: AnyConfig, bits: float) -> Any:
         """Scores `config` rung by rung (tuner/racing.py) against this study's front of no more bits;
         raises TrialPruned (partial score kept) once a front point beats it with confidence, else
         returns what the rungs scored for the full evaluation to complete.
@@ -451,7 +506,7 @@ class CampaignRunner:
         from tuner import racing
         from tuner.evaluate import Rung
 
-        front = [(t.user_attrs["key_bits"], t.user_attrs["units"]) for t in front_trials(trial.study)
+        front = [(budget_bits(t), t.user_attrs["units"]) for t in front_trials(trial.study)
                  if t.user_attrs.get("units")]
         saved = trial.user_attrs.get("rung")
         have = Rung(**saved) if saved else None
@@ -474,7 +529,7 @@ class CampaignRunner:
                                          f"(z {verdict.z:.2f}) on {share:g} of the items")
         return have
 
-    def _enqueue_neighbour(self, study: optuna.Study, config: PNMixConfig, budget: float, number: int) -> None:
+    def _enqueue_neighbour(self, study: optuna.Study, config: AnyConfig, budget: float, number: int) -> None:
         """A sampler that proposes a config already scored has converged around it: the slot it
         spent buys nothing, so the next trial of the budget scores a neighbour of that config (one
         knob one step away, within the budget, drawn in an order seeded by the campaign's seed and
@@ -487,11 +542,11 @@ class CampaignRunner:
         # A queued trial holds its parameters in fixed_params until a worker starts it.
         pending = {json.dumps(t.system_attrs.get("fixed_params", t.params), sort_keys=True) for t in study.get_trials(
             deepcopy=False, states=(optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))}
-        candidates = self.spec.space.neighbours(config)
+        candidates = self.space.neighbours(config)
         random.Random(self.spec.seed * 100_003 + number).shuffle(candidates)
         for cfg in candidates:
-            params = SearchSpace.params_of(cfg, self.spec.space.method)
-            if (key_bits(cfg, self.head_dim).total <= budget and config_key(cfg.to_dict()) not in scored
+            params = self.space.params_of(cfg)
+            if (self.space.cost(cfg, self.head_dim) <= budget and config_key(cfg.to_dict()) not in scored
                     and json.dumps(params, sort_keys=True) not in pending):
                 study.enqueue_trial(params, user_attrs={"neighbour_of": config.label})
                 return
@@ -502,7 +557,7 @@ class CampaignRunner:
         return [study, *(st for st in others if st is not None)]
 
     def _evaluated_twin(self, study: optuna.Study,
-                        config: PNMixConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:
+                        config: AnyConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:
         """(study name, trial) of an earlier full evaluation of `config` in this campaign: in this
         budget's study first (a score shared into it included), then in the other budgets' (one
         evaluator, profile and seed per campaign, so a config scores the same under every budget)."""
@@ -523,7 +578,7 @@ class CampaignRunner:
         return len(earlier) >= self.spec.n_trials
 
     def _values(self, accuracy: float, bits: float, score: Any) -> tuple[float, ...]:
-        values = {"accuracy": accuracy, "key_bits": bits,
+        values = {"accuracy": accuracy, f"{self.space.budget_on}_bits": bits,
                   "kv_bytes": float(score.kv_bytes) if score else 0.0,
                   "throughput": float(score.decode_tokens_per_s) if score else 0.0}
         return tuple(values[o] for o in self.spec.objectives)
@@ -534,7 +589,7 @@ class CampaignRunner:
                      if "accuracy" in t.user_attrs and "proxy_kl" in t.user_attrs]
         if len(evaluated) < MIN_FULL:
             return False
-        return any(t.user_attrs["key_bits"] <= bits + 1e-9 and t.user_attrs["proxy_kl"] < proxy * PRUNE_SLACK
+        return any(budget_bits(t) <= bits + 1e-9 and t.user_attrs["proxy_kl"] < proxy * PRUNE_SLACK
                    for t in evaluated)
 
     # -- sharing scores between budgets ------------------------------------------------------------
@@ -544,7 +599,7 @@ class CampaignRunner:
         COMPLETE trial with its score, `score_from` and `shared`, taking no slot), and rewrites those
         budgets' fronts: each budget's sampler learns from every score of the campaign, and each
         stored front holds every scored point within its bits."""
-        bits = trial.user_attrs["key_bits"]
+        bits = budget_bits(trial)
         for budget in self.spec.budgets:
             if bits > budget or study_name(self.campaign_id, budget) == source:
                 continue
@@ -564,7 +619,7 @@ class CampaignRunner:
             if source is None:
                 continue
             for t in source.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-                if scored_here(t) and t.user_attrs["key_bits"] <= budget:
+                if scored_here(t) and budget_bits(t) <= budget:
                     added = self._add_shared(study, budget, t, source.study_name, have) or added
         if added:
             self.write_front(study, budget, progress=False)
@@ -575,15 +630,15 @@ class CampaignRunner:
         if key in have:
             return False  # scored there already (by its own sampler, or shared before)
         have.add(key)
-        attrs = {name: trial.user_attrs[name] for name in (*SCORE_ATTRS, "accuracy", "proxy_kl", "config", "key_bits")
-                 if name in trial.user_attrs}
+        attrs = {name: trial.user_attrs[name] for name in (*SCORE_ATTRS, "accuracy", "proxy_kl", "config", "bits",
+                                                            "key_bits", "kv_bits") if name in trial.user_attrs}
         distributions = dict(trial.distributions)
         if "bits" in distributions:  # this budget's choice of bit pairs (the config's pair is among them: it fits)
             distributions["bits"] = optuna.distributions.CategoricalDistribution(self._pairs(budget))
         study.add_trial(optuna.trial.create_trial(
             values=list(trial.values), params=trial.params, distributions=distributions,
             user_attrs={**attrs, "score_from": f"{source}#{trial.number}", "shared": True},
-            constraints={"key_bits": trial.user_attrs["key_bits"] - budget}))
+            constraints={f"{self.space.budget_on}_bits": budget_bits(trial) - budget}))
         return True
 
     # -- fronts ----------------------------------------------------------------------------------
@@ -595,7 +650,7 @@ class CampaignRunner:
         points = []
         for t in front_trials(study):
             points.append(FrontPointIn(
-                config=PNMixConfig.from_dict(t.user_attrs["config"]), accuracy=float(t.user_attrs["accuracy"]),
+                config=config_from_dict(t.user_attrs["config"]), accuracy=float(t.user_attrs["accuracy"]),
                 kv_bytes=int(t.user_attrs["kv_bytes"]), throughput=float(t.user_attrs["decode_tokens_per_s"]),
                 trial_number=t.number, backend=str(t.user_attrs["backend"]), device=str(t.user_attrs["device"]),
                 accuracy_parts=dict(t.user_attrs["parts"]), versions=dict(t.user_attrs["versions"]),
@@ -656,6 +711,7 @@ class CampaignRunner:
         self._guarded("starting", lambda: self.set_progress(
             status="running", study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
             trials_total=self.spec.n_trials * len(self.spec.budgets)))
+        self._guarded("forming layer groups", self._layer_groups)
         studies: dict[float, optuna.Study] = {}
         with CampaignHeartbeat(self.db, self.campaign_id, self.worker_id):
             for wait in (False, True):
@@ -669,11 +725,11 @@ class CampaignRunner:
                     wait: bool) -> optuna.Study:
         study = self.study(budget)
         self._pull_shared(budget)  # what the other budgets scored that fits here and is not here yet
-        floor = self.spec.space.min_key_bits(self.head_dim)
+        floor = self.space.min_bits(self.head_dim)
         if budget < floor:
             if not wait:
                 self.progress(f"budget {budget:g}: no config of the {self.spec.method} space fits (the smallest "
-                              f"needs {floor:.3f} key bits); its front stays empty")
+                              f"needs {floor:.3f} {self.space.budget_on} bits); its front stays empty")
             self.write_front(study, budget)
             return study
 
@@ -746,7 +802,7 @@ class CampaignRunner:
         # Only the last worker out marks the campaign done: another may still be running a trial.
         running = any(running_trials(s) for s in studies.values())
         done = self.trials_done(fresh=True)
-        floor = self.spec.space.min_key_bits(self.head_dim)
+        floor = self.space.min_bits(self.head_dim)
         expected = self.spec.n_trials * sum(1 for b in self.spec.budgets if b >= floor)
         if done >= expected and not running:
             self.set_progress(status="done", trials_done=done)
@@ -786,6 +842,13 @@ class CampaignRunner:
 
 FINISHED_STATES = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 MAX_FAILED_TRIALS = 3  # per budget (at least the trial count): beyond it the campaign is marked failed
+
+
+def budget_bits(trial: optuna.trial.FrozenTrial) -> float:
+    """The figure of a trial's config that the budget bounds (key bits, or KV bits under a KV budget);
+    trials recorded before KV budgets hold it as their key bits."""
+    attrs = trial.user_attrs
+    return float(attrs["bits"] if "bits" in attrs else attrs["key_bits"])
 
 
 def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -28,9 +28,10 @@ from pnmix.cli import (
 )
 from pnmix.config import PRESETS
 from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, Names, Number, OutputFile, Shard
-from pnmix.names import BACKENDS, METHODS
+from pnmix.names import BACKENDS, BUDGET_ON, METHODS
 from tuner.profiles import PROFILES, EvalError
 from tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
+from tuner.space import DEFAULT_LAYER_GROUPS
 
 if TYPE_CHECKING:
     from tuner.campaign import CampaignSpec
@@ -42,7 +43,10 @@ BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS), parser=Choice
 MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: each method's own knobs", parser=Choice(METHODS))]
 SeedOpt = Annotated[int, typer.Option(help="task (and sampler) seed", parser=Int(inputs.SEED))]
 TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(inputs.TRIALS))]
-BitsOpt = Annotated[float, typer.Option(help="key-bit budget", parser=Number(inputs.BUDGET))]
+BitsOpt = Annotated[float, typer.Option(help="bit budget (key bits, or KV bits with --bits-of kv)",
+                                        parser=Number(inputs.BUDGET))]
+BitsOfOpt = Annotated[str, typer.Option(help="what --bits bounds: key bits per key element, or kv: key and value "
+                                        "bits per cached element", parser=Choice(BUDGET_ON))]
 DbModelOpt = Annotated[str, typer.Option(help="model name", parser=ModelName())]
 CampaignOpt = Annotated[int | None, typer.Option(help="campaign id", parser=Int(inputs.CAMPAIGN_ID))]
 LmEvalTaskOpt = Annotated[str | None, typer.Option("--lm-eval-task", help="an lm-evaluation-harness generation task "
@@ -274,27 +278,37 @@ def print_fronts(db: Any, model: str, campaign_id: int | None = None) -> None:
     with db.session(readonly=True) as s:
         points = list_front_points(s, model, campaign_id=campaign_id, limit=500).items
         table = Table(title=f"Pareto fronts of {model}" + (f", campaign {campaign_id}" if campaign_id else ""))
-        for col in ("campaign", "budget", "trial", "b_H/b_L", "G", "r", "sinks", "key bits", "accuracy", "parts",
+        for col in ("campaign", "budget", "trial", "config", "key bits", "KV bits", "accuracy", "parts",
                     "KV KiB", "tok/s", "backend"):
             table.add_column(col, justify="right")
-        for p in sorted(points, key=lambda p: (p.campaign_id, p.budget, p.key_bits)):
+        for p in sorted(points, key=lambda p: (p.campaign_id, p.budget, p.bits(p.budget_on))):
             parts = " ".join(f"{k}={v:.2f}" for k, v in (p.accuracy_parts or {}).items())
-            table.add_row(str(p.campaign_id), f"{p.budget:g}", str(p.trial_number), f"{p.b_high}/{p.b_low}",
-                          str(p.group_size), f"{p.salient_ratio:g}", str(p.n_sink), f"{p.key_bits:.3f}",
-                          f"{p.accuracy:.3f}", parts, f"{p.kv_bytes / 1024:.0f}", f"{p.throughput:.1f}", p.backend)
+            budget = f"{p.budget:g}" + (" (kv)" if p.budget_on == "kv" else "")
+            table.add_row(str(p.campaign_id), budget, str(p.trial_number), p.config.label, f"{p.key_bits:.3f}",
+                          f"{p.kv_bits:.3f}", f"{p.accuracy:.3f}", parts, f"{p.kv_bytes / 1024:.0f}",
+                          f"{p.throughput:.1f}", p.backend)
     console.print(table if points else f"no front points stored for {model}")
 
 
 def tune(
     model: ModelOpt = "smollm2-135m",
-    budgets: Annotated[list[float] | None, typer.Option("--budgets", help="key-bit budgets (repeat or space)",
-                                                        parser=Number(inputs.BUDGET))] = None,
+    budgets: Annotated[list[float] | None, typer.Option("--budgets", help="bit budgets (repeat or space), on "
+                                                        "the figure --budget-on names", parser=Number(inputs.BUDGET))
+                       ] = None,
     # 45: in the replay against the ground truth (benchmarks/bench_tuner.py) 45 a budget reached
     # 0.97-0.98 of the true front at each budget within a tenth of a full sweep's seconds; 30, 0.88-0.95.
     trials: TrialsOpt = 30,
     method: MethodOpt = "pnmix",
+    budget_on: Annotated[str, typer.Option(help="what the budgets bound: key (key bits per key element) or kv (key "
+                                           "and value bits per cached element)", parser=Choice(BUDGET_ON))] = "key",
+    search_values: Annotated[bool, typer.Option(help="search value bits and value group size too (needs "
+                                                "--budget-on kv)")] = False,
+    layer_groups: Annotated[int, typer.Option(help="--method pnmix-layers: groups of layers (by sensitivity), each "
+                                              "with its own bit pair and salient ratio",
+                                              parser=Int(inputs.LAYER_GROUPS))] = DEFAULT_LAYER_GROUPS,
     profile_name: ProfileOpt = "quick",
-    objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput]",
+    objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput] (under --budget-on kv, "
+                                            "key_bits stands for the KV bits)",
                                             parser=Names(_objective_names, must_include=("accuracy", "key_bits")))
                           ] = "accuracy,key_bits",
     backend: BackendOpt = "auto",
@@ -333,7 +347,8 @@ def tune(
     spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
                         method=method, profile=profile_name, objectives=_objectives(objectives), seed=seed,
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
-                        space=SearchSpace(method=method),
+                        space=SearchSpace(method=method, budget_on=budget_on, search_values=search_values,
+                                          layer_groups=layer_groups),
                         tasks=chosen)
     from pnmix import models
 
@@ -513,6 +528,7 @@ def fronts(
 def recommend(
     model: DbModelOpt = "smollm2-135m",
     bits: BitsOpt = 2.25,
+    bits_of: BitsOfOpt = "key",
     optimize: Annotated[str, typer.Option(help="accuracy, throughput or memory", parser=Choice(_optimize_names))
                         ] = "accuracy",
     min_accuracy: Annotated[float | None, typer.Option(
@@ -521,11 +537,12 @@ def recommend(
     storage: ReadStorageOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """The best stored config within a key-bit budget, with the points statistically tied with it.
+    """The best stored config within a bit budget (key bits, or KV bits with --bits-of kv), with the
+    points statistically tied with it.
 
     optimize=accuracy: the most accurate point and every point whose accuracy is within 2 standard
     errors of the difference from it are tied; the recommendation is the tied point with the fewest
-    key bits, then the highest measured throughput. optimize=throughput or memory: the fastest or
+    bits, then the highest measured throughput. optimize=throughput or memory: the fastest or
     smallest point whose accuracy is at least --min-accuracy, by default 90% of the best accuracy
     within the budget (a cache that saves memory by losing the answers is no recommendation).
     """
@@ -537,23 +554,24 @@ def recommend(
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
-        p, ties = recommend_with_ties(s, model, bits, optimize, min_accuracy)
-        floor = applied_floor(s, model, bits, optimize, min_accuracy)
+        p, ties = recommend_with_ties(s, model, bits, optimize, min_accuracy, bits_of=bits_of)
+        floor = applied_floor(s, model, bits, optimize, min_accuracy, bits_of=bits_of)
         config = p.config
 
         def row_of(q: Any) -> dict[str, Any]:
-            return {"config": q.config.to_dict(), "key_bits": q.key_bits, "accuracy": q.accuracy,
+            return {"config": q.config.to_dict(), "key_bits": q.key_bits, "kv_bits": q.kv_bits, "accuracy": q.accuracy,
                     "accuracy_se": q.accuracy_se, "accuracy_parts": q.accuracy_parts, "kv_bytes": q.kv_bytes,
                     "throughput": q.throughput, "campaign": q.campaign_id, "trial": q.trial_number}
 
-        row = {"model": model, "budget": bits, "min_accuracy": floor, **row_of(p), "ties": [row_of(q) for q in ties]}
-        others = [(q.config, q.key_bits, q.accuracy, q.accuracy_se) for q in ties if q is not p]
+        row = {"model": model, "budget": bits, "bits_of": bits_of, "min_accuracy": floor, **row_of(p),
+               "ties": [row_of(q) for q in ties]}
+        others = [(q.config, q.bits(bits_of), q.accuracy, q.accuracy_se) for q in ties if q is not p]
     if as_json:
         print(json.dumps(row))
         return
-    console.print(f"best for {model} at <= {bits:g} key bits ({optimize}): {config.b_high}/{config.b_low} bits, "
-                  f"G={config.group_size}, r={config.salient_ratio:g}, {config.n_sink} sinks -> key bits "
-                  f"{row['key_bits']:.3f}, accuracy {_pm(row['accuracy'], row['accuracy_se'])} "
+    console.print(f"best for {model} at <= {bits:g} {bits_of} bits ({optimize}): {config.label} -> key bits "
+                  f"{row['key_bits']:.3f}, KV bits {row['kv_bits']:.3f}, accuracy "
+                  f"{_pm(row['accuracy'], row['accuracy_se'])} "
                   f"(campaign {row['campaign']}, trial {row['trial']})"
                   + (f"; accuracy floor {floor:.3f}" if floor else ""))
     _print_ties(others)
@@ -579,11 +597,13 @@ def _print_ties(others: list[tuple[Any, float, float, float | None]]) -> None:
 def export(
     model: DbModelOpt = "smollm2-135m",
     bits: BitsOpt = 2.25,
+    bits_of: BitsOfOpt = "key",
     output: Annotated[str, typer.Option("-o", "--output", help="JSON file to write (a regular file)",
                                         parser=OutputFile())] = "pnmix-config.json",
     storage: ReadStorageOpt = None,
 ) -> None:
-    """Write the recommended config as PNMixConfig JSON (`PNMixConfig.from_json` loads it)."""
+    """Write the recommended config as JSON: a PNMixConfig, or a layer-wise config where the best point
+    is one (`pnmix.layerwise.load_config`, `pnmix eval --config` and `pnmix bits --config` read either)."""
     from pathlib import Path
 
     from storage import recommend as best_point
@@ -591,7 +611,7 @@ def export(
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
-        config = best_point(s, model, bits).config
+        config = best_point(s, model, bits, bits_of=bits_of).config
     write_regular_file(Path(output), config.to_json() + "\n")
     console.print(f"wrote {output}: {config.to_json()}")
 

@@ -146,6 +146,7 @@ class Evaluator:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
         self.head_dim = self.loaded.shape.head_dim
+        self.num_layers = self.loaded.shape.num_layers
         self.device = str(self.model.device)
         self.backend = self._backend_label()
         self._prepared: dict[str, Any] | None = None
@@ -376,7 +377,7 @@ class Evaluator:
         return Score.from_units(
             units, agreements, timings, cost,
             config=config.to_dict(),
-            key_bits=mean_key_bits(config, self.loaded.shape.num_layers, self.head_dim),
+            key_bits=mean_key_bits(config, self.num_layers, self.head_dim),
             backend=self.backend,
             device=self._device_name(),
             versions=versions(),

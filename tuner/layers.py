@@ -14,7 +14,8 @@ under a given config.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
@@ -38,22 +39,27 @@ def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
     return out
 
 
-def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim: int) -> list[PNMixConfig]:
-    """One config per layer minimising the summed KL with mean key bits <= budget.
+def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim: int,
+             weights: Sequence[float] | None = None,
+             cost: Callable[[PNMixConfig], float] | None = None) -> list[PNMixConfig]:
+    """One config per item (a layer, or a group of layers) minimising the summed KL with the
+    weighted mean bits <= budget.
 
-    kl[c][i]: layer i's KL under candidate c (every candidate lists every layer). Raises EvalError
-    when not even the cheapest candidate in every layer fits the budget.
+    kl[c][i]: item i's KL under candidate c (every candidate lists every item); `weights[i]`: the
+    layers item i stands for (default 1 each); `cost`: a candidate's bits (default its key bits,
+    metadata included). Raises EvalError when not even the cheapest candidate everywhere fits.
     """
     cands = list(kl)
     n = len(next(iter(kl.values())))
-    bits = {c: key_bits(c, head_dim).total for c in cands}
-    limit = budget * n + 1e-9
+    w = list(weights) if weights is not None else [1.0] * n
+    bits = {c: (cost(c) if cost else key_bits(c, head_dim).total) for c in cands}
+    limit = budget * sum(w) + 1e-9
 
     def choose(lam: float) -> list[PNMixConfig]:
-        return [min(cands, key=lambda c: (kl[c][i] + lam * bits[c], bits[c])) for i in range(n)]
+        return [min(cands, key=lambda c: (kl[c][i] + lam * w[i] * bits[c], bits[c])) for i in range(n)]
 
     def total(choice: list[PNMixConfig]) -> float:
-        return sum(bits[c] for c in choice)
+        return sum(wi * bits[c] for wi, c in zip(w, choice, strict=True))
 
     if total(choice := choose(0.0)) > limit:
         lo, hi = 0.0, 1.0
@@ -72,7 +78,7 @@ def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim:
         best: tuple[float, int, PNMixConfig] | None = None
         for i, cur in enumerate(choice):
             for c in cands:
-                extra = bits[c] - bits[cur]
+                extra = w[i] * (bits[c] - bits[cur])
                 saved = kl[cur][i] - kl[c][i]
                 if 0 < extra <= spare and saved > 0 and (best is None or saved / extra > best[0]):
                     best = (saved / extra, i, c)
@@ -86,3 +92,32 @@ def layerwise_for_budget(base: PNMixConfig, budget: float, head_dim: int, space:
     """`allocate` over `candidates_like(base)` whose per-layer KL `kl_of` holds, in compact form."""
     table = {c: kl_of[c] for c in candidates_like(base, space) if c in kl_of}
     return LayerwiseConfig.from_layers(allocate(table, budget, head_dim))
+
+
+def group_layers(sensitivity: Sequence[float], k: int) -> list[list[int]]:
+    """The layers ranked by sensitivity (most sensitive first) and cut into `k` groups of near-equal
+    size (the first groups one larger when k does not divide the layer count): the layer groups of
+    a pnmix-layers campaign. Layers of equal sensitivity keep their order."""
+    order = sorted(range(len(sensitivity)), key=lambda i: -sensitivity[i])
+    k = max(1, min(k, len(order)))
+    size, extra = divmod(len(order), k)
+    groups, start = [], 0
+    for g in range(k):
+        end = start + size + (1 if g < extra else 0)
+        groups.append(sorted(order[start:end]))
+        start = end
+    return groups
+
+
+def grouped_for_budget(space: Any, kl_of: Mapping[PNMixConfig, Sequence[float]], budget: float,
+                       head_dim: int) -> Any:
+    """The config of a pnmix-layers space (its groups set) whose groups take the candidates that
+    minimise the summed per-layer KL (`kl_of`) with the budget's figure (`space.cost`) within
+    `budget`: `allocate` over the groups, each weighted by its layer count. None when nothing fits."""
+    table = {c: [sum(layer_kl[i] for i in g) for g in space.groups] for c, layer_kl in kl_of.items()}
+    try:
+        chosen = allocate(table, budget, head_dim, weights=[len(g) for g in space.groups],
+                          cost=lambda c: space.cost(c, head_dim))
+    except EvalError:
+        return None
+    return space.layerwise(chosen)

@@ -62,5 +62,6 @@ def find_or_create_campaign(db: Any, spec: CampaignSpec, status: str = "running"
                 return int(row.id)
         row = create_campaign(s, spec.model, list(spec.budgets), spec.n_trials, method=spec.method,
                               profile=spec.profile, objectives=list(spec.objectives), backend=spec.backend,
-                              search_space=spec.space.to_dict(), options=spec.options(), status=status)
+                              budget_on=spec.space.budget_on, search_space=spec.space.to_dict(),
+                              options=spec.options(), status=status)
         return int(row.id)

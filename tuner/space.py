@@ -1,25 +1,44 @@
-"""The search space: the one place that says which PN-Mix configs a campaign may try.
+"""The search space: the one place that says which PN-Mix configs a campaign may try, and what a
+config costs against a budget.
 
-Searched: the (b_high, b_low) pair, token group G, salient ratio r, sink count. Fixed per
-campaign: residual length, value bits and group, saliency criterion. `--method` restricts the
-space to one method's own knobs (the paper's Figure 3 protocol), so tuned fronts of PN-Mix,
-KIVI and a Kitty-like method compare on one model:
-    pnmix: any 1 <= b_low <= b_high <= 4, G, r in {0.1..0.9} (r = 0 when b_high == b_low), sinks
-    kivi:  uniform 1 or 2 bits, G; no salient channels, no sinks
-    kitty: 4/2 bits, k_magnitude saliency, G and r; 32 sinks
+Searched: the (b_high, b_low) pair, token group G, salient ratio r, sink count; with
+`search_values`, the value bits and value group size too. Fixed per campaign: residual length,
+value bits and group (unless searched), saliency criterion. `--method` restricts the space to one
+method's own knobs (the paper's Figure 3 protocol), so tuned fronts of PN-Mix, KIVI and a
+Kitty-like method compare on one model:
+    pnmix:        any 1 <= b_low <= b_high <= 4, G, r in {0.1..0.9} (r = 0 when b_high == b_low), sinks
+    kivi:         uniform 1 or 2 bits, G; no salient channels, no sinks
+    kitty:        4/2 bits, k_magnitude saliency, G and r; 32 sinks
+    pnmix-layers: PN-Mix with the model's layers in `layer_groups` groups (`groups`, formed by the
+                  campaign from layer sensitivity), each group its own bit pair and r; G, sinks and
+                  values shared by every layer (pnmix/layerwise.py says why)
+
+A budget bounds `budget_on`'s figure (`cost`): the key bits per key element (a layer-wise
+config's mean over layers), or the KV bits, keys and values together per cached element
+(`pnmix.bits.kv_bits`). Searching values only makes sense under a KV budget: under a key budget
+they cost nothing and the most value bits would always win, so the space refuses that pairing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pnmix.config import GROUP_SIZES, PNMixConfig
-from pnmix.names import METHODS
+from pnmix.inputs import LAYER_GROUPS
+from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
+from pnmix.names import BUDGET_ON, METHODS
 from tuner.profiles import EvalError
 
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SINKS = (0, 8, 16, 32, 64)
+VALUE_BITS = (1, 2, 4, 8)  # searched value bits (`search_values`)
+VALUE_GROUPS = (32, 64, 128)  # searched value group sizes, those that divide the model's head_dim
+LAYERED = "pnmix-layers"
+DEFAULT_LAYER_GROUPS = 4
+
+AnyConfig = PNMixConfig | LayerwiseConfig
 
 
 @dataclass(frozen=True)
@@ -29,11 +48,60 @@ class SearchSpace:
     value_bits: int = 2
     value_group_size: int = 32
     criterion: str = "qk_pair_norm"
-    fixed: dict[str, Any] = field(default_factory=dict)  # extra fixed fields, e.g. n_sink for kivi
+    budget_on: str = "key"
+    search_values: bool = False
+    layer_groups: int = DEFAULT_LAYER_GROUPS  # pnmix-layers: how many groups of layers
+    # pnmix-layers: the layers of each group, most sensitive group first (`with_groups`); a
+    # campaign forms them from the model's sensitivity profile before its first trial
+    groups: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise EvalError(f"unknown method {self.method!r}: allowed {', '.join(METHODS)}")
+        if self.budget_on not in BUDGET_ON:
+            raise EvalError(f"invalid budget_on {self.budget_on!r}: allowed {', '.join(BUDGET_ON)}")
+        if self.search_values and self.budget_on != "kv":
+            raise EvalError("searching values needs a KV budget (--budget-on kv): under a key budget values "
+                            "cost nothing and the most value bits would always win")
+        if not LAYER_GROUPS.contains(self.layer_groups):
+            raise EvalError(f"invalid layer_groups={self.layer_groups!r}: {LAYER_GROUPS.allowed}")
+        object.__setattr__(self, "groups", tuple(tuple(int(i) for i in g) for g in self.groups))
+
+    # -- the model's layers in groups (pnmix-layers) ------------------------------------------------
+
+    @property
+    def layered(self) -> bool:
+        return self.method == LAYERED
+
+    def with_groups(self, groups: Sequence[Sequence[int]]) -> SearchSpace:
+        """This space with the layer groups of a model (every layer in exactly one group)."""
+        layers = sorted(i for g in groups for i in g)
+        if layers != list(range(len(layers))) or any(not g for g in groups):
+            raise EvalError(f"invalid layer groups {list(map(list, groups))}: non-empty groups that hold each "
+                            "layer 0..L-1 once")
+        return replace(self, groups=tuple(tuple(g) for g in groups))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g) for g in self.groups) if self.groups else 1
+
+    def _need_groups(self) -> None:
+        if self.layered and not self.groups:
+            raise EvalError("the pnmix-layers space has no layer groups yet (the campaign forms them from the "
+                            "model's sensitivity profile)")
+
+    # -- what a config costs -------------------------------------------------------------------------
+
+    def cost(self, config: AnyConfig, head_dim: int) -> float:
+        """The figure a budget bounds: key bits (layers' mean) or KV bits, metadata included."""
+        from pnmix.bits import kv_bits, mean_key_bits
+
+        layers = self.num_layers if isinstance(config, LayerwiseConfig) else 1
+        if self.budget_on == "kv":
+            return kv_bits(config, layers, head_dim)
+        return mean_key_bits(config, layers, head_dim)
+
+    # -- the knobs ---------------------------------------------------------------------------------
 
     def bit_pairs(self) -> list[str]:
         if self.method == "kivi":
@@ -42,57 +110,114 @@ class SearchSpace:
             return ["4/2"]
         return [f"{hi}/{lo}" for lo in range(1, 5) for hi in range(lo, 5)]
 
-    def suggest(self, trial: Any, pairs: list[str] | None = None) -> PNMixConfig:
+    def _sinks(self) -> list[int]:
+        return [0] if self.method == "kivi" else [32] if self.method == "kitty" else list(SINKS)
+
+    def _ratios(self, hi: int, lo: int) -> list[float]:
+        return [0.0] if self.method == "kivi" or hi == lo else list(RATIOS)
+
+    def value_choices(self, head_dim: int) -> list[tuple[int, int]]:
+        """(value bits, value group size) pairs the space may take on a model of `head_dim`."""
+        if not self.search_values:
+            return [(self.value_bits, self.value_group_size)]
+        return [(b, g) for b in VALUE_BITS for g in VALUE_GROUPS if head_dim % g == 0]
+
+    def suggest(self, trial: Any, pairs: list[str] | None = None, head_dim: int = 128) -> AnyConfig:
         """Samples a config from an Optuna trial (static categorical choices, so TPE models them);
-        `pairs`: the bit pairs to choose from (default: all of the method's)."""
-        bits = trial.suggest_categorical("bits", pairs or self.bit_pairs())
-        b_high, b_low = (int(x) for x in bits.split("/"))
+        `pairs`: the bit pairs to choose from (default: all of the method's). pnmix-layers: one pair
+        and ratio per group ("bits_0", "salient_ratio_0", ...), G and sinks shared."""
+        # Parameter order as the uniform space always drew them: a seed reproduces its campaigns.
+        if not self.layered:
+            hi, lo = (int(x) for x in trial.suggest_categorical("bits", pairs or self.bit_pairs()).split("/"))
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
-        if self.method == "kivi":
-            ratio, sinks = 0.0, 0
-        else:
-            ratio = float(trial.suggest_categorical("salient_ratio", list(RATIOS))) if b_high > b_low else 0.0
-            sinks = 32 if self.method == "kitty" else int(trial.suggest_categorical("n_sink", list(SINKS)))
-        return self.config(b_high, b_low, group, ratio, sinks)
+        if not self.layered:
+            ratios = self._ratios(hi, lo)
+            ratio = float(trial.suggest_categorical("salient_ratio", ratios)) if len(ratios) > 1 else ratios[0]
+        sinks = int(trial.suggest_categorical("n_sink", list(SINKS))) if len(self._sinks()) > 1 else self._sinks()[0]
+        values: dict[str, int] = {}
+        if self.search_values:
+            groups = sorted({g for _, g in self.value_choices(head_dim)})
+            values = {"value_bits": int(trial.suggest_categorical("value_bits", list(VALUE_BITS))),
+                      "value_group_size": int(trial.suggest_categorical("value_group_size", groups))}
+        if not self.layered:
+            return self.config(hi, lo, group, ratio, sinks, **values)
+        self._need_groups()
+        per_group = []
+        for k in range(len(self.groups)):
+            hi, lo = (int(x) for x in trial.suggest_categorical(f"bits_{k}", self.bit_pairs()).split("/"))
+            ratio = float(trial.suggest_categorical(f"salient_ratio_{k}", list(RATIOS))) if hi > lo else 0.0
+            per_group.append(self.config(hi, lo, group, ratio, sinks, **values))
+        return self.layerwise(per_group)
+
+    def layerwise(self, per_group: Sequence[PNMixConfig]) -> AnyConfig:
+        """The config whose group k's layers take `per_group[k]`, in its simplest form."""
+        layers: list[PNMixConfig] = [per_group[0]] * self.num_layers
+        for g, cfg in zip(self.groups, per_group, strict=True):
+            for i in g:
+                layers[i] = cfg
+        return simplest(LayerwiseConfig.from_layers(layers))
+
+    def _per_group(self, config: AnyConfig) -> list[PNMixConfig]:
+        lw = as_layerwise(config)
+        return [lw.for_layer(g[0]) for g in self.groups]
 
     def configs(self) -> list[PNMixConfig]:
-        """Every config of the space, each once: bit pair, then G, then r, then sinks."""
+        """Every uniform config of the space with its fixed values, each once: bit pair, then G, then
+        r, then sinks (the ground truth a sweep scores)."""
         out: list[PNMixConfig] = []
         for pair in self.bit_pairs():
             hi, lo = (int(x) for x in pair.split("/"))
-            ratios = [0.0] if self.method == "kivi" or hi == lo else list(RATIOS)
-            sinks = [0] if self.method == "kivi" else ([32] if self.method == "kitty" else list(SINKS))
             for group in GROUP_SIZES:
-                out.extend(self.config(hi, lo, group, r, s) for r in ratios for s in sinks)
+                out.extend(self.config(hi, lo, group, r, s) for r in self._ratios(hi, lo) for s in self._sinks())
         return out
 
-    def config(self, b_high: int, b_low: int, group: int, ratio: float, sinks: int) -> PNMixConfig:
+    def config(self, b_high: int, b_low: int, group: int, ratio: float, sinks: int,
+               value_bits: int | None = None, value_group_size: int | None = None) -> PNMixConfig:
         criterion = "k_magnitude" if self.method == "kitty" else self.criterion
         residual = max(self.residual_len, group)
         residual -= residual % group
         return PNMixConfig(b_high=b_high, b_low=b_low, group_size=group, salient_ratio=ratio, n_sink=sinks,
-                           residual_len=residual, value_bits=self.value_bits,
-                           value_group_size=self.value_group_size, criterion=criterion)
+                           residual_len=residual, value_bits=self.value_bits if value_bits is None else value_bits,
+                           value_group_size=self.value_group_size if value_group_size is None else value_group_size,
+                           criterion=criterion)
 
-    @staticmethod
-    def params_of(config: PNMixConfig, method: str) -> dict[str, Any]:
-        """The trial parameters that reproduce `config` (for enqueueing warm starts)."""
-        params: dict[str, Any] = {"bits": f"{config.b_high}/{config.b_low}", "group_size": config.group_size}
-        if method != "kivi":
-            if config.b_high > config.b_low:
-                params["salient_ratio"] = config.salient_ratio
-            if method != "kitty":
-                params["n_sink"] = config.n_sink
+    def recast(self, config: AnyConfig) -> AnyConfig:
+        """`config`'s searched knobs in this space's fixed fields (residual, criterion, values unless
+        searched): how a preset or another campaign's point enters this space."""
+        def one(c: PNMixConfig) -> PNMixConfig:
+            values = {"value_bits": c.value_bits, "value_group_size": c.value_group_size} if self.search_values else {}
+            return self.config(c.b_high, c.b_low, c.group_size, c.salient_ratio, c.n_sink, **values)
+
+        if isinstance(config, PNMixConfig):
+            return one(config)
+        return simplest(LayerwiseConfig.from_layers([one(c) for c in config.per_layer(self.num_layers)]))
+
+    def params_of(self, config: AnyConfig) -> dict[str, Any]:
+        """The trial parameters that reproduce `config` (for enqueueing warm starts and neighbours)."""
+        first = as_layerwise(config).default
+        params: dict[str, Any] = {"group_size": first.group_size}
+        if len(self._sinks()) > 1:
+            params["n_sink"] = first.n_sink
+        if self.search_values:
+            params["value_bits"], params["value_group_size"] = first.value_bits, first.value_group_size
+        if not self.layered:
+            params["bits"] = f"{first.b_high}/{first.b_low}"
+            if len(self._ratios(first.b_high, first.b_low)) > 1:
+                params["salient_ratio"] = first.salient_ratio
+            return params
+        for k, c in enumerate(self._per_group(config)):
+            params[f"bits_{k}"] = f"{c.b_high}/{c.b_low}"
+            if c.b_high > c.b_low:
+                params[f"salient_ratio_{k}"] = c.salient_ratio
         return params
 
     def fullest_within(self, budget: float, head_dim: int) -> list[PNMixConfig]:
         """Per bit pair, the config that spends the budget on what buys accuracy: the most salient
         channels (mixed pairs: the largest G and the most sinks, then the largest r that fits) or
         the finest groups (uniform pairs: the smallest G that fits, the most sinks). Group metadata
-        and sinks cost a few hundredths of a bit; the salient ratio and G are where bits go."""
-        from pnmix.bits import key_bits
-
-        sinks = [32] if self.method == "kitty" else [0] if self.method == "kivi" else sorted(SINKS, reverse=True)
+        and sinks cost a few hundredths of a bit; the salient ratio and G are where bits go. With
+        values searched, the space's own value format (the paper's) is kept."""
+        sinks = sorted(self._sinks(), reverse=True)
         out: list[PNMixConfig] = []
         for pair in self.pairs_within(budget, head_dim):
             hi, lo = (int(x) for x in pair.split("/"))
@@ -101,65 +226,106 @@ class SearchSpace:
             else:
                 tries = [(g, 0.0, s) for g in sorted(GROUP_SIZES) for s in sinks]
             configs = (self.config(hi, lo, g, r, s) for g, r, s in tries)
-            first = next((c for c in configs if key_bits(c, head_dim).total <= budget), None)
+            first = next((c for c in configs if self.cost(c, head_dim) <= budget), None)
             if first is not None:
                 out.append(first)
         return out
 
-    def neighbours(self, config: PNMixConfig) -> list[PNMixConfig]:
-        """The configs of the space one step from `config` on one searched knob (sinks, salient ratio,
-        group size: the next value down or up), in that order."""
+    def neighbours(self, config: AnyConfig) -> list[AnyConfig]:
+        """The configs of the space one step from `config` on one searched knob (sinks, salient ratio
+        (each group's, for pnmix-layers), group size, value bits and group when searched: the next
+        value down or up), in that order."""
         if not self.contains(config):
             return []
 
-        def steps(values: list[Any], v: Any) -> list[Any]:
-            i = values.index(v)
+        def steps(values: Sequence[Any], v: Any) -> list[Any]:
+            i = list(values).index(v)
             return [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
 
-        c = config
-        out: list[PNMixConfig] = []
-        if self.method == "pnmix":
-            out += [self.config(c.b_high, c.b_low, c.group_size, c.salient_ratio, s)
-                    for s in steps(list(SINKS), c.n_sink)]
-        if self.method != "kivi" and c.b_high > c.b_low:
-            out += [self.config(c.b_high, c.b_low, c.group_size, r, c.n_sink)
-                    for r in steps(list(RATIOS), c.salient_ratio)]
-        out += [self.config(c.b_high, c.b_low, g, c.salient_ratio, c.n_sink)
-                for g in steps(list(GROUP_SIZES), c.group_size)]
+        per_group = self._per_group(config) if self.layered else [config]
+        assert all(isinstance(c, PNMixConfig) for c in per_group)
+
+        def everywhere(**change: Any) -> AnyConfig:
+            changed = [c.with_(**change) for c in per_group]  # type: ignore[union-attr]
+            return self.layerwise(changed) if self.layered else changed[0]
+
+        c = per_group[0]
+        assert isinstance(c, PNMixConfig)
+        out: list[AnyConfig] = []
+        if len(self._sinks()) > 1:
+            out += [everywhere(n_sink=s) for s in steps(SINKS, c.n_sink)]
+        for k, ck in enumerate(per_group):
+            assert isinstance(ck, PNMixConfig)
+            if len(self._ratios(ck.b_high, ck.b_low)) > 1:
+                for r in steps(RATIOS, ck.salient_ratio):
+                    changed = list(per_group)
+                    changed[k] = ck.with_(salient_ratio=r)
+                    out.append(self.layerwise(changed) if self.layered else changed[0])  # type: ignore[arg-type]
+        out += [everywhere(group_size=g, residual_len=self.config(1, 1, g, 0.0, 0).residual_len)
+                for g in steps(GROUP_SIZES, c.group_size)]
+        if self.search_values:
+            out += [everywhere(value_bits=b) for b in steps(VALUE_BITS, c.value_bits)]
+            out += [everywhere(value_group_size=g) for g in steps(VALUE_GROUPS, c.value_group_size)]
         return out
 
-    def contains(self, config: PNMixConfig) -> bool:
+    def contains(self, config: AnyConfig) -> bool:
+        if isinstance(config, LayerwiseConfig) and not self.layered:
+            return False
+        per_group = self._per_group(config) if self.layered else [config]
+        if self.layered and self.layerwise(per_group) != simplest(config):  # type: ignore[arg-type]
+            return False  # layers of one group differ
+        return all(self._contains_one(c) for c in per_group)  # type: ignore[arg-type]
+
+    def _contains_one(self, config: PNMixConfig) -> bool:
         if f"{config.b_high}/{config.b_low}" not in self.bit_pairs() or config.group_size not in GROUP_SIZES:
             return False
-        if self.method == "kivi":
-            return config.salient_ratio == 0 and config.n_sink == 0
-        if config.b_high > config.b_low and config.salient_ratio not in RATIOS:
+        if config.salient_ratio not in self._ratios(config.b_high, config.b_low):
             return False
-        return self.method == "kitty" or config.n_sink in SINKS
+        if self.search_values:
+            if config.value_bits not in VALUE_BITS or config.value_group_size not in VALUE_GROUPS:
+                return False
+        elif (config.value_bits, config.value_group_size) != (self.value_bits, self.value_group_size):
+            return False
+        return config.n_sink in self._sinks()
 
-    def min_key_bits(self, head_dim: int) -> float:
-        """Key bits of the cheapest config in the space (below it no budget is feasible)."""
+    def min_bits(self, head_dim: int) -> float:
+        """The budget figure of the cheapest config in the space (below it no budget is feasible)."""
         return min(self._pair_floor(pair, head_dim) for pair in self.bit_pairs())
 
     def pairs_within(self, budget: float, head_dim: int) -> list[str]:
-        """The bit pairs with at least one config of at most `budget` key bits (all others are over
-        it whatever G, r and sinks are), in the space's order; every pair when none fits."""
+        """The bit pairs with at least one config within `budget` (all others are over it whatever G,
+        r and sinks are), in the space's order; every pair when none fits. pnmix-layers: every pair
+        (a group may spend more than the budget where other groups spend less)."""
+        if self.layered:
+            return self.bit_pairs()
         pairs = [pair for pair in self.bit_pairs() if self._pair_floor(pair, head_dim) <= budget]
         return pairs or self.bit_pairs()
 
     def _pair_floor(self, pair: str, head_dim: int) -> float:
-        """Key bits of a bit pair's cheapest config: the largest group, the smallest salient ratio, no sinks."""
-        from pnmix.bits import key_bits
-
+        """The cost of a bit pair's cheapest config: the largest group, the smallest salient ratio, no
+        sinks (the fewest the method allows), the cheapest values when they are searched."""
         hi, lo = (int(x) for x in pair.split("/"))
-        ratio = 0.0 if hi == lo else RATIOS[0]
-        return key_bits(self.config(hi, lo, max(GROUP_SIZES), ratio, 32 if self.method == "kitty" else 0),
-                        head_dim).total
+        ratio = self._ratios(hi, lo)[0]
+        values = min(self.value_choices(head_dim), key=lambda v: v[0] + 32 / v[1])
+        cheapest = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self._sinks()), *values)
+        return self.cost(cheapest, head_dim)
+
+    # -- records -----------------------------------------------------------------------------------
+
+    def to_options(self) -> dict[str, Any]:
+        """The fields a stored campaign keeps to rebuild this space (not the model's layer groups)."""
+        return {k: v for k, v in asdict(self).items() if k != "groups"}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
-                "salient_ratio": [] if self.method == "kivi" else list(RATIOS),
-                "n_sink": [0] if self.method == "kivi" else ([32] if self.method == "kitty" else list(SINKS)),
-                "residual_len": self.residual_len, "value_bits": self.value_bits,
-                "value_group_size": self.value_group_size,
-                "criterion": "k_magnitude" if self.method == "kitty" else self.criterion}
+        out = {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
+               "salient_ratio": [] if self.method == "kivi" else list(RATIOS), "n_sink": self._sinks(),
+               "residual_len": self.residual_len,
+               "value_bits": list(VALUE_BITS) if self.search_values else self.value_bits,
+               "value_group_size": list(VALUE_GROUPS) if self.search_values else self.value_group_size,
+               "criterion": "k_magnitude" if self.method == "kitty" else self.criterion,
+               "budget_on": self.budget_on}
+        if self.layered:
+            out["layer_groups"] = self.layer_groups
+            if self.groups:
+                out["groups"] = [list(g) for g in self.groups]
+        return out

@@ -44,9 +44,11 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
 
     The model must be in the database or be a registry model (`smollm2-135m`, `qwen3-8b-shape`, ...).
     """
+    space = body.space()
     campaign = write.create_campaign(
         session, body.model, body.budgets, body.n_trials, method=body.method, profile=body.profile,
-        objectives=body.objectives, backend=body.backend,
+        objectives=body.objectives, backend=body.backend, budget_on=body.budget_on,
+        search_space=space.to_dict(), options={"space": space.to_options(), "multi_fidelity": False},
     )
     response.headers["Location"] = f"/v1/campaigns/{campaign.id}"
     return CampaignPublic.of(campaign)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query, Response
 
 from api.deps import ReadSession
 from api.problems import problem_doc
-from api.schemas import Budget, Optimize, PointPublic, Recommendation
+from api.schemas import BitsOf, Budget, Optimize, PointPublic, Recommendation
 from pnmix.inputs import ACCURACY, CAMPAIGN_ID
 from storage import read
 from storage.read import RELATIVE_FLOOR
@@ -18,25 +18,29 @@ router = APIRouter(tags=["recommend"])
 def recommend(
     session: ReadSession,
     model: Annotated[str, Query(min_length=1, max_length=255)],
-    target_bits: Annotated[Budget, Query(description="largest acceptable key bits per element")],
+    target_bits: Annotated[Budget, Query(description="largest acceptable bits per element, of the figure "
+                                         "bits_of names")],
+    bits_of: Annotated[BitsOf, Query(description="key: key bits per key element; kv: key and value bits per "
+                                     "cached element")] = "key",
     optimize: Optimize = "accuracy",
     min_accuracy: Annotated[float | None, Query(**ACCURACY.constraints(), description=(
         "lowest accepted accuracy; by default none for optimize=accuracy and, for throughput and memory, "
         f"{RELATIVE_FLOOR:g} times the best accuracy within target_bits"))] = None,
     campaign_id: Annotated[int | None, Query(**CAMPAIGN_ID.constraints())] = None,
 ) -> Response:
-    """The best stored config of `model` within `target_bits` key bits.
+    """The best stored config of `model` within `target_bits` key bits (or KV bits: `bits_of=kv`).
 
+    Every stored point carries both figures, so either question is answered from every campaign.
     `optimize=accuracy`: the most accurate point and those statistically tied with it (`ties`:
-    accuracy within 2 standard errors of the difference); among them the one with the fewest key
+    accuracy within 2 standard errors of the difference); among them the one with the fewest
     bits, then the highest decode throughput, then the fewest KV bytes. `throughput` and `memory`
     rank by those first. 404 `urn:pnmix:problem:no-feasible-point` when nothing fits, with
     `smallest_feasible_bits`.
     """
-    point, ties = read.recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id)
-    floor = read.applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id)
+    point, ties = read.recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
+    floor = read.applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
     body = Recommendation(
-        model=model, target_bits=target_bits, optimize=optimize, min_accuracy=floor,
+        model=model, target_bits=target_bits, bits_of=bits_of, optimize=optimize, min_accuracy=floor,
         point=PointPublic.of(point), pnmix_config=point.config.to_json(),
         ties=[PointPublic.of(p) for p in ties] if optimize == "accuracy" else [],
     )
