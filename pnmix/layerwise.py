@@ -141,11 +141,19 @@ class LayerwiseConfig:
 
     @property
     def label(self) -> str:
-        """"3/1 G128 r0.5 s32; 0-3: 4/2 r0.3" (the default, then each range's own bits and ratio)."""
-        parts = [self.default.label]
+        """The default, then each other layer config's bits and ratio with where it applies: its range
+        when it has one ("3/1 G128 r0.5 s32; 0-3: 4/2 r0.3"), else its layer count ("...; 9 layers
+        1/1 r0"; the JSON form lists the layers)."""
+        where: dict[PNMixConfig, list[str]] = {}
+        count: dict[PNMixConfig, int] = {}
         for r in sorted(self.ranges, key=lambda r: r.first):
             c = self._layer_config(r)
-            parts.append(f"{r.name}: {c.b_high}/{c.b_low} r{c.salient_ratio:g}")
+            where.setdefault(c, []).append(r.name)
+            count[c] = count.get(c, 0) + r.last - r.first + 1
+        parts = [self.default.label]
+        for c, names in where.items():
+            at = f"{names[0]}:" if len(names) == 1 else f"{count[c]} layers"
+            parts.append(f"{at} {c.b_high}/{c.b_low} r{c.salient_ratio:g}")
         return "; ".join(parts)
 
     @classmethod

@@ -309,6 +309,7 @@ class CampaignRunner:
         of every trial of the study again."""
         if budget in self._own:
             return self._studies[budget]
+        self._layer_groups()  # pnmix-layers: its sampler's parameters need the groups
         # constant_liar: workers sampling at once treat each other's running trials as poor, so they
         # spread out instead of proposing (and evaluating) the same config side by side. group: the
         # salient ratio exists only when b_high > b_low; grouped, TPE models it jointly with the other
@@ -711,7 +712,6 @@ class CampaignRunner:
         self._guarded("starting", lambda: self.set_progress(
             status="running", study_names={f"{b:g}": study_name(self.campaign_id, b) for b in self.spec.budgets},
             trials_total=self.spec.n_trials * len(self.spec.budgets)))
-        self._guarded("forming layer groups", self._layer_groups)
         studies: dict[float, optuna.Study] = {}
         with CampaignHeartbeat(self.db, self.campaign_id, self.worker_id):
             for wait in (False, True):

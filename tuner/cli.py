@@ -365,7 +365,8 @@ def tune(
                   f"{trials} trials each, profile {profile_name}, storage {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
-    path = pareto_plot(studies, Path(plot or f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
+    path = pareto_plot(studies, Path(plot or f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}",
+                       budget_on=budget_on)
     console.print(f"Pareto plot: {path}")
 
 
@@ -588,7 +589,7 @@ def _print_ties(others: list[tuple[Any, float, float, float | None]]) -> None:
     """The points tied with a recommendation: (config, key bits, accuracy, its SE) each."""
     if not others:
         return
-    console.print(f"tied with it (accuracy within 2 SE of the most accurate; chosen: fewest key bits, then "
+    console.print(f"tied with it (accuracy within 2 SE of the most accurate; chosen: fewest bits, then "
                   f"throughput): {len(others)} more")
     for cfg, bits, acc, se in others:
         console.print(f"  {cfg.label}: {bits:.3f} bits, accuracy {_pm(acc, se)}")

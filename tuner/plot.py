@@ -1,4 +1,5 @@
-"""Pareto plot of a campaign: accuracy vs key bits per budget, front marked, presets marked."""
+"""Pareto plot of a campaign: accuracy vs the budget's bits (key or KV) per budget, front marked,
+presets marked."""
 
 from __future__ import annotations
 
@@ -6,16 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig, preset
+from pnmix.layerwise import config_from_dict
 
 
-def pareto_plot(studies: dict[float, Any], path: Path, title: str) -> Path:
+def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: str = "key") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import optuna
 
-    from tuner.campaign import front_trials
+    from tuner.campaign import budget_bits, front_trials
 
     marks = {"pnmix-paper": preset("pnmix-paper"), "kivi2": preset("kivi2"), "kivi1": preset("kivi1")}
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -23,19 +25,20 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str) -> Path:
         color = f"C{i}"
         done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
                 if "accuracy" in t.user_attrs]
-        ax.scatter([t.user_attrs["key_bits"] for t in done], [t.user_attrs["accuracy"] for t in done],
+        ax.scatter([budget_bits(t) for t in done], [t.user_attrs["accuracy"] for t in done],
                    s=14, alpha=0.4, color=color)
-        front = sorted(front_trials(study), key=lambda t: t.user_attrs["key_bits"])
-        ax.plot([t.user_attrs["key_bits"] for t in front], [t.user_attrs["accuracy"] for t in front], "o-",
+        front = sorted(front_trials(study), key=budget_bits)
+        ax.plot([budget_bits(t) for t in front], [t.user_attrs["accuracy"] for t in front], "o-",
                 color=color, label=f"front, budget {budget:g} bits")
         ax.axvline(budget, color=color, linestyle=":", linewidth=1)
         for t in done:
-            cfg = PNMixConfig.from_dict(t.user_attrs["config"])
+            cfg = config_from_dict(t.user_attrs["config"])
             for name, ref in marks.items():
-                if _same_method(cfg, ref):
-                    ax.annotate(name, (t.user_attrs["key_bits"], t.user_attrs["accuracy"]), fontsize=8,
+                if isinstance(cfg, PNMixConfig) and _same_method(cfg, ref):
+                    ax.annotate(name, (budget_bits(t), t.user_attrs["accuracy"]), fontsize=8,
                                 xytext=(4, -10), textcoords="offset points")
-    ax.set_xlabel("key bits per element (formula, metadata included)")
+    ax.set_xlabel("KV bits per cached element (keys and values, formula)" if budget_on == "kv"
+                  else "key bits per element (formula, metadata included; layers' mean)")
     ax.set_ylabel("accuracy (combined)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
