@@ -14,6 +14,8 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
   equality    greedy tokens of the static path (graphs, kernels, bf16) vs `generate` on the
               embedded model (needs the GGUF: --gguf), and the tuner's cost measurement there.
   fullkernel  the fp16 baseline's decode kernel (kernels/decode_full.py) vs SDPA without a mask.
+  maxbatch    (b) alone, for fp16, pnmix-paper and each `--config NAME=FILE` (a config JSON, e.g. a
+              KV-budget campaign's pick from budget_study.py): the largest feasible batch at 8K.
 
 How time is measured: generating 8K tokens at batch 110 would take minutes per point, so the step
 time t(L) is measured at several cache lengths L (cache lengths set directly on the device, so a
@@ -23,6 +25,7 @@ plus one flush step per `residual_len` steps for the quantized caches. A real ge
 hundred steps checks the estimate (`validate` in the JSON).
 
     python benchmarks/static_study.py --part memory,throughput --out DIR   # GPU
+    python benchmarks/static_study.py --part maxbatch --config kv=DIR/kv_config.json --out DIR
     python benchmarks/static_study.py --plot DIR/static_study.json        # anywhere: PNGs + table
 """
 
@@ -55,9 +58,14 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+EXTRA: dict[str, Any] = {}  # --config NAME=FILE: configs measured beside the presets
+
+
 def method_arg(name: str) -> Any:
     from pnmix.config import preset
 
+    if name in EXTRA:
+        return EXTRA[name]
     return "fp16" if name == "fp16" else preset(name)
 
 
@@ -164,24 +172,50 @@ def part_memory(model: Any, res: dict) -> None:
             res["memory_vs_length"].append(row)
     res["memory_vs_batch"], res["max_batch"] = [], {}
     for method in METHODS:
-        last_ok, first_bad = 0, None
-        for b in BATCHES:
-            row = try_config(model, method, b, 8192)
-            log(f"[b] {method:12s} B={b:4d} N=8192: feasible {row['feasible']}  "
-                f"peak {row['peak_bytes'] / 2**30:.2f} GiB")
-            res["memory_vs_batch"].append(row)
-            if not row["feasible"]:
-                first_bad = b
-                break
-            last_ok = b
-        hi = first_bad if first_bad is not None else last_ok
-        while first_bad is not None and hi - last_ok > 1:  # bisect the largest feasible batch
-            mid = (last_ok + hi) // 2
-            row = try_config(model, method, mid, 8192)
-            res["memory_vs_batch"].append(row)
-            last_ok, hi = (mid, hi) if row["feasible"] else (last_ok, mid)
-        res["max_batch"][method] = last_ok
-        log(f"[b] {method}: largest feasible batch at 8K = {last_ok}")
+        largest_batch(model, method, BATCHES, res)
+
+
+def largest_batch(model: Any, method: str, batches: tuple[int, ...], res: dict) -> int:
+    """The largest batch of `method` feasible at 8K generated tokens: `batches` up to the first that
+    fails, then bisection between the last that fit and it (rows into res["memory_vs_batch"])."""
+    last_ok, first_bad = 0, None
+    for b in batches:
+        row = try_config(model, method, b, 8192)
+        log(f"[b] {method:12s} B={b:4d} N=8192: feasible {row['feasible']}  peak {row['peak_bytes'] / 2**30:.2f} GiB")
+        res.setdefault("memory_vs_batch", []).append(row)
+        if not row["feasible"]:
+            first_bad = b
+            break
+        last_ok = b
+    hi = first_bad if first_bad is not None else last_ok
+    while first_bad is not None and hi - last_ok > 1:  # bisect the largest feasible batch
+        mid = (last_ok + hi) // 2
+        row = try_config(model, method, mid, 8192)
+        res["memory_vs_batch"].append(row)
+        last_ok, hi = (mid, hi) if row["feasible"] else (last_ok, mid)
+    res.setdefault("max_batch", {})[method] = last_ok
+    log(f"[b] {method}: largest feasible batch at 8K = {last_ok}")
+    return last_ok
+
+
+def part_max_batch(model: Any, res: dict) -> None:
+    """(b) alone, coarse steps then bisection: fp16, pnmix-paper and the --config ones, with the KV bytes
+    a sequence holds at 8K (formula) beside each."""
+    from pnmix.bits import kv_cache_bytes
+    from pnmix.models import model_shape
+
+    shape = model_shape("qwen3-8b-shape")
+    res["max_batch_configs"] = {}
+    for method in ("fp16", "pnmix-paper", *EXTRA):
+        arg = method_arg(method)
+        coarse = (8, 16, 24) if method == "fp16" else (64, 96, 112, 128, 144, 160, 192, 256)
+        largest_batch(model, method, coarse, res)
+        if arg != "fp16":
+            res["max_batch_configs"][method] = {"config": arg.to_dict(),
+                                                "bytes_8k": kv_cache_bytes(arg, shape, 1, PROMPT + 8192).total}
+    fp16 = res["max_batch"]["fp16"]
+    for method in res["max_batch_configs"]:
+        log(f"[b] {method}: {res['max_batch'][method]} = {res['max_batch'][method] / fp16:.2f}x fp16's {fp16}")
 
 
 def part_throughput(model: Any, res: dict) -> None:
@@ -391,7 +425,14 @@ def main() -> None:
     ap.add_argument("--merge", help="an earlier static_study.json to extend")
     ap.add_argument("--gguf", help="the embedded model's GGUF (for --part equality)")
     ap.add_argument("--plot", metavar="JSON", help="draw the PNGs and print the RESULTS table from a JSON")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
+                    help="--part maxbatch: a config JSON (single or layer-wise) to measure beside the presets")
     args = ap.parse_args()
+    from pnmix.layerwise import load_config
+
+    for item in args.config:
+        name, _, file = item.partition("=")
+        EXTRA[name] = load_config(Path(file).read_text())
     if args.plot:
         plot(Path(args.plot))
         return
@@ -423,7 +464,7 @@ def main() -> None:
             res["hf_generate"] = hf_generate_fp16(model, res.get("max_batch", {}).get("fp16") or 20)
 
         for part, fn in (("memory", part_memory), ("throughput", part_throughput), ("latency", part_latency),
-                         ("hf", part_hf)):
+                         ("hf", part_hf), ("maxbatch", part_max_batch)):
             if part in parts:
                 t0 = time.time()
                 fn(model, res)

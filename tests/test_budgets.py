@@ -151,7 +151,8 @@ def test_front_points_keep_a_layerwise_config_and_both_bit_figures(db):
 
         other = next(p for p in list_front_points(s, "smollm2-135m").items if p.trial_number == 1)
         assert other.layers is None and other.config == paper
-    with pytest.raises(InvalidValueError, match=r"trial 0: invalid layers 0-3=3: allowed layers 0-1 \(the model has 2\)"), \
+    refused = r"trial 0: invalid layers 0-3=3: allowed layers 0-1 \(the model has 2\)"
+    with pytest.raises(InvalidValueError, match=refused), \
             db.session() as s:
         campaign = create_campaign(s, "smollm2-135m", [2.5], 4)
         campaign.model.num_layers = 2  # a model with two layers refuses ranges past them

@@ -430,7 +430,7 @@ class CampaignRunner:
         there, so all of a campaign's trials share one grouping."""
         if not self.space.layered or self.space.groups:
             return
-        from storage import get_campaign
+        from storage import Campaign, get_campaign, update_campaign_progress
         from tuner.layers import group_layers
 
         with self.db.session(readonly=True) as s:
@@ -439,8 +439,13 @@ class CampaignRunner:
             self.progress(f"layer sensitivity: proxy KL of {self.num_layers} layers")
             paper = preset("pnmix-paper")
             base = self.space.config(paper.b_high, paper.b_low, paper.group_size, paper.salient_ratio, paper.n_sink)
-            stored = group_layers(self._layer_kl(base), self.space.layer_groups)
-            self.set_progress(search_space=self.space.with_groups(stored).to_dict())
+            mine = group_layers(self._layer_kl(base), self.space.layer_groups)
+            with self.db.session() as s:  # the first worker to store its groups wins; the others take them
+                row = s.get(Campaign, self.campaign_id, with_for_update=True, populate_existing=True)
+                stored = (row.search_space or {}).get("groups") if row is not None else None
+                if not stored:
+                    stored = mine
+                    update_campaign_progress(s, self.campaign_id, search_space=self.space.with_groups(mine).to_dict())
         self.space = self.space.with_groups(stored)
 
     # -- one trial -------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, N
 from pnmix.names import BACKENDS, BUDGET_ON, METHODS
 from tuner.profiles import PROFILES, EvalError
 from tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
-from tuner.space import DEFAULT_LAYER_GROUPS
+from tuner.space import DEFAULT_LAYER_GROUPS, LAYERED
+
+SWEPT = tuple(m for m in METHODS if m != LAYERED)  # a sweep covers a uniform space (layer groups are a model's)
 
 if TYPE_CHECKING:
     from tuner.campaign import CampaignSpec
@@ -374,8 +376,8 @@ def sweep(
     out: Annotated[str, typer.Option("--out", help="sweep file (JSON Lines); resumed when it exists",
                                      parser=OutputFile(create_folders=True))],
     model: ModelOpt = "smollm2-135m",
-    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: the search space to cover",
-                                        parser=Choice(METHODS))] = "pnmix",
+    method: Annotated[str, typer.Option(help=f"{', '.join(SWEPT)}: the search space to cover",
+                                        parser=Choice(SWEPT))] = "pnmix",
     profile_name: ProfileOpt = "full",
     seed: SeedOpt = 0,
     shard: Annotated[str, typer.Option(help="I/N: score shard I of N (N processes may fill one file)",

@@ -322,8 +322,9 @@ class SearchSpace:
                "residual_len": self.residual_len,
                "value_bits": list(VALUE_BITS) if self.search_values else self.value_bits,
                "value_group_size": list(VALUE_GROUPS) if self.search_values else self.value_group_size,
-               "criterion": "k_magnitude" if self.method == "kitty" else self.criterion,
-               "budget_on": self.budget_on}
+               "criterion": "k_magnitude" if self.method == "kitty" else self.criterion}
+        if self.budget_on != "key":  # only where it differs: a sweep file's header holds this dict
+            out["budget_on"] = self.budget_on
         if self.layered:
             out["layer_groups"] = self.layer_groups
             if self.groups:
