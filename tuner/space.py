@@ -215,26 +215,40 @@ class SearchSpace:
         """Per bit pair, the config that spends the budget on what buys accuracy: the most salient
         channels (mixed pairs: the largest G and the most sinks, then the largest r that fits) or
         the finest groups (uniform pairs: the smallest G that fits, the most sinks). Group metadata
-        and sinks cost a few hundredths of a bit; the salient ratio and G are where bits go. With
-        values searched, the space's own value format (the paper's) is kept."""
+        and sinks cost a few hundredths of a bit; the salient ratio and G are where bits go.
+
+        With values searched, first the fullest config of the paper's pair (3/1) for each value
+        format that leaves room for it, most value bits first: which value format a budget wants is
+        the new question, and a sampler that meets the infeasible formats first tends to settle on
+        the cheapest one; then every pair with the space's own value format."""
+        out: list[PNMixConfig] = []
+        if self.search_values:
+            formats = sorted(self.value_choices(head_dim), key=lambda v: -(v[0] + 32 / v[1]))
+            for values in formats:
+                out += self._fullest(["3/1"], budget, head_dim, values)
+        out += self._fullest(self.pairs_within(budget, head_dim), budget, head_dim,
+                             (self.value_bits, self.value_group_size))
+        return list(dict.fromkeys(out))
+
+    def _fullest(self, pairs: list[str], budget: float, head_dim: int, values: tuple[int, int]) -> list[PNMixConfig]:
         sinks = sorted(self._sinks(), reverse=True)
         out: list[PNMixConfig] = []
-        for pair in self.pairs_within(budget, head_dim):
+        for pair in pairs:
             hi, lo = (int(x) for x in pair.split("/"))
             if hi > lo and self.method != "kivi":
                 tries = [(max(GROUP_SIZES), r, s) for r in sorted(RATIOS, reverse=True) for s in sinks]
             else:
                 tries = [(g, 0.0, s) for g in sorted(GROUP_SIZES) for s in sinks]
-            configs = (self.config(hi, lo, g, r, s) for g, r, s in tries)
+            configs = (self.config(hi, lo, g, r, s, *values) for g, r, s in tries)
             first = next((c for c in configs if self.cost(c, head_dim) <= budget), None)
             if first is not None:
                 out.append(first)
         return out
 
-    def neighbours(self, config: AnyConfig) -> list[AnyConfig]:
+    def neighbours(self, config: AnyConfig, head_dim: int | None = None) -> list[AnyConfig]:
         """The configs of the space one step from `config` on one searched knob (sinks, salient ratio
         (each group's, for pnmix-layers), group size, value bits and group when searched: the next
-        value down or up), in that order."""
+        value down or up), in that order; with `head_dim`, only value groups that divide it."""
         if not self.contains(config):
             return []
 
@@ -265,7 +279,8 @@ class SearchSpace:
                 for g in steps(GROUP_SIZES, c.group_size)]
         if self.search_values:
             out += [everywhere(value_bits=b) for b in steps(VALUE_BITS, c.value_bits)]
-            out += [everywhere(value_group_size=g) for g in steps(VALUE_GROUPS, c.value_group_size)]
+            out += [everywhere(value_group_size=g) for g in steps(VALUE_GROUPS, c.value_group_size)
+                    if head_dim is None or head_dim % g == 0]
         return out
 
     def contains(self, config: AnyConfig) -> bool:
