@@ -110,8 +110,12 @@ class PNMixConfig:
 
     @property
     def label(self) -> str:
-        """The searched knobs in one short line: "3/1 G128 r0.5 s32" (b_high/b_low, G, r, sinks)."""
-        return f"{self.b_high}/{self.b_low} G{self.group_size} r{self.salient_ratio:g} s{self.n_sink}"
+        """The searched knobs in one short line: "3/1 G128 r0.5 s32" (b_high/b_low, G, r, sinks), then
+        the value format where it is not the paper's 2 bits in groups of 32: "... V1/64"."""
+        out = f"{self.b_high}/{self.b_low} G{self.group_size} r{self.salient_ratio:g} s{self.n_sink}"
+        if self.values_quantized and (self.value_bits, self.value_group_size) != (2, 32):
+            out += f" V{self.value_bits}/{self.value_group_size}"
+        return out
 
     @property
     def high_planes(self) -> int:

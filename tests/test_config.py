@@ -93,3 +93,4 @@ def test_cache_refuses_a_config_that_is_not_a_pnmixconfig():
 def test_label_names_the_searched_knobs():
     assert preset("pnmix-paper").label == "3/1 G128 r0.5 s32"
     assert PNMixConfig(b_high=2, b_low=2, group_size=64, salient_ratio=0.0, n_sink=0).label == "2/2 G64 r0 s0"
+    assert preset("pnmix-paper").with_(value_bits=1, value_group_size=64).label == "3/1 G128 r0.5 s32 V1/64"
