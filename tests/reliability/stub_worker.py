@@ -41,6 +41,7 @@ UNITS = 64  # per-unit outcomes of the stub's one part (what racing pairs)
 
 class StubEvaluator:
     head_dim = HEAD_DIM
+    num_layers = 30  # the embedded model's; uniform configs cost the same bits at any layer count
 
     def __init__(self) -> None:
         self.calls = 0

@@ -30,7 +30,7 @@ class Exhausting:
 
     def __init__(self, evaluator: Evaluator, failures: dict[int, str]) -> None:
         self.inner, self.failures, self.calls = evaluator, failures, 0
-        self.head_dim = evaluator.head_dim
+        self.head_dim, self.num_layers = evaluator.head_dim, evaluator.num_layers
 
     def proxy(self, config):
         return self.inner.proxy(config)
