@@ -6,6 +6,9 @@
     ids = lm.tokenizer("The history of the printing press", return_tensors="pt")
     new_tokens, cache = generate(lm.model, ids["input_ids"], preset("pnmix-paper"), ids["attention_mask"], 64)
 
+A layer-wise config (`LayerwiseConfig`, docs/layerwise.md) goes wherever a `PNMixConfig` goes;
+`load_config(text)` reads either from JSON (what `pnmix export` writes).
+
 `import pnmix` stays light: the names whose modules import torch and transformers (the cache,
 `generate`, the static path, the model loader) are imported on first use.
 """
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pnmix.config import PNMixConfig, preset
 from pnmix.errors import PNMixError
+from pnmix.layerwise import LayerwiseConfig, load_config
 
 if TYPE_CHECKING:
     from pnmix.cache import PNMixCache
@@ -32,7 +36,8 @@ _LAZY = {
     "load_model": ("pnmix.models", "load"),
 }
 
-__all__ = ["PNMixCache", "PNMixConfig", "PNMixError", "StaticGenerator", "generate", "load_model", "preset"]
+__all__ = ["LayerwiseConfig", "PNMixCache", "PNMixConfig", "PNMixError", "StaticGenerator", "generate", "load_config",
+           "load_model", "preset"]
 
 
 def __getattr__(name: str) -> Any:

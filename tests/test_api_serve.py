@@ -62,7 +62,7 @@ def test_serve_answers_over_http(tmp_path):
     up = subprocess.run([*PNMIX, "db", "upgrade", "--database-url", url], capture_output=True, text=True, timeout=60,
                         env=clean_env())
     assert up.returncode == 0, up.stderr
-    assert "upgraded empty -> 0003" in up.stdout
+    assert "upgraded empty -> 0004" in up.stdout
     db = Database(url)
     with db.session() as s:
         campaign = create_campaign(s, "smollm2-135m", [3.0, 2.25], n_trials=8, status="running")

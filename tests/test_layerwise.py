@@ -96,7 +96,7 @@ def test_json_round_trip_and_either_form_loads():
     assert LayerwiseConfig.from_json(MIXED.to_json()) == MIXED
     assert load_config(MIXED.to_json()) == MIXED
     assert load_config(SMALL.to_json()) == SMALL
-    assert MIXED.label == "3/1 G32 r0.5 s4; 0: 4/2 r0.25; 1: 2/1 r0.75"
+    assert MIXED.label == "3/1 G32 r0.5 s4 V2/16; 0: 4/2 r0.25; 1: 2/1 r0.75"
     # A range written "A-B" covers both ends; a layer no range names takes the default.
     lw = load_config('{"default": {}, "layers": {"2-4": {"b_low": 2}}}')
     assert isinstance(lw, LayerwiseConfig)

@@ -7,9 +7,11 @@ import sys
 import pytest
 
 import pnmix
-from pnmix import cache, config, errors, generation, models, static
+from pnmix import cache, config, errors, generation, layerwise, models, static
 
 PUBLIC = {
+    "LayerwiseConfig": lambda: layerwise.LayerwiseConfig,
+    "load_config": lambda: layerwise.load_config,
     "PNMixCache": lambda: cache.PNMixCache,
     "PNMixConfig": lambda: config.PNMixConfig,
     "PNMixError": lambda: errors.PNMixError,
