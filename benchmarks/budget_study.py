@@ -162,7 +162,8 @@ def plot(records: list[dict[str, Any]], rows: list[dict[str, Any]], paper: dict[
         ax.plot([r["key_bits"] for r in whole], [r["accuracy"] for r in whole], "o-", ms=3, color="C0", lw=1,
                 label="uniform front (ground truth)")
         shown = [row for row in rows if (row["budget_on"] == "kv") == (figure == "kv_bits")]
-        for i, row in enumerate(shown):
+        # Highest budget first: a lower budget's front is a subset of a higher one's and is drawn on top.
+        for i, row in sorted(enumerate(shown), key=lambda item: -item[1]["budget"]):
             pts = sorted(row["front"], key=lambda p: p[figure])
             ax.errorbar([p[figure] for p in pts], [p["accuracy"] for p in pts],
                         yerr=[2 * p["accuracy_se"] for p in pts], fmt="s", ms=4, color=f"C{i + 1}", capsize=2,
