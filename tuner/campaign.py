@@ -578,10 +578,23 @@ class CampaignRunner:
         return None
 
     def _cap_reached(self, trial: optuna.Trial) -> bool:
+        """Whether the budget's count is already taken by finished trials and by running trials that
+        started before this one. Start order, not trial number: a queued trial (a warm start, a
+        neighbour, a dead worker's retry) holds the number it was queued with and may start after
+        trials numbered above it; by number, four workers once ran 21 trials of a 20-trial budget."""
         states = (*FINISHED_STATES, optuna.trial.TrialState.RUNNING)
-        earlier = [t for t in trial.study.get_trials(deepcopy=False, states=states)
-                   if t.number < trial.number and counts(t)]
-        return len(earlier) >= self.spec.n_trials
+        trials = trial.study.get_trials(deepcopy=False, states=states)
+        mine = next((t.datetime_start for t in trials if t.number == trial.number), None)
+
+        def before(t: optuna.trial.FrozenTrial) -> bool:
+            if t.state != optuna.trial.TrialState.RUNNING:
+                return True
+            if mine is None or t.datetime_start is None:
+                return t.number < trial.number
+            return (t.datetime_start, t.number) < (mine, trial.number)
+
+        taken = [t for t in trials if t.number != trial.number and counts(t) and before(t)]
+        return len(taken) >= self.spec.n_trials
 
     def _values(self, accuracy: float, bits: float, score: Any) -> tuple[float, ...]:
         values = {"accuracy": accuracy, f"{self.space.budget_on}_bits": bits,

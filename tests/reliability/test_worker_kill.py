@@ -12,17 +12,27 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import optuna
 from rel_helpers import PNMIX, stub_campaign, stub_worker_args, wait_for, worker_env
 
-from storage import Database, get_campaign, list_front_points, upgrade
+from storage import Database, get_campaign, list_front_points, touch_campaign, upgrade
 from tuner.campaign import CampaignSpec, finished, front_trials, study_name
 from tuner.session import find_or_create_campaign
 
 TRIALS = 5
 RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
+
+
+def keep_fresh(url: str, campaign_id: int, worker_id: str, stop: threading.Event) -> None:
+    """Refreshes a campaign row's heartbeat, as its worker does, until `stop` is set."""
+    db = Database(url)
+    while not stop.wait(0.3):
+        with db.session() as s:
+            touch_campaign(s, campaign_id, worker_id)
+    db.dispose()
 
 
 def load(url: str, campaign_id: int, budget: float) -> optuna.Study | None:
@@ -115,8 +125,18 @@ def test_campaign_of_a_dead_worker_is_reclaimed(pg_url, procs):
         row = get_campaign(s, campaign_id)
         assert (row.status, row.worker_id) == ("running", f"{socket.gethostname()}:{a.pid}")
 
-    early = procs.start(stub_worker_args(pg_url), env, "stub-early")  # heartbeat still fresh: not taken
-    assert procs.finish(early, 60) == 0
+    # While the row's heartbeat is fresh, a claiming worker must leave the campaign alone. The row is
+    # kept fresh here as A's would be had it lived a little longer: on a loaded machine a worker's
+    # start alone can outlast PNMIX_GRACE_S, and then the campaign is rightly its to take.
+    stop = threading.Event()
+    fresh = threading.Thread(target=keep_fresh, args=(pg_url, campaign_id, row.worker_id, stop))
+    fresh.start()
+    try:
+        early = procs.start(stub_worker_args(pg_url), env, "stub-early")
+        assert procs.finish(early, 60) == 0
+    finally:
+        stop.set()
+        fresh.join()
     assert "no queued campaign" in procs.stdout(early)
     time.sleep(3.5)  # past PNMIX_GRACE_S
     b = procs.start(stub_worker_args(pg_url), env, "stub-b")
