@@ -581,7 +581,7 @@ class CampaignRunner:
         """Whether the budget's count is already taken by finished trials and by running trials that
         started before this one. Start order, not trial number: a queued trial (a warm start, a
         neighbour, a dead worker's retry) holds the number it was queued with and may start after
-        trials numbered above it; by number, four workers once ran 21 trials of a 20-trial budget."""
+        trials numbered above it, so by number several workers could run one trial past the count."""
         states = (*FINISHED_STATES, optuna.trial.TrialState.RUNNING)
         trials = trial.study.get_trials(deepcopy=False, states=states)
         mine = next((t.datetime_start for t in trials if t.number == trial.number), None)
