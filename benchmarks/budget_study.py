@@ -33,6 +33,12 @@ TRUTH = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.
 QWEN3_8B = ModelShape(num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128)
 
 
+def no_worse_than(point: dict[str, Any], reference: dict[str, Any]) -> bool:
+    """Whether `point`'s accuracy is at least `reference`'s minus one standard error, paired."""
+    diff, se = paired(point["units"], reference["units"])["accuracy"]
+    return diff >= -(se or 0.0)
+
+
 def best_within(records: list[dict[str, Any]], figure: str, budget: float) -> dict[str, Any] | None:
     inside = [r for r in records if r[figure] <= budget + 1e-9]
     return max(inside, key=lambda r: (r["accuracy"], -r[figure])) if inside else None
@@ -114,8 +120,7 @@ def main() -> None:
                  "best_uniform": {k: uniform[k] for k in ("config", "key_bits", "kv_bits", "accuracy", "accuracy_se")},
                  "difference": diff, "difference_se": se}
         if row["budget_on"] == "kv":
-            no_worse = [p for p in row["front"]
-                        if (lambda d: d[0] >= -(d[1] or 0.0))(paired(p["units"], paper["units"])["accuracy"])]
+            no_worse = [p for p in row["front"] if no_worse_than(p, paper)]
             cheapest = min(no_worse, key=lambda p: p["kv_bits"], default=None)
             entry["cheapest_no_worse_than_paper"] = cheapest and {k: cheapest[k] for k in (
                 "config", "key_bits", "kv_bits", "accuracy", "accuracy_se")}

@@ -431,18 +431,19 @@ def check_objectives(objectives: Sequence[str], budget_on: str = "key") -> list[
     out = list(objectives)
     for name in out:
         _check_choice("objective", name, tuple(OBJECTIVES))
-    if len(set(out)) != len(out) or not set(REQUIRED_OBJECTIVES) <= set(out) and budget_on == "key":
+    if len(set(out)) != len(out) or (budget_on == "key" and not set(REQUIRED_OBJECTIVES) <= set(out)):
         raise InvalidValueError(
             f"invalid objectives={out}: distinct names that include {' and '.join(REQUIRED_OBJECTIVES)}"
         )
-    if budget_on == "kv":
-        out = ["kv_bits" if name == "key_bits" else name for name in out]
-        if len(set(out)) != len(out) or not {"accuracy", "kv_bits"} <= set(out):
-            raise InvalidValueError(f"invalid objectives={list(objectives)}: under a KV budget, distinct names "
-                                    "that include accuracy and key_bits or kv_bits (the budget's bits)")
-    elif "kv_bits" in out:
-        raise InvalidValueError(f"invalid objectives={out}: kv_bits is the bit objective of a KV budget "
-                                "(budget_on kv); under a key budget the bits are key_bits")
+    if budget_on == "key":
+        if "kv_bits" in out:
+            raise InvalidValueError(f"invalid objectives={out}: kv_bits is the bit objective of a KV budget "
+                                    "(budget_on kv); under a key budget the bits are key_bits")
+        return out
+    out = ["kv_bits" if name == "key_bits" else name for name in out]
+    if len(set(out)) != len(out) or not {"accuracy", "kv_bits"} <= set(out):
+        raise InvalidValueError(f"invalid objectives={list(objectives)}: under a KV budget, distinct names "
+                                "that include accuracy and key_bits or kv_bits (the budget's bits)")
     return out
 
 

@@ -122,6 +122,12 @@ class SearchSpace:
             return [(self.value_bits, self.value_group_size)]
         return [(b, g) for b in VALUE_BITS for g in VALUE_GROUPS if head_dim % g == 0]
 
+    def _value_cost(self, values: tuple[int, int]) -> float:
+        """Bits per value element of a (value bits, value group size) format (`pnmix.bits.value_bits`)."""
+        from pnmix.bits import value_bits
+
+        return value_bits(self.config(1, 1, max(GROUP_SIZES), 0.0, 0, *values))
+
     def suggest(self, trial: Any, pairs: list[str] | None = None, head_dim: int = 128) -> AnyConfig:
         """Samples a config from an Optuna trial (static categorical choices, so TPE models them);
         `pairs`: the bit pairs to choose from (default: all of the method's). pnmix-layers: one pair
@@ -171,13 +177,17 @@ class SearchSpace:
                 out.extend(self.config(hi, lo, group, r, s) for r in self._ratios(hi, lo) for s in self._sinks())
         return out
 
+    def _residual(self, group: int) -> int:
+        """The space's residual length for token group `group`: at least one group, a whole number of them."""
+        residual = max(self.residual_len, group)
+        return residual - residual % group
+
     def config(self, b_high: int, b_low: int, group: int, ratio: float, sinks: int,
                value_bits: int | None = None, value_group_size: int | None = None) -> PNMixConfig:
         criterion = "k_magnitude" if self.method == "kitty" else self.criterion
-        residual = max(self.residual_len, group)
-        residual -= residual % group
         return PNMixConfig(b_high=b_high, b_low=b_low, group_size=group, salient_ratio=ratio, n_sink=sinks,
-                           residual_len=residual, value_bits=self.value_bits if value_bits is None else value_bits,
+                           residual_len=self._residual(group),
+                           value_bits=self.value_bits if value_bits is None else value_bits,
                            value_group_size=self.value_group_size if value_group_size is None else value_group_size,
                            criterion=criterion)
 
@@ -223,7 +233,7 @@ class SearchSpace:
         the cheapest one; then every pair with the space's own value format."""
         out: list[PNMixConfig] = []
         if self.search_values:
-            formats = sorted(self.value_choices(head_dim), key=lambda v: -(v[0] + 32 / v[1]))
+            formats = sorted(self.value_choices(head_dim), key=self._value_cost, reverse=True)
             for values in formats:
                 out += self._fullest(["3/1"], budget, head_dim, values)
         out += self._fullest(self.pairs_within(budget, head_dim), budget, head_dim,
@@ -275,7 +285,7 @@ class SearchSpace:
                     changed = list(per_group)
                     changed[k] = ck.with_(salient_ratio=r)
                     out.append(self.layerwise(changed) if self.layered else changed[0])  # type: ignore[arg-type]
-        out += [everywhere(group_size=g, residual_len=self.config(1, 1, g, 0.0, 0).residual_len)
+        out += [everywhere(group_size=g, residual_len=self._residual(g))
                 for g in steps(GROUP_SIZES, c.group_size)]
         if self.search_values:
             out += [everywhere(value_bits=b) for b in steps(VALUE_BITS, c.value_bits)]
@@ -321,7 +331,7 @@ class SearchSpace:
         sinks (the fewest the method allows), the cheapest values when they are searched."""
         hi, lo = (int(x) for x in pair.split("/"))
         ratio = self._ratios(hi, lo)[0]
-        values = min(self.value_choices(head_dim), key=lambda v: v[0] + 32 / v[1])
+        values = min(self.value_choices(head_dim), key=self._value_cost)
         cheapest = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self._sinks()), *values)
         return self.cost(cheapest, head_dim)
 
