@@ -41,7 +41,7 @@ from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 
 
-def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
+def put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
     """t[b, :, start[b] : start[b] + n] = value[b] where where[b], else unchanged; no host sync.
 
     t [B, H, N, ...], start int [B] (device), value [B, H, n, ...], where bool [B].
@@ -54,16 +54,54 @@ def _put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where:
     t[b, :, idx] = torch.where(keep, value.transpose(1, 2).to(t.dtype), old)
 
 
+def append_reference(key: torch.Tensor, value: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                     dst_len: torch.Tensor, k_sink: torch.Tensor | None = None, v_sink: torch.Tensor | None = None,
+                     sink_len: torch.Tensor | None = None) -> None:
+    """`kernels.append.append_tokens` in torch (no host sync): key/value [B, H, 1, d] to the sink
+    slot sink_len[b] while it is below the sink count, else to the destination slot dst_len[b];
+    the length used grows by one. The CPU path and the kernel's test oracle."""
+    n_sink = 0 if k_sink is None else k_sink.shape[2]
+    if n_sink:
+        assert k_sink is not None and v_sink is not None and sink_len is not None
+        in_sink = sink_len < n_sink
+        at = sink_len.clamp(max=n_sink - 1)
+        put_block(k_sink, at, key, in_sink)
+        put_block(v_sink, at, value, in_sink)
+        sink_len += in_sink.to(sink_len.dtype)
+    else:
+        in_sink = torch.zeros_like(dst_len, dtype=torch.bool)
+    at = dst_len.clamp(max=k_dst.shape[2] - 1)
+    put_block(k_dst, at, key, ~in_sink)
+    put_block(v_dst, at, value, ~in_sink)
+    dst_len += (~in_sink).to(dst_len.dtype)
+
+
+def _appender(use_kernels: bool) -> Any:
+    if use_kernels:
+        from kernels.append import append_tokens
+
+        return append_tokens
+    return append_reference
+
+
 class _StaticLayer(CacheLayerMixin):
     """transformers' layer protocol for the static layers: `update` only hands the new states to
-    the attention function (as a `StaticStep`), which appends and attends in the layer's `step`."""
+    the attention function (as a `StaticStep`), which appends and attends in the layer's `step`
+    (through the `pnmix::static_attend` operator, into `append_attend`)."""
 
     is_compileable = True
     is_sliding = False
+    layer_idx: int
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         step = StaticStep(self, key_states, value_states)
         return step, step
+
+    def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Append one token per sequence (key/value [B, H_kv, 1, d]) and attend: [B, 1, H_q, d].
+
+        Through the `pnmix::static_attend` operator, which torch.compile leaves opaque."""
+        return torch.ops.pnmix.static_attend(query, key, value, self.layer_idx, scaling)
 
     def get_seq_length(self) -> int:
         return 0  # never asked during a static step; lengths are per sequence, on the device
@@ -130,22 +168,14 @@ class StaticQuantLayer(_StaticLayer):
         # The packed buffers are attributes named as the kernels' fields (k_low, ..., v_zero).
         return backend.decode_cache(self, vars(self), self.sink_len, self.n_groups, self.res_len)
 
-    def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """Append one token per sequence (key/value [B, H_kv, 1, d]), flush if due, attend.
 
         query [B, H_q, 1, d] -> [B, 1, H_q, d]. Device work only (graph-capturable).
         """
-        cfg = self.config
-        in_sink = self.sink_len < cfg.n_sink
-        if cfg.n_sink:
-            at = self.sink_len.clamp(max=cfg.n_sink - 1)
-            _put_block(self.k_sink, at, key, in_sink)
-            _put_block(self.v_sink, at, value, in_sink)
-        at = self.res_len.clamp(max=cfg.residual_len - 1)
-        _put_block(self.k_res, at, key, ~in_sink)
-        _put_block(self.v_res, at, value, ~in_sink)
-        self.sink_len += in_sink.to(torch.int32)
-        self.res_len += (~in_sink).to(torch.int32)
+        _appender(self.use_kernels)(key, value, self.k_res, self.v_res, self.res_len, self.k_sink, self.v_sink,
+                                    self.sink_len)
         if self.flush_now:
             self._flush()
         if self.use_kernels:
@@ -165,9 +195,9 @@ class StaticQuantLayer(_StaticLayer):
         pk = quantize_keys(self.k_res, self.salient_channels, cfg.b_low, cfg.b_high, g)
         pv = quantize_values(self.v_res, cfg.value_bits, cfg.value_group_size)
         for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
-            _put_block(getattr(self, name), self.n_groups, new, full)
+            put_block(getattr(self, name), self.n_groups, new, full)
         for name, new in (("v_packed", pv.packed), ("v_scale", pv.scale), ("v_zero", pv.zero)):
-            _put_block(getattr(self, name), self.n_groups * g, new, full)
+            put_block(getattr(self, name), self.n_groups * g, new, full)
         self.n_groups += full.to(torch.int32) * n
         self.res_len.masked_fill_(full, 0)
 
@@ -203,12 +233,10 @@ class StaticFullLayer(_StaticLayer):
         self.use_kernels = backend.kernels_enabled(keys.device) and backend.head_dim_supported(d)
         self.is_initialized = True
 
-    def step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """Append one token per sequence and attend over each sequence's tokens: [B, 1, H_q, d]."""
-        every = torch.ones_like(self.lengths, dtype=torch.bool)
-        _put_block(self.k, self.lengths, key, every)
-        _put_block(self.v, self.lengths, value, every)
-        self.lengths += 1
+        _appender(self.use_kernels)(key, value, self.k, self.v, self.lengths)
         b, hq, _, d = query.shape
         if self.use_kernels:
             from kernels.decode_full import full_decode_attention
@@ -222,6 +250,61 @@ class StaticFullLayer(_StaticLayer):
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+# The layers of the generator whose step is running (or being captured) now. The step's
+# attention is one operator per layer that takes only the step's own tensors and the layer index:
+# the cache buffers it appends to, quantizes into and reads stay outside what torch.compile
+# traces (as a serving engine keeps its KV cache outside the compiled model), so the compiled code
+# neither copies them nor depends on the config, and the host-side choices inside (a flush step or
+# not, the kernels' launch plans) are made when the step runs eagerly or is captured.
+_STEPPING: list[Any] = []
+
+
+@torch.library.custom_op("pnmix::static_attend", mutates_args=())
+def static_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                  scaling: float) -> torch.Tensor:
+    """Layer `layer_idx` of the stepping generator appends key/value [B, H_kv, 1, d] and attends
+    query [B, H_q, 1, d] over its cache: [B, 1, H_q, d]. Declared free of mutations: it mutates
+    none of its arguments, and its output feeds the next layer, which orders the layers' calls."""
+    return _STEPPING[layer_idx].append_attend(key, value, query, scaling).contiguous()
+
+
+@static_attend.register_fake
+def _static_attend_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                         scaling: float) -> torch.Tensor:
+    b, hq, _, d = query.shape
+    return query.new_empty((b, 1, hq, d))
+
+
+def _decode_step(decoder: Any, lm_head: Any, ids: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
+                 cache_kw: dict) -> None:
+    """One decode step through the model's own modules: tokens ids [B, 1] at positions pos [B, 1]
+    -> greedy next tokens into `out` [B] and `ids`, positions + 1. What torch.compile compiles."""
+    h = decoder.embed_tokens(ids)
+    pe = decoder.rotary_emb(h, pos)
+    for layer in decoder.layers:
+        o = layer(h, attention_mask=None, position_ids=pos, use_cache=True, cache_position=pos[0],
+                  position_embeddings=pe, **cache_kw)
+        h = o[0] if isinstance(o, tuple) else o
+    nxt = lm_head(decoder.norm(h[:, -1])).argmax(-1)
+    out.copy_(nxt)
+    ids.copy_(nxt[:, None])
+    pos.add_(1)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_step(backend_name: str) -> Any:
+    """`_decode_step` under torch.compile with `backend_name` (one per process: the code it
+    compiles is keyed by the model and the layer kinds, not by the generator). Whole graph, no
+    breaks: the norms, RoPE, residual adds and MLP activation of every layer fuse into a few
+    kernels around the GEMMs and the attention operator. Batch sizes after the first compile
+    once more with a symbolic batch (torch's automatic dynamic shapes)."""
+    if backend_name not in _COMPILED:
+        _COMPILED[backend_name] = torch.compile(_decode_step, backend=backend_name, fullgraph=True)
+    return _COMPILED[backend_name]
 
 
 class StaticCache(Cache):
@@ -259,12 +342,15 @@ class StaticGenerator:
     for every layer or layer-wise (`pnmix.layerwise.LayerwiseConfig`: each layer's kernels launch
     with its own bits and salient ratio).
     `max_len` bounds prompt + generated tokens per sequence. `graphs` (default: on CUDA) captures
-    the step; off, the same step runs eagerly. No end-of-sequence stop: every sequence gets
-    `max_new_tokens` tokens (a serving loop would mask finished rows).
+    the step; off, the same step runs eagerly. `compile` (default: where graphs are on) runs the
+    step through torch.compile (True: Inductor; a string: that torch.compile backend) before the
+    capture; the attention stays the PN-Mix kernels, behind an operator the compiler does not
+    enter. No end-of-sequence stop: every sequence gets `max_new_tokens` tokens (a serving loop
+    would mask finished rows).
     """
 
     def __init__(self, model: Any, method: str | PNMixConfig | LayerwiseConfig, max_len: int,
-                 graphs: bool | None = None) -> None:
+                 graphs: bool | None = None, compile: bool | str | None = None) -> None:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"invalid max_len={max_len!r}: allowed an integer >= 2 (prompt + new tokens per row)")
         self.model = model
@@ -273,6 +359,11 @@ class StaticGenerator:
         self.config = self.layerwise.default if self.layerwise is not None else None
         self.max_len = max_len
         self.graphs_on = model.device.type == "cuda" if graphs is None else graphs
+        if compile is None:
+            compile = self.graphs_on
+        if not isinstance(compile, bool | str):
+            raise ValueError(f"invalid compile={compile!r}: allowed True, False, None or a torch.compile backend name")
+        self._step_fn = _compiled_step("inductor" if compile is True else compile) if compile else _decode_step
         self.decoder = model.get_decoder()
         self.cache: StaticCache | None = None
         self.layers: list[Any] = []
@@ -376,17 +467,12 @@ class StaticGenerator:
 
     def _step_body(self) -> None:
         """One decode step on the static buffers: device work only."""
-        h = self.decoder.embed_tokens(self.ids)
-        pe = self.decoder.rotary_emb(h, self.pos)
-        for layer in self.decoder.layers:
-            out = layer(h, attention_mask=None, position_ids=self.pos, use_cache=True, cache_position=self.pos[0],
-                        position_embeddings=pe, **self._cache_kw)
-            h = out[0] if isinstance(out, tuple) else out
-        logits = self.model.lm_head(self.decoder.norm(h[:, -1]))
-        nxt = logits.argmax(-1)
-        self.out.copy_(nxt)
-        self.ids.copy_(nxt[:, None])
-        self.pos += 1
+        outer = _STEPPING[:]
+        _STEPPING[:] = self.layers
+        try:
+            self._step_fn(self.decoder, self.model.lm_head, self.ids, self.pos, self.out, self._cache_kw)
+        finally:
+            _STEPPING[:] = outer
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:

@@ -88,7 +88,7 @@ def test_static_layer_bytes_equal_dynamic_layer():
         # The driver's rule: this step flushes if it fills some row's residual buffer.
         st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
                            for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
-        st.step(k, v, torch.randn((b, 2 * h, 1, d), generator=gen), d**-0.5)
+        st.append_attend(k, v, torch.randn((b, 2 * h, 1, d), generator=gen), d**-0.5)
         dyn.append(k, v)
     assert st.n_groups.tolist() == dyn.n_groups
     assert st.res_len.tolist() == dyn.res_len
@@ -143,6 +143,27 @@ def test_static_tokens_equal_generate_embedded(embedded):
         want = reference(model, ids, mask, method, n)
         got = StaticGenerator(model, method, max_len=width + n).generate(ids, mask, max_new_tokens=n)
         assert until_eos(got, eos) == until_eos(want, eos), f"{method} differs"
+
+
+@pytest.mark.parametrize("method", ["fp16", SMALL], ids=["fp16", "pnmix"])
+def test_compiled_step_equals_eager_step(method):
+    """The step under torch.compile (whole graph, the attention operator opaque; the aot_eager
+    backend: Dynamo's capture and AOT tracing without Inductor's code generation) gives the eager
+    step's tokens, with flush steps and sinks filled during decode, for a first and a second batch
+    size (the second compiles with a symbolic batch)."""
+    import torch._dynamo
+
+    model = tiny_model("qwen3")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=5)
+    torch._dynamo.reset()
+    for rows in (slice(0, 3), slice(1, 3)):
+        eager = StaticGenerator(model, method, max_len=120, compile=False).generate(ids[rows], mask[rows], 40)
+        compiled = StaticGenerator(model, method, max_len=120, compile="aot_eager")
+        assert torch.equal(compiled.generate(ids[rows], mask[rows], 40), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert not torch._dynamo.utils.counters["graph_break"]
+    with pytest.raises(ValueError, match="torch.compile backend name"):
+        StaticGenerator(model, method, max_len=120, compile=3)
 
 
 def test_bad_methods_and_lengths_are_one_line_errors():
