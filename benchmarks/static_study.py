@@ -9,11 +9,15 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
               the static cache for prompt + N tokens, graph capture and decode steps at the full
               length all fit the budget).
   throughput  (c) decode throughput vs batch at 8K generated tokens, up to each method's largest
-              feasible batch; plus HF `generate` with fp16 DynamicCache (what users run today).
+              feasible batch.
+  hf          HF `generate` at fp16's largest batch, with a bf16 DynamicCache and with transformers'
+              own QuantizedCache (optimum-quanto, 2 and 4 bits): what users run without this tool.
   latency     (d) per-step latency along a 32K generation at batch 1; slope over 11K-31K.
   equality    greedy tokens of the static path (graphs, kernels, bf16) vs `generate` on the
               embedded model (needs the GGUF: --gguf), and the tuner's cost measurement there.
   fullkernel  the fp16 baseline's decode kernel (kernels/decode_full.py) vs SDPA without a mask.
+  profile     where a batch-1 step's time goes at 8K tokens: kernels of one replay, busy vs idle
+              time, and the same step without torch.compile.
   maxbatch    (b) alone, for fp16, pnmix-paper and each `--config NAME=FILE` (a config JSON, e.g. a
               KV-budget campaign's pick from budget_study.py): the largest feasible batch at 8K.
 
@@ -22,7 +26,8 @@ time t(L) is measured at several cache lengths L (cache lengths set directly on 
 step reads exactly the bytes of a cache holding L tokens; medians of CUDA-graph replays), and the
 decode time of an N-token generation is the integral of t over L = 141 .. 141 + N (trapezoids),
 plus one flush step per `residual_len` steps for the quantized caches. A real generation of a few
-hundred steps checks the estimate (`validate` in the JSON).
+hundred steps checks the estimate (`validate` in the JSON). Every static step runs through
+torch.compile and replays as a CUDA graph (`StaticGenerator`'s defaults on CUDA).
 
     python benchmarks/static_study.py --part memory,throughput --out DIR   # GPU
     python benchmarks/static_study.py --part maxbatch --config kv=DIR/kv_config.json --out DIR
@@ -59,6 +64,7 @@ def log(msg: str) -> None:
 
 
 EXTRA: dict[str, Any] = {}  # --config NAME=FILE: configs measured beside the presets
+COMPILE = True  # --no-compile: static steps without torch.compile
 
 
 def method_arg(name: str) -> Any:
@@ -116,11 +122,11 @@ def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> fl
     return sorted(times)[len(times) // 2]
 
 
-def build(model: Any, method: str, batch: int, max_len: int) -> Any:
+def build(model: Any, method: str, batch: int, max_len: int, compile: bool | None = None) -> Any:
     """Prefill a batch of 141-token prompts into a static generator with room for max_len tokens."""
     from pnmix.static import StaticGenerator
 
-    gen = StaticGenerator(model, method_arg(method), max_len=max_len)
+    gen = StaticGenerator(model, method_arg(method), max_len=max_len, compile=COMPILE if compile is None else compile)
     ids = torch.randint(100, 50000, (batch, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     gen.prefill(ids)
     return gen
@@ -240,22 +246,26 @@ def part_throughput(model: Any, res: dict) -> None:
                 log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s  step ms at fills "
                     + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
             res["throughput"].append(row)
-    if "hf_generate" not in res:
-        res["hf_generate"] = hf_generate_fp16(model, fp16_top)
     if "validate" not in res:
         res["validate"] = validate(model)
 
 
-def hf_generate_fp16(model: Any, batch: int) -> dict:
-    """HF `generate`, DynamicCache, SDPA: ms per decode step at ~1K, 4K and 8K tokens of context.
+def hf_generate(model: Any, batch: int, nbits: int | None = None) -> dict:
+    """HF `generate` with SDPA: ms per decode step at ~1K, 4K and 8K tokens of context, with a
+    bf16 DynamicCache (nbits None) or transformers' own QuantizedCache (optimum-quanto backend,
+    `nbits` 2 or 4, its default groups and 128-token residual): what users run without this tool.
 
-    Starts at fp16's largest static batch and halves it until an 8K prompt's prefill fits too.
+    Starts at `batch` and halves it until an 8K prompt's prefill fits too.
     """
-    from transformers import DynamicCache
+    from transformers import DynamicCache, QuantizedCache
 
+    def cache() -> Any:
+        return DynamicCache() if nbits is None else QuantizedCache(backend="quanto", config=model.config, nbits=nbits)
+
+    name = "bf16 DynamicCache" if nbits is None else f"QuantizedCache quanto {nbits}-bit"
     model.set_attn_implementation("sdpa")
     while batch >= 1:
-        out: dict[str, Any] = {"batch": batch, "step_ms": {}}
+        out: dict[str, Any] = {"batch": batch, "cache": name, "step_ms": {}}
         try:
             for ctx in (1024, 4096, PROMPT + 8192):
                 free()
@@ -263,25 +273,80 @@ def hf_generate_fp16(model: Any, batch: int) -> dict:
                 times = []
                 if not out["step_ms"]:  # warm-up: the first generate calls pay one-off costs
                     for _ in range(2):
-                        model.generate(input_ids=ids[:, :64], max_new_tokens=8, do_sample=False, pad_token_id=0)
+                        model.generate(input_ids=ids[:, :64], max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                       past_key_values=cache())
                 for n in (2, 34):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                   min_new_tokens=n, do_sample=False, past_key_values=DynamicCache(), pad_token_id=0)
+                                   min_new_tokens=n, do_sample=False, past_key_values=cache(), pad_token_id=0)
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
                 out["step_ms"][str(ctx)] = (times[1] - times[0]) / 32 * 1e3
                 out["peak_bytes"] = int(torch.cuda.max_memory_allocated())
-                log(f"[c] HF generate fp16 B={batch} ctx={ctx}: {out['step_ms'][str(ctx)]:.1f} ms/step")
+                log(f"[hf] generate, {name}, B={batch} ctx={ctx}: {out['step_ms'][str(ctx)]:.1f} ms/step")
         except torch.OutOfMemoryError:
-            log(f"[c] HF generate fp16 B={batch}: out of memory within the budget; halving")
+            log(f"[hf] generate, {name}, B={batch}: out of memory within the budget; halving")
             batch //= 2
             continue
         out["tok_s"] = batch * 8192 / decode_seconds(out, PROMPT, PROMPT + 8192)
         free()
         return out
     return {}
+
+
+def part_profile(model: Any, res: dict) -> None:
+    """Where a batch-1 step's time goes at 8K tokens: the kernels of one graph replay (CUDA profiler),
+    their busy time against the replay's wall time, the idle time before each kernel kind, and the
+    same step without torch.compile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res["profile"] = {}
+    fill = PROMPT + 8192
+    for method in METHODS:
+        row: dict[str, Any] = {}
+        for compiled in (False, True):
+            free()
+            gen = build(model, method, 1, fill + 1, compile=compiled)
+            row["step_ms" if compiled else "step_ms_eager"] = time_graph(gen, fill)
+            if not compiled:
+                continue
+            set_fill(gen, fill)
+            reps = 5
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    gen._graphs[("flush", False)].replay()
+                torch.cuda.synchronize()
+            kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                              if e.device_type.name == "CUDA"), key=lambda k: k[0])
+            busy: dict[str, float] = {}
+            idle: dict[str, float] = {}
+            for (_, prev_end, _), (start, end, name) in zip(kernels, kernels[1:], strict=False):
+                kind = name[:60]
+                busy[kind] = busy.get(kind, 0.0) + (end - start) / reps / 1e3
+                gap = start - prev_end
+                if 0 <= gap < 100:  # within a replay (replays are back to back, but a gap of >= 100 us is between them)
+                    idle[kind] = idle.get(kind, 0.0) + gap / reps / 1e3
+            row["kernels_per_step"] = len(kernels) / reps
+            row["busy_ms"] = sum(busy.values())
+            row["idle_ms"] = sum(idle.values())
+            row["top_busy_ms"] = dict(sorted(busy.items(), key=lambda kv: -kv[1])[:12])
+            row["top_idle_ms"] = dict(sorted(idle.items(), key=lambda kv: -kv[1])[:6])
+            del gen
+        res["profile"][method] = row
+        log(f"[profile] {method} B=1 at {fill}: step {row['step_ms']:.2f} ms (without torch.compile "
+            f"{row['step_ms_eager']:.2f}), {row['kernels_per_step']:.0f} kernels, busy {row['busy_ms']:.2f} ms, "
+            f"idle {row['idle_ms']:.2f} ms; idle before: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in row["top_idle_ms"].items()))
+        for k, v in row["top_busy_ms"].items():
+            log(f"[profile]    {v:7.3f} ms  {k}")
+
+
+def part_hf(model: Any, res: dict) -> None:
+    """HF `generate` at fp16's largest static batch: bf16 DynamicCache, quanto 2-bit and 4-bit."""
+    batch = res.get("max_batch", {}).get("fp16") or 20
+    res["hf_generate"] = hf_generate(model, batch)
+    res["hf_quanto"] = {str(n): hf_generate(model, batch, n) for n in (2, 4)}
 
 
 def validate(model: Any) -> dict:
@@ -405,13 +470,13 @@ def part_equality(res: dict, gguf: str) -> None:
                                   pad_token_id=0)[:, width:]
         else:
             want = generate(model, ids, method, attention_mask=mask, max_new_tokens=n)[0]
-        gen = StaticGenerator(model, method, max_len=width + n)
+        gen = StaticGenerator(model, method, max_len=width + n, compile=COMPILE)
         got = until_eos(gen.generate(ids, mask, max_new_tokens=n))
         ref = until_eos(want)
         first_diff = [next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b),
                            None if len(g) == len(r) else min(len(g), len(r))) for g, r in zip(got, ref, strict=True)]
         res["equality"][name] = {"tokens": [len(r) for r in ref], "equal": got == ref, "first_diff": first_diff,
-                                 "graphs": len(gen._graphs)}
+                                 "graphs": len(gen._graphs), "compiled": COMPILE}
         log(f"[equality] {name}: equal {got == ref}, compared {[len(r) for r in ref]} tokens, first difference "
             f"per row {first_diff}, graphs captured {len(gen._graphs)}")
     part_tuner_cost(res, model)
@@ -427,9 +492,12 @@ def main() -> None:
     ap.add_argument("--plot", metavar="JSON", help="draw the PNGs and print the RESULTS table from a JSON")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
                     help="--part maxbatch: a config JSON (single or layer-wise) to measure beside the presets")
+    ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
     args = ap.parse_args()
     from pnmix.layerwise import load_config
 
+    global COMPILE
+    COMPILE = not args.no_compile
     for item in args.config:
         name, _, file = item.partition("=")
         EXTRA[name] = load_config(Path(file).read_text())
@@ -460,11 +528,8 @@ def main() -> None:
         model = models.load("qwen3-8b-shape", purpose="performance", dtype=torch.bfloat16, device="cuda").model
         res["weight_bytes"] = sum(p.nbytes for p in model.parameters())
         log(f"qwen3-8b-shape weights {res['weight_bytes'] / 2**30:.2f} GiB; budget {BUDGET_BYTES / 2**30:.0f} GiB")
-        def part_hf(model: Any, res: dict) -> None:  # HF generate alone (it is the noisiest figure)
-            res["hf_generate"] = hf_generate_fp16(model, res.get("max_batch", {}).get("fp16") or 20)
-
         for part, fn in (("memory", part_memory), ("throughput", part_throughput), ("latency", part_latency),
-                         ("hf", part_hf), ("maxbatch", part_max_batch)):
+                         ("hf", part_hf), ("maxbatch", part_max_batch), ("profile", part_profile)):
             if part in parts:
                 t0 = time.time()
                 fn(model, res)
@@ -507,7 +572,10 @@ def plot(path: Path) -> None:
             ax.plot([r["batch"] for r in rows], [r["tok_s"] for r in rows], "o-", label=f"{m} (static, graphs)")
         hf = res.get("hf_generate", {})
         if hf.get("tok_s"):
-            ax.plot([hf["batch"]], [hf["tok_s"]], "kx", ms=10, label="fp16 HF generate")
+            ax.plot([hf["batch"]], [hf["tok_s"]], "kx", ms=10, label="HF generate, bf16 DynamicCache")
+        for (bits, row), mark in zip(res.get("hf_quanto", {}).items(), ("r+", "m+"), strict=False):
+            if row.get("tok_s"):
+                ax.plot([row["batch"]], [row["tok_s"]], mark, ms=10, label=f"HF generate, quanto {bits}-bit")
         ax.set(xlabel="batch (8K generated)", ylabel="decode tokens/s", title="(c)")
         ax.legend()
     if "latency" in res:

@@ -8,6 +8,7 @@
     kernels.gluon        the Gluon decode kernels, the default on CUDA (see its __init__)
     kernels.decode       decode_attention: the Triton decode kernel, the fallback (and CI's)
     kernels.decode_full  full_decode_attention: the unquantized baseline of the static path
+    kernels.append       append_tokens: the static path's per-step cache append (Triton)
 
 Importing this package imports nothing heavy: the names below resolve lazily, so a CPU-only
 machine (or one without a Triton GPU backend) can import `kernels` and `pnmix` freely. The torch
@@ -24,6 +25,7 @@ __all__ = [
     "DecodeCache",
     "PackedKeys",
     "PackedValues",
+    "append_tokens",
     "channel_order",
     "decode_attention",
     "full_decode_attention",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 _HOME = {
+    "append_tokens": "kernels.append",
     "DecodeCache": "kernels.layout",
     "PackedKeys": "kernels.layout",
     "PackedValues": "kernels.layout",
