@@ -321,11 +321,11 @@ def part_profile(model: Any, res: dict) -> None:
                               if e.device_type.name == "CUDA"), key=lambda k: k[0])
             busy: dict[str, float] = {}
             idle: dict[str, float] = {}
-            for (_, prev_end, _), (start, end, name) in zip(kernels, kernels[1:], strict=False):
+            for i, (start, end, name) in enumerate(kernels):
                 kind = name[:60]
                 busy[kind] = busy.get(kind, 0.0) + (end - start) / reps / 1e3
-                gap = start - prev_end
-                if 0 <= gap < 100:  # within a replay (replays are back to back, but a gap of >= 100 us is between them)
+                gap = start - kernels[i - 1][1] if i else -1
+                if 0 <= gap < 100:  # within a replay (a gap of >= 100 us lies between two replays)
                     idle[kind] = idle.get(kind, 0.0) + gap / reps / 1e3
             row["kernels_per_step"] = len(kernels) / reps
             row["busy_ms"] = sum(busy.values())

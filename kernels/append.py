@@ -28,8 +28,9 @@ def _append_kernel(
     sink_len_ptr, dst_len_ptr,
     H: tl.constexpr, D: tl.constexpr, H_P: tl.constexpr, N_SINK: tl.constexpr,
 ):
-    """Program b: key/value [B, H, 1, D] (channels contiguous, each its own strides) of sequence b into its sink slot
-    sink_len[b] (when below N_SINK) or its destination slot dst_len[b]; that length += 1."""
+    """Program b: key/value [B, H, 1, D] (channels contiguous, each its own strides) of sequence b
+    into its sink slot sink_len[b] (when below N_SINK) or its destination slot dst_len[b]; that
+    length += 1."""
     b = tl.program_id(0)
     h = tl.arange(0, H_P)
     c = tl.arange(0, D)
@@ -37,11 +38,12 @@ def _append_kernel(
     key = tl.load(k_ptr + b.to(tl.int64) * stride_kb + h[:, None] * stride_kh + c[None, :], mask=ok)
     value = tl.load(v_ptr + b.to(tl.int64) * stride_vb + h[:, None] * stride_vh + c[None, :], mask=ok)
     n_dst = tl.load(dst_len_ptr + b)
+    n = 0  # sink_len[b], read once; with no sinks every token goes to the destination
+    if N_SINK > 0:
+        n = tl.load(sink_len_ptr + b)
     # Masks built at full tile shape (a scalar condition broadcast with & loses its bool type in
     # Triton's interpreter).
-    n_sink = tl.zeros([H_P, D], tl.int32)
-    if N_SINK > 0:
-        n_sink += tl.load(sink_len_ptr + b)
+    n_sink = tl.zeros([H_P, D], tl.int32) + n
     in_sink = n_sink < N_SINK
     at = b.to(tl.int64) * stride_sb + h[:, None] * stride_sh + n_sink * stride_st + c[None, :]
     tl.store(ks_ptr + at, key.to(ks_ptr.dtype.element_ty), mask=ok & in_sink)
@@ -51,7 +53,6 @@ def _append_kernel(
     tl.store(vd_ptr + at, value.to(vd_ptr.dtype.element_ty), mask=ok & ~in_sink)
     # The lengths, read above by this program only: sink_len[b] + 1 or dst_len[b] + 1.
     if N_SINK > 0:
-        n = tl.load(sink_len_ptr + b)
         tl.store(sink_len_ptr + b, n + 1, mask=n < N_SINK)
         tl.store(dst_len_ptr + b, n_dst + 1, mask=n >= N_SINK)
     else:
