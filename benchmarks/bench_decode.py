@@ -297,6 +297,110 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, kernels: list[str], co
     return row
 
 
+# The launch-plan comparison (`--plans`): layers as the static path allocates them for 8K generated
+# tokens after a 141-token prompt (capacity 8333 tokens), at a short and a full fill, for the two
+# quantized configs of the static study: (b_low, b_high, salient pairs, sinks).
+PLAN_CONFIGS = {"pnmix-paper": (B_LOW, B_HIGH, N_SALIENT_PAIRS, N_SINK), "kivi2": (2, 2, 0, 0)}
+PLAN_BATCHES = (1, 8, 16, 32, 64, 96, 102, 104)
+PLAN_FILLS = (142, 8333)
+PLAN_CAPACITY = 8333
+
+
+def static_layer(bsz: int, config: tuple[int, int, int, int], fill: int, gen: torch.Generator,
+                 device: str = "cuda") -> DecodeCache:
+    """A layer with the static path's capacities (`pnmix.static.StaticQuantLayer`) for PLAN_CAPACITY
+    tokens, holding `fill` tokens per sequence (sinks first, then whole groups, the rest in the
+    residual), random contents: timing only."""
+    b_low, b_high, n_pairs, n_sink = config
+    ng_cap = -(-(PLAN_CAPACITY - n_sink) // G) + RESIDUAL // G
+    sinks = min(n_sink, fill)
+    groups = min((fill - sinks) // G, ng_cap - RESIDUAL // G)
+    res = min(fill - sinks - groups * G, RESIDUAL)
+    u8 = functools.partial(torch.randint, 0, 256, dtype=torch.uint8, generator=gen, device=device)
+    fp = functools.partial(torch.randn, generator=gen, device=device, dtype=torch.bfloat16)
+    f16 = functools.partial(torch.rand, generator=gen, device=device, dtype=torch.float16)
+    n_sc = 2 * n_pairs if b_high > b_low else 0
+    scores = torch.rand((bsz, HKV, D // 2), generator=gen, device=device)
+    pairs = scores.topk(n_pairs, dim=-1).indices.sort(dim=-1).values
+    sal = torch.cat([pairs, pairs + D // 2], dim=-1) if n_sc else torch.zeros((bsz, HKV, 0), device=device)
+    full = lambda n: torch.full((bsz,), n, dtype=torch.int32, device=device)  # noqa: E731
+    return DecodeCache(
+        k_sink=fp((bsz, HKV, n_sink, D)), v_sink=fp((bsz, HKV, n_sink, D)), k_res=fp((bsz, HKV, RESIDUAL, D)),
+        v_res=fp((bsz, HKV, RESIDUAL, D)), k_low=u8((bsz, HKV, ng_cap, b_low, D, G // 8)),
+        k_high=u8((bsz, HKV, ng_cap, b_high - b_low, n_sc, G // 8)), k_scale=f16((bsz, HKV, ng_cap, D)) * 0.1,
+        k_zero=f16((bsz, HKV, ng_cap, D)) - 0.5, v_packed=u8((bsz, HKV, ng_cap * G, D * V_BITS // 8)),
+        v_scale=f16((bsz, HKV, ng_cap * G, D // V_GROUP)) * 0.1, v_zero=f16((bsz, HKV, ng_cap * G, D // V_GROUP)) - 0.5,
+        channel_order=channel_order(sal, D), sink_len=full(sinks), n_groups=full(groups), res_len=full(res),
+        b_low=b_low, b_high=b_high, group_size=G, value_bits=V_BITS, value_group_size=V_GROUP)
+
+
+def candidate_plans(q: torch.Tensor, cache: DecodeCache) -> dict[str, gluon.launch.LaunchPlan]:
+    """The planner's plan and its neighbours: the splits `wave_splits` picks at other program
+    overheads and the split count that fills one wave with the tail, each with one tail program
+    or one a chunk, launched first or last."""
+    launch = gluon.launch
+    n_bh, ng_cap = q.shape[0] * HKV, cache.k_low.shape[2]
+    shared = launch.ring_bytes(D, cache.b_low, cache.b_high, cache.n_salient_channels, V_BITS, V_GROUP, G)
+    resident = launch.resident_programs(q.device, shared)
+    chunks = -(-cache.k_sink.shape[2] // launch.TAIL_TOKENS) + -(-cache.k_res.shape[2] // launch.TAIL_TOKENS)
+    splits = set()
+    for overhead in (0.25, 1.0, 2.0, 4.0):
+        saved, launch.PROGRAM_OVERHEAD = launch.PROGRAM_OVERHEAD, overhead
+        launch.wave_splits.cache_clear()
+        splits.add(launch.wave_splits(n_bh, ng_cap, resident))
+        launch.PROGRAM_OVERHEAD = saved
+        launch.wave_splits.cache_clear()
+    splits.add(max(1, resident // n_bh - chunks))
+    plans = {"planned": launch.plan_launch(q, cache)}
+    for s in sorted(splits):
+        base = launch.plan_launch(q, cache, s)
+        for n_tail in sorted({1, chunks}):
+            for last in (False, True):
+                plans[f"{base.num_splits}x{base.groups_per_split} tail {n_tail} {'last' if last else 'first'}"] = (
+                    dataclasses.replace(base, n_tail=n_tail, tail_last=last))
+    return plans
+
+
+def bench_plans(gen: torch.Generator, fh) -> list[dict]:
+    """Split kernel + combine under each candidate plan (CUDA graph replays, L2 flushed), outputs
+    checked against the planned plan's."""
+    launch = gluon.launch
+    rows = []
+    for name, config in PLAN_CONFIGS.items():
+        for bsz in PLAN_BATCHES:
+            for fill in PLAN_FILLS:
+                torch.cuda.empty_cache()
+                cache = static_layer(bsz, config, fill, gen)
+                q = torch.randn((bsz, HQ, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+                outs, times = {}, {}
+                for label, plan in candidate_plans(q, cache).items():
+                    out = torch.empty_like(q)
+
+                    def run(plan=plan, out=out, q=q, cache=cache):
+                        split = launch.split_launch(q, cache, D**-0.5, plan)
+                        split.run()
+                        split.combine(out)
+
+                    run()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        run()
+                    times[label] = do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3
+                    outs[label] = out.float()
+                    times[label + " plan"] = [plan.num_splits, plan.groups_per_split, plan.n_tail, plan.tail_last]
+                ref = outs["planned"]
+                worst = max(float((o - ref).norm() / ref.norm()) for o in outs.values())
+                best = min((k for k in times if not k.endswith(" plan")), key=times.get)
+                row = {"config": name, "batch": bsz, "fill": fill, "us": {k: v for k, v in times.items()
+                                                                           if not k.endswith(" plan")},
+                       "plans": {k[:-5]: v for k, v in times.items() if k.endswith(" plan")},
+                       "max_rel_diff": worst, "best": best}
+                log(f"plans {name} B={bsz} fill={fill}: planned {times['planned']:.1f} us {times['planned plan']}, "
+                    f"best {best} {times[best]:.1f} us (outputs agree to {worst:.1e})", fh)
+                rows.append(row)
+    return rows
+
+
 def check_wiring(fh, dtype: torch.dtype = torch.bfloat16, ref_device: str = "cuda") -> dict:
     """Generation through `pnmix` with PNMIX backend torch (on `ref_device`) vs triton (on CUDA).
 
@@ -392,7 +496,15 @@ def main() -> None:
     ap.add_argument("--profile", metavar="BxCTX", help="only launch the kernel 3 times on that shape (for ncu)")
     ap.add_argument("--kernel", default="gluon", choices=list(KERNELS), help="for --profile: the kernel")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
+    ap.add_argument("--plans", action="store_true", help="only the launch-plan comparison")
     args = ap.parse_args()
+    if args.plans:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "plans.log", "w") as fh:
+            rows = bench_plans(torch.Generator(device="cuda").manual_seed(0), fh)
+        (out_dir / "plans.json").write_text(json.dumps(rows, indent=1))
+        return
     if args.wiring:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
+from pnmix.projections import fuse_siblings, swapped, with_merged_linears
 
 
 def put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
@@ -300,10 +301,12 @@ def _compiled_step(backend_name: str) -> Any:
     """`_decode_step` under torch.compile with `backend_name` (one per process: the code it
     compiles is keyed by the model and the layer kinds, not by the generator). Whole graph, no
     breaks: the norms, RoPE, residual adds and MLP activation of every layer fuse into a few
-    kernels around the GEMMs and the attention operator. Batch sizes after the first compile
+    kernels around the GEMMs and the attention operator, and the stand-ins of `pnmix.projections`
+    make q/k/v and gate/up one GEMM each. Batch sizes after the first compile
     once more with a symbolic batch (torch's automatic dynamic shapes)."""
     if backend_name not in _COMPILED:
-        _COMPILED[backend_name] = torch.compile(_decode_step, backend=backend_name, fullgraph=True)
+        _COMPILED[backend_name] = torch.compile(_decode_step, backend=with_merged_linears(backend_name),
+                                                fullgraph=True)
     return _COMPILED[backend_name]
 
 
@@ -345,8 +348,10 @@ class StaticGenerator:
     the step; off, the same step runs eagerly. `compile` (default: where graphs are on) runs the
     step through torch.compile (True: Inductor; a string: that torch.compile backend) before the
     capture; the attention stays the PN-Mix kernels, behind an operator the compiler does not
-    enter. No end-of-sequence stop: every sequence gets `max_new_tokens` tokens (a serving loop
-    would mask finished rows).
+    enter, and the q/k/v and gate/up projections run as one GEMM each (`pnmix.projections`: the
+    model's Linear weights become views of one fused tensor per group, same values and memory).
+    No end-of-sequence stop: every sequence gets `max_new_tokens` tokens (a serving loop would
+    mask finished rows).
     """
 
     def __init__(self, model: Any, method: str | PNMixConfig | LayerwiseConfig, max_len: int,
@@ -365,6 +370,8 @@ class StaticGenerator:
             raise ValueError(f"invalid compile={compile!r}: allowed True, False, None or a torch.compile backend name")
         self._step_fn = _compiled_step("inductor" if compile is True else compile) if compile else _decode_step
         self.decoder = model.get_decoder()
+        # Compiled, the q/k/v and gate/up projections run as one GEMM each (pnmix/projections.py).
+        self._swaps = fuse_siblings(self.decoder) if compile else []
         self.cache: StaticCache | None = None
         self.layers: list[Any] = []
         self._graphs: dict[Any, torch.cuda.CUDAGraph] = {}
@@ -470,7 +477,8 @@ class StaticGenerator:
         outer = _STEPPING[:]
         _STEPPING[:] = self.layers
         try:
-            self._step_fn(self.decoder, self.model.lm_head, self.ids, self.pos, self.out, self._cache_kw)
+            with swapped(self._swaps):
+                self._step_fn(self.decoder, self.model.lm_head, self.ids, self.pos, self.out, self._cache_kw)
         finally:
             _STEPPING[:] = outer
 

@@ -140,11 +140,15 @@ def test_emulated_kernel_with_the_tail_over_several_programs(case, n_tail, tail_
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits, n_tail, tail_last)
 
 
-def test_tail_programs_take_the_slots_a_wave_leaves_free():
-    # batch 1 at 32K tokens on 132 SMs x 8 programs: 128 splits of 2 groups leave 4 slots per KV
-    # head of 8 in the wave; a launch of many waves keeps one tail program.
-    assert launch.tail_programs(8, 128, 1056, 5) == 4
-    assert launch.tail_programs(8, 64, 1056, 5) == 5
+def test_tail_programs_one_a_chunk_within_two_waves_else_the_free_slots():
+    # 132 SMs x 8 programs. Batch 1 at 32K (128 splits of 2 groups) and batch 8 / 16 at 8K (14 and
+    # 8 splits): one program per chunk, the launch spans at most two waves. Batch 32 at 8K (4
+    # splits, 2.2 waves): the free slots of one wave, none, so one; likewise many waves.
+    assert launch.tail_programs(8, 128, 1056, 5) == 5
+    assert launch.tail_programs(64, 14, 1056, 5) == 5
+    assert launch.tail_programs(128, 8, 1056, 5) == 5
+    assert launch.tail_programs(256, 4, 1056, 5) == 1
+    assert launch.tail_programs(64, 10, 1056, 30) == 6  # 30 chunks, 2.4 waves: 16 slots - 10 splits
     assert launch.tail_programs(256, 16, 1056, 5) == 1
     assert launch.tail_programs(1, 1, 1, 5) == 1
 
@@ -248,7 +252,9 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
 @pytest.mark.parametrize("n_bh,ng_cap,resident,want", [
     (256, 63, 1056, 4),  # 32 x 8K on an H200: one wave of 16-group splits, not 4.1 waves of 4 groups
     (8, 255, 1056, 128),  # 1 x 32K: two groups per split fill one wave
-    (880, 63, 1056, 7),  # 110 x 8K: 6 waves of 9 groups (54 steps; 6 splits take 5 waves of 11 = 55)
+    (880, 63, 1056, 6),  # 110 x 8K: 5 waves of 11 + 1 = 60, 7 splits 6 waves of 9 + 1 = 60: fewer
+    (816, 66, 1056, 5),  # pnmix-paper at batch 102 (static path, 8K): 5 splits of 14, not 22 of 3
+    (768, 66, 1056, 4),  # batch 96: 4 of 17 (measured fastest), not 11 of 6
     (4, 3, 1, 1),  # one program at a time: splitting only adds waves
 ])
 def test_wave_splits_fill_whole_waves(n_bh, ng_cap, resident, want):

@@ -28,9 +28,14 @@ from kernels.plan import LOG2E, output_for, sm_count, split_plan
 # sm_90), rounded up to the allocation unit of 8.
 REGISTERS = 232
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
-# What a program costs besides its groups (reading the query, writing and merging its partials), in
-# groups: an estimate. It only keeps `wave_splits` from one-group splits that save a fraction of a wave.
-PROGRAM_OVERHEAD = 0.25
+# What a program costs besides its groups (starting, reading the lengths and the query, writing and
+# merging its partials), in groups. On the H200 with static-path capacities (8K tokens, batch 8 to
+# 104, both quantized presets) 1.0 picks the measured fastest split count at every batch; 0.25
+# picked up to 4.5x as many splits, 10-28% slower at 8K tokens and up to 3x with a short cache.
+PROGRAM_OVERHEAD = 1.0
+# Tail programs (one per chunk) are worth their own programs while the whole launch spans at most
+# this many waves; past that they are short next to the packed splits and take slots from them.
+TAIL_SPREAD_WAVES = 2
 
 
 def available() -> bool:
@@ -85,7 +90,9 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
     Every split is one program and `resident` programs run at once, so a launch lasts about
     (waves) x (groups per split + PROGRAM_OVERHEAD). A plan with a nearly empty last wave wastes
     most of it: at 32 x 8K tokens, 17 splits (4.1 waves of 4 groups) take 5 waves where 4 splits
-    (one wave of 16 groups) take one. Ties go to fewer splits: fewer partials to write and merge.
+    (one wave of 16 groups) take one. Ties go to fewer splits: fewer partials to write and merge,
+    and fewer programs to start where the cache is still short (a split's programs start whether
+    or not its groups hold tokens yet).
     """
     best_cost, best = float("inf"), 1
     for splits in range(1, ng_cap + 1):
@@ -99,10 +106,15 @@ def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
 
 def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> int:
     """Programs per (b, h_kv) for the fp16 tail (sinks and residual, `n_chunks` chunks of TAIL_TOKENS
-    tokens by capacity): as many as the slots the packed splits leave free in a single wave, at most
-    one a chunk. One program reads its chunks one after another, a round trip to memory each, so at
-    batch 1 a single tail program is the launch's long pole. When the packed splits fill a wave or
-    more, the tail is short next to them and stays one program."""
+    tokens by capacity). One program reads its chunks one after another, a round trip to memory
+    each, so a single tail program is a launch's long pole wherever the packed splits are short:
+    at batch 1, and at any batch while the cache is short. So one program a chunk while the launch
+    spans at most TAIL_SPREAD_WAVES waves; beyond, as many as the slots the packed splits leave free
+    in a single wave (at least one). H200, static-path capacities, 32 sinks + full residual
+    (5 chunks): at batch 8 and 16 one a chunk took 16.5 / 16.3 us against 28.8 / 32.1 with one
+    tail program at 142 tokens, and was within 2-6% at 8K tokens."""
+    if n_bh * (num_splits + n_chunks) <= TAIL_SPREAD_WAVES * resident:
+        return n_chunks
     free = resident // max(n_bh, 1) - num_splits
     return max(1, min(n_chunks, free))
 
