@@ -107,7 +107,7 @@ def residual_points(gen: Any, length: int) -> list[int | None]:
 def set_fill(gen: Any, length: int, held: int | None = None) -> None:
     """Makes every sequence's static cache hold `length` tokens after the step's append (contents
     as they are: timing only); for a quantized cache, `held` of them in the residual if given
-    (whole groups before it, so the total is within a group of `length`)."""
+    (the nearest whole number of groups before it: the total is within half a group of `length`)."""
     for layer in gen.layers:
         if gen.config is None:  # fp16
             layer.lengths.fill_(length - 1)  # the step appends the length-th token
@@ -119,7 +119,7 @@ def set_fill(gen: Any, length: int, held: int | None = None) -> None:
                 groups = min((length - sinks) // cfg.group_size, cap)
                 held = min(length - sinks - groups * cfg.group_size, cfg.residual_len - 1)
             else:
-                groups = min((length - sinks - held) // cfg.group_size, cap)
+                groups = min((length - sinks - held + cfg.group_size // 2) // cfg.group_size, cap)
             layer.sink_len.fill_(sinks)
             layer.n_groups.fill_(groups)
             layer.res_len.fill_(max(0, held - 1))
@@ -476,6 +476,8 @@ def part_tuner_cost(res: dict, model: Any) -> None:
 
 def part_equality(res: dict, gguf: str) -> None:
     """Static path (CUDA graphs, kernels, bf16) vs `generate` on the embedded model."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     from pnmix import models
     from pnmix.generation import generate, use_pnmix_attention
     from pnmix.static import StaticGenerator
@@ -496,24 +498,40 @@ def part_equality(res: dict, gguf: str) -> None:
     def until_eos(tokens: torch.Tensor) -> list[list[int]]:
         return [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in tokens.tolist()]
 
+    class Margins(LogitsProcessor):
+        """Records each step's margin between the two top logits, per row, as `generate` scores."""
+
+        def __init__(self) -> None:
+            self.steps: list[list[float]] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            top = scores.float().topk(2, dim=-1).values
+            self.steps.append((top[:, 0] - top[:, 1]).tolist())
+            return scores
+
     res["equality"] = {}
     for name in METHODS:
         method = method_arg(name)
+        margins = Margins()
+        kw = {"logits_processor": LogitsProcessorList([margins])}
         if method == "fp16":
             use_pnmix_attention(model)
             want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  pad_token_id=0)[:, width:]
+                                  pad_token_id=0, **kw)[:, width:]
         else:
-            want = generate(model, ids, method, attention_mask=mask, max_new_tokens=n)[0]
+            want = generate(model, ids, method, attention_mask=mask, max_new_tokens=n, **kw)[0]
         gen = StaticGenerator(model, method, max_len=width + n, compile=COMPILE)
         got = until_eos(gen.generate(ids, mask, max_new_tokens=n))
         ref = until_eos(want)
         first_diff = [next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b),
                            None if len(g) == len(r) else min(len(g), len(r))) for g, r in zip(got, ref, strict=True)]
+        # `generate`'s top-2 logit margin at each row's first difference: near 0 is a near-tie
+        margin = [None if i is None or i >= len(margins.steps) else margins.steps[i][row]
+                  for row, i in enumerate(first_diff)]
         res["equality"][name] = {"tokens": [len(r) for r in ref], "equal": got == ref, "first_diff": first_diff,
-                                 "graphs": len(gen._graphs), "compiled": COMPILE}
+                                 "first_diff_margin": margin, "graphs": len(gen._graphs), "compiled": COMPILE}
         log(f"[equality] {name}: equal {got == ref}, compared {[len(r) for r in ref]} tokens, first difference "
-            f"per row {first_diff}, graphs captured {len(gen._graphs)}")
+            f"per row {first_diff} (generate's top-2 logit margin there {margin}), graphs captured {len(gen._graphs)}")
     part_tuner_cost(res, model)
 
 
