@@ -80,7 +80,10 @@ def fuse_siblings(decoder: Any) -> list[Swap]:
     if done is not None:
         return done
     swaps: list[Swap] = []
-    with torch.inference_mode(False):  # the fused tensors back the parameters: no inference tensors
+    # The fused tensors back the parameters, so they are inference tensors exactly where the
+    # parameters are (a model loaded under inference mode); a mix fails at the next forward.
+    inference = any(p.is_inference() for p in decoder.parameters())
+    with torch.inference_mode(inference):
         for layer in decoder.layers:
             for owner_name, names in SIBLINGS:
                 owner = getattr(layer, owner_name, None)

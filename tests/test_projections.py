@@ -83,3 +83,17 @@ def test_compiled_step_runs_one_gemm_per_sibling_group():
     # per layer q/k/v, o, gate/up, down; then the LM head (7 per layer and 1 unfused)
     assert GEMMS and set(GEMMS) == {4 * len(model.model.layers) + 1}
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("loaded_in_inference", [True, False])
+def test_fusion_follows_the_parameters_inference_mode(loaded_in_inference):
+    # a model loaded under inference mode has inference-tensor parameters: the fused tensors must
+    # be too, or the next forward fails
+    with torch.inference_mode(loaded_in_inference):
+        model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+    with torch.inference_mode():
+        fuse_siblings(model.model)
+        assert torch.equal(model(ids).logits, want)
