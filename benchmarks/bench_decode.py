@@ -1,6 +1,7 @@
 """PN-Mix decode kernels on the GPU: build, check against the torch reference, time, compare with SDPA.
 
     python benchmarks/bench_decode.py [--out DIR] [--shapes 1x32768,32x8192,...] [--kernels gluon,triton]
+    python benchmarks/bench_decode.py --plans [--out DIR]   # the launch plan against its neighbours
 
 For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pnmix-paper` config
 (3/1 bits, r = 0.5, G = 128, 32 sinks, residual 128, 2-bit values in groups of 32):
@@ -19,6 +20,10 @@ For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pn
 4. reports time, bytes read, GB/s, share of the measured device copy bandwidth, speedup over SDPA.
 Also the quantize+pack throughput of a 32K-token prefill (1 sequence, 8 KV heads), and first a
 correctness sweep of both kernels over small configs that use every code-expansion path.
+`--plans` instead times the Gluon split kernel and its combine under the launch plan
+(`kernels.gluon.launch.plan_launch`) and its neighbours (other split counts, one tail program or
+one a chunk, the tail launched first or last) on layers with the static path's capacities for
+8K generated tokens, at a short and a full cache, for `pnmix-paper` and KIVI-2, batch 1 to 104.
 Imports only `kernels` and the torch-only `pnmix.packing` / `pnmix.backend` (no transformers).
 Prints a table, then one JSON line last.
 """
@@ -501,9 +506,12 @@ def main() -> None:
     if args.plans:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
+        env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+               "python": platform.python_version()}
         with open(out_dir / "plans.log", "w") as fh:
             rows = bench_plans(torch.Generator(device="cuda").manual_seed(0), fh)
-        (out_dir / "plans.json").write_text(json.dumps(rows, indent=1))
+        (out_dir / "plans.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
         return
     if args.wiring:
         out_dir = Path(args.out)

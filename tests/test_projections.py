@@ -97,3 +97,17 @@ def test_fusion_follows_the_parameters_inference_mode(loaded_in_inference):
     with torch.inference_mode():
         fuse_siblings(model.model)
         assert torch.equal(model(ids).logits, want)
+
+
+def test_a_fused_model_saves_and_reloads_unchanged(tmp_path):
+    # the fused parameters share storage without overlapping: save_pretrained keeps every tensor
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+    fuse_siblings(model.model)
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, want)

@@ -31,7 +31,7 @@ SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its block
 # What a program costs besides its groups (starting, reading the lengths and the query, writing and
 # merging its partials), in groups. On the H200 with static-path capacities (8K tokens, batch 8 to
 # 104, both quantized presets) 1.0 picks the measured fastest split count at every batch; 0.25
-# picked up to 4.5x as many splits, 10-28% slower at 8K tokens and up to 3x with a short cache.
+# picked up to 4.4x as many splits, up to 28% slower at 8K tokens and 2.3x with a short cache.
 PROGRAM_OVERHEAD = 1.0
 # Tail programs (one per chunk) are worth their own programs while the whole launch spans at most
 # this many waves; past that they are short next to the packed splits and take slots from them.
