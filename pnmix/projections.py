@@ -20,6 +20,7 @@ step uses them.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -118,15 +119,22 @@ def swapped(swaps: list[Swap]) -> Iterator[None]:
 
 
 _LINEAR = (torch._C._nn.linear, F.linear)
+# Python's in-place operators as a traced graph calls them (`x += y` is operator.iadd, `x[i] = y`
+# operator.setitem).
+_IN_PLACE = {getattr(operator, n) for n in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod",
+                                             "ipow", "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")}
 
 
 def _mutates(node: torch.fx.Node) -> bool:
-    """Whether a traced call may write a tensor in place (an in-place method or function, or item
-    assignment): a repeated call past it may not read what the first one read."""
+    """Whether a traced call may write a tensor in place (an in-place method or function such as
+    `add_`, or an in-place operator): a repeated call past it may not read what the first one read."""
+    if node.op not in ("call_method", "call_function"):
+        return False
     target = node.target
+    if target in _IN_PLACE:
+        return True
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return node.op in ("call_method", "call_function") and (
-        (name.endswith("_") and not name.endswith("__")) or name == "setitem")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def merge_repeated_linears(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

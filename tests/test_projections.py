@@ -33,12 +33,14 @@ def test_repeated_linears_merge_unless_written_between():
         d = F.linear(x, w)  # another call (no bias): kept
         x.add_(1)
         e = F.linear(x, w, b)  # after an in-place write of x: kept
-        return a + c + d + e
+        x += 1
+        g = F.linear(x, w, b)  # after an in-place operator: kept
+        return a + c + d + e + g
 
     gm = torch.fx.symbolic_trace(f)
     merge_repeated_linears(gm)
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear)]
-    assert len(linears) == 3
+    assert len(linears) == 4
     x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
     assert torch.equal(gm(x.clone(), w, b), f(x.clone(), w, b))
 
@@ -70,10 +72,11 @@ def test_fused_weights_back_the_parameters_with_the_same_values(family):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_compiled_step_runs_one_gemm_per_sibling_group():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: q/k norms between the siblings
+def test_compiled_step_runs_one_gemm_per_sibling_group(family):
     import torch._dynamo
 
-    model = tiny_model("llama")
+    model = tiny_model(family)
     ids, mask = torch.randint(1, 128, (2, 20)), torch.ones((2, 20), dtype=torch.long)
     eager = StaticGenerator(model, "fp16", max_len=64, compile=False).generate(ids, mask, 16)
     torch._dynamo.reset()
