@@ -368,7 +368,11 @@ class StaticGenerator:
             compile = self.graphs_on
         if not isinstance(compile, bool | str):
             raise ValueError(f"invalid compile={compile!r}: allowed True, False, None or a torch.compile backend name")
-        self._step_fn = _compiled_step("inductor" if compile is True else compile) if compile else _decode_step
+        try:
+            self._step_fn = _compiled_step("inductor" if compile is True else compile) if compile else _decode_step
+        except RuntimeError as exc:  # torch's InvalidBackend: a name torch.compile does not know
+            raise ValueError(f"invalid compile={compile!r}: not a torch.compile backend; allowed True, False, None "
+                             f"or one of {', '.join(torch._dynamo.list_backends())}") from exc
         self.decoder = model.get_decoder()
         # Compiled, the q/k/v and gate/up projections run as one GEMM each (pnmix/projections.py).
         self._swaps = fuse_siblings(self.decoder) if compile else []

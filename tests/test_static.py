@@ -164,6 +164,8 @@ def test_compiled_step_equals_eager_step(method):
     assert not torch._dynamo.utils.counters["graph_break"]
     with pytest.raises(ValueError, match="torch.compile backend name"):
         StaticGenerator(model, method, max_len=120, compile=3)
+    with pytest.raises(ValueError, match="not a torch.compile backend; allowed True, False, None or one of"):
+        StaticGenerator(model, method, max_len=120, compile="no-such-backend")
 
 
 def test_bad_methods_and_lengths_are_one_line_errors():
