@@ -111,8 +111,8 @@ def tail_programs(n_bh: int, num_splits: int, resident: int, n_chunks: int) -> i
     at batch 1, and at any batch while the cache is short. So one program a chunk while the launch
     spans at most TAIL_SPREAD_WAVES waves; beyond, as many as the slots the packed splits leave free
     in a single wave (at least one). H200, static-path capacities, 32 sinks + full residual
-    (5 chunks): at batch 8 and 16 one a chunk took 16.5 / 16.3 us against 28.8 / 32.1 with one
-    tail program at 142 tokens, and was within 2-6% at 8K tokens."""
+    (5 chunks), batch 8 / 16 (14 / 8 splits): one a chunk took 20.5 / 23.2 us against 29.4 / 32.1
+    with one tail program at 142 tokens, and was within 2% of it at 8K tokens."""
     if n_bh * (num_splits + n_chunks) <= TAIL_SPREAD_WAVES * resident:
         return n_chunks
     free = resident // max(n_bh, 1) - num_splits
