@@ -88,12 +88,26 @@ def test_generation_on_the_kernel_path_matches_the_torch_path(forced, monkeypatc
     assert layer.n_groups[0] != layer.n_groups[1] or layer.res_len[0] != layer.res_len[1]
     for name, t in ref_layer.packed.items():
         assert torch.equal(layer.packed[name], t), f"packed {name} differs"
-    for a, b in zip(out.logits, ref.logits, strict=True):
+    # Step i's logits chose token i; a row is compared until its tokens part. Fresh random inputs
+    # every run: the kernel holds codes and probabilities in fp16 (one run reached 2.1e-3), so the
+    # bound is the attention tolerance, 1e-2, and a token may differ only where the reference's
+    # two top logits are closer than twice the largest logit difference there (a near-tie the
+    # kernel's rounding can decide: one run in about 40 hits a margin of 1.4e-3).
+    n = len(ref.logits)
+    got, want = out.sequences[:, -n:], ref.sequences[:, -n:]
+    same = torch.ones(got.shape[0], dtype=torch.bool)
+    for i, (a, b) in enumerate(zip(out.logits, ref.logits, strict=True)):
+        a, b = a[same], b[same]
         err = ((a - b).norm() / b.norm()).item()
-        # Fresh random inputs every run; the kernel holds codes and probabilities in fp16, and one
-        # run in CI reached 2.1e-3, so the bound is the attention tolerance, 1e-2.
-        assert err < 1e-2, f"logits relative error {err:.2e}"
-    assert torch.equal(out.sequences, ref.sequences)
+        assert err < 1e-2, f"step {i}: logits relative error {err:.2e}"
+        flipped = got[same, i] != want[same, i]
+        if flipped.any():
+            top = b[flipped].topk(2, dim=-1).values
+            margin, diff = top[:, 0] - top[:, 1], (a[flipped] - b[flipped]).abs().amax(-1)
+            assert (margin <= 2 * diff).all(), f"step {i}: a token differs at a margin of {margin.tolist()}"
+            same[same.clone()] = ~flipped
+        if not same.any():
+            break
 
 
 def test_kernel_path_without_a_view_still_attends_several_tokens(forced):
