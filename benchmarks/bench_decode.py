@@ -108,10 +108,10 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-def random_salient(bsz: int, gen: torch.Generator) -> torch.Tensor:
-    """Ascending salient channels (rotate_half pairs) per (b, h): int64 [B, H_kv, 2 * N_SALIENT_PAIRS]."""
-    scores = torch.rand((bsz, HKV, D // 2), generator=gen, device="cuda")
-    pairs = scores.topk(N_SALIENT_PAIRS, dim=-1).indices.sort(dim=-1).values
+def random_salient(bsz: int, gen: torch.Generator, n_pairs: int = N_SALIENT_PAIRS) -> torch.Tensor:
+    """Ascending salient channels (rotate_half pairs) per (b, h), on gen's device: int64 [B, H_kv, 2 * n_pairs]."""
+    scores = torch.rand((bsz, HKV, D // 2), generator=gen, device=gen.device)
+    pairs = scores.topk(n_pairs, dim=-1).indices.sort(dim=-1).values
     return torch.cat([pairs, pairs + D // 2], dim=-1)
 
 
@@ -311,23 +311,21 @@ PLAN_FILLS = (142, 8333)
 PLAN_CAPACITY = 8333
 
 
-def static_layer(bsz: int, config: tuple[int, int, int, int], fill: int, gen: torch.Generator,
-                 device: str = "cuda") -> DecodeCache:
+def static_layer(bsz: int, config: tuple[int, int, int, int], fill: int, gen: torch.Generator) -> DecodeCache:
     """A layer with the static path's capacities (`pnmix.static.StaticQuantLayer`) for PLAN_CAPACITY
     tokens, holding `fill` tokens per sequence (sinks first, then whole groups, the rest in the
-    residual), random contents: timing only."""
+    residual), random contents on gen's device: timing only."""
     b_low, b_high, n_pairs, n_sink = config
     ng_cap = -(-(PLAN_CAPACITY - n_sink) // G) + RESIDUAL // G
     sinks = min(n_sink, fill)
     groups = min((fill - sinks) // G, ng_cap - RESIDUAL // G)
     res = min(fill - sinks - groups * G, RESIDUAL)
+    device = gen.device
     u8 = functools.partial(torch.randint, 0, 256, dtype=torch.uint8, generator=gen, device=device)
     fp = functools.partial(torch.randn, generator=gen, device=device, dtype=torch.bfloat16)
     f16 = functools.partial(torch.rand, generator=gen, device=device, dtype=torch.float16)
-    n_sc = 2 * n_pairs if b_high > b_low else 0
-    scores = torch.rand((bsz, HKV, D // 2), generator=gen, device=device)
-    pairs = scores.topk(n_pairs, dim=-1).indices.sort(dim=-1).values
-    sal = torch.cat([pairs, pairs + D // 2], dim=-1) if n_sc else torch.zeros((bsz, HKV, 0), device=device)
+    sal = random_salient(bsz, gen, n_pairs if b_high > b_low else 0)
+    n_sc = sal.shape[-1]
     full = lambda n: torch.full((bsz,), n, dtype=torch.int32, device=device)  # noqa: E731
     return DecodeCache(
         k_sink=fp((bsz, HKV, n_sink, D)), v_sink=fp((bsz, HKV, n_sink, D)), k_res=fp((bsz, HKV, RESIDUAL, D)),
@@ -348,13 +346,7 @@ def candidate_plans(q: torch.Tensor, cache: DecodeCache) -> dict[str, gluon.laun
     shared = launch.ring_bytes(D, cache.b_low, cache.b_high, cache.n_salient_channels, V_BITS, V_GROUP, G)
     resident = launch.resident_programs(q.device, shared)
     chunks = -(-cache.k_sink.shape[2] // launch.TAIL_TOKENS) + -(-cache.k_res.shape[2] // launch.TAIL_TOKENS)
-    splits = set()
-    for overhead in (0.25, 1.0, 2.0, 4.0):
-        saved, launch.PROGRAM_OVERHEAD = launch.PROGRAM_OVERHEAD, overhead
-        launch.wave_splits.cache_clear()
-        splits.add(launch.wave_splits(n_bh, ng_cap, resident))
-        launch.PROGRAM_OVERHEAD = saved
-        launch.wave_splits.cache_clear()
+    splits = {launch.wave_splits(n_bh, ng_cap, resident, overhead) for overhead in (0.25, 1.0, 2.0, 4.0)}
     splits.add(max(1, resident // n_bh - chunks))
     plans = {"planned": launch.plan_launch(q, cache)}
     for s in sorted(splits):
@@ -377,8 +369,9 @@ def bench_plans(gen: torch.Generator, fh) -> list[dict]:
                 torch.cuda.empty_cache()
                 cache = static_layer(bsz, config, fill, gen)
                 q = torch.randn((bsz, HQ, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+                plans = candidate_plans(q, cache)
                 outs, times = {}, {}
-                for label, plan in candidate_plans(q, cache).items():
+                for label, plan in plans.items():
                     out = torch.empty_like(q)
 
                     def run(plan=plan, out=out, q=q, cache=cache):
@@ -392,15 +385,13 @@ def bench_plans(gen: torch.Generator, fh) -> list[dict]:
                         run()
                     times[label] = do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3
                     outs[label] = out.float()
-                    times[label + " plan"] = [plan.num_splits, plan.groups_per_split, plan.n_tail, plan.tail_last]
                 ref = outs["planned"]
                 worst = max(float((o - ref).norm() / ref.norm()) for o in outs.values())
-                best = min((k for k in times if not k.endswith(" plan")), key=times.get)
-                row = {"config": name, "batch": bsz, "fill": fill, "us": {k: v for k, v in times.items()
-                                                                           if not k.endswith(" plan")},
-                       "plans": {k[:-5]: v for k, v in times.items() if k.endswith(" plan")},
+                best = min(times, key=times.get)
+                fields = {k: [p.num_splits, p.groups_per_split, p.n_tail, p.tail_last] for k, p in plans.items()}
+                row = {"config": name, "batch": bsz, "fill": fill, "us": times, "plans": fields,
                        "max_rel_diff": worst, "best": best}
-                log(f"plans {name} B={bsz} fill={fill}: planned {times['planned']:.1f} us {times['planned plan']}, "
+                log(f"plans {name} B={bsz} fill={fill}: planned {times['planned']:.1f} us {fields['planned']}, "
                     f"best {best} {times[best]:.1f} us (outputs agree to {worst:.1e})", fh)
                 rows.append(row)
     return rows

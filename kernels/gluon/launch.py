@@ -84,21 +84,21 @@ def resident_programs(device: torch.device, shared_bytes: int) -> int:
 
 
 @functools.cache
-def wave_splits(n_bh: int, ng_cap: int, resident: int) -> int:
+def wave_splits(n_bh: int, ng_cap: int, resident: int, overhead: float = PROGRAM_OVERHEAD) -> int:
     """Splits of the packed region per (b, h_kv) that make the launch shortest.
 
     Every split is one program and `resident` programs run at once, so a launch lasts about
-    (waves) x (groups per split + PROGRAM_OVERHEAD). A plan with a nearly empty last wave wastes
-    most of it: at 32 x 8K tokens, 17 splits (4.1 waves of 4 groups) take 5 waves where 4 splits
-    (one wave of 16 groups) take one. Ties go to fewer splits: fewer partials to write and merge,
-    and fewer programs to start where the cache is still short (a split's programs start whether
-    or not its groups hold tokens yet).
+    (waves) x (groups per split + `overhead`, a program's cost besides its groups, in groups). A
+    plan with a nearly empty last wave wastes most of it: at 32 x 8K tokens, 17 splits (4.1 waves
+    of 4 groups) take 5 waves where 4 splits (one wave of 16 groups) take one. Ties go to fewer
+    splits: fewer partials to write and merge, and fewer programs to start where the cache is still
+    short (a split's programs start whether or not its groups hold tokens yet).
     """
     best_cost, best = float("inf"), 1
     for splits in range(1, ng_cap + 1):
         per = -(-ng_cap // splits)
         splits = -(-ng_cap // per)  # the same plan with no empty split
-        cost = -(-(n_bh * splits) // resident) * (per + PROGRAM_OVERHEAD)
+        cost = -(-(n_bh * splits) // resident) * (per + overhead)
         if cost < best_cost:
             best_cost, best = cost, splits
     return best
