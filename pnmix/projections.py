@@ -60,17 +60,19 @@ class Swap:
     stand_in: SiblingSlice
 
 
-def _fusable(mods: list[object]) -> bool:
-    """Plain Linear layers (not a quantized or adapter subclass) on one real device, one dtype and
-    one input width, with biases on all or none."""
-    if not all(type(m) is torch.nn.Linear for m in mods):
-        return False
-    linears = [m for m in mods if isinstance(m, torch.nn.Linear)]
+def _fusable(mods: list[object]) -> list[torch.nn.Linear] | None:
+    """`mods` as Linear layers if they can share one weight: plain Linear layers (not a quantized or
+    adapter subclass) on one real device, one dtype and one input width, with biases on all or
+    none; else None."""
+    linears = [m for m in mods if type(m) is torch.nn.Linear]
+    if len(linears) != len(mods):
+        return None
     first = linears[0].weight
-    return (first.device.type != "meta"
-            and all(m.weight.dtype == first.dtype and m.weight.device == first.device
-                    and m.in_features == linears[0].in_features for m in linears)
-            and len({m.bias is None for m in linears}) == 1)
+    alike = (first.device.type != "meta"
+             and all(m.weight.dtype == first.dtype and m.weight.device == first.device
+                     and m.in_features == linears[0].in_features for m in linears)
+             and len({m.bias is None for m in linears}) == 1)
+    return linears if alike else None
 
 
 @torch.no_grad()
@@ -88,10 +90,8 @@ def fuse_siblings(decoder: Any) -> list[Swap]:
         for layer in decoder.layers:
             for owner_name, names in SIBLINGS:
                 owner = getattr(layer, owner_name, None)
-                mods = [getattr(owner, n, None) for n in names]
-                if owner is None or not _fusable(mods):
+                if owner is None or (linears := _fusable([getattr(owner, n, None) for n in names])) is None:
                     continue
-                linears = [m for m in mods if isinstance(m, torch.nn.Linear)]
                 weight = torch.cat([m.weight for m in linears])
                 bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
                 start = 0
