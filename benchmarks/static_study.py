@@ -99,7 +99,9 @@ def residual_points(gen: Any, length: int) -> list[int | None]:
         return [None]
     cfg = gen.layers[0].config
     r = cfg.residual_len
-    if length - min(cfg.n_sink, length) < 2 * r:  # the residual has not cycled yet
+    # Below two residuals past the sinks the cache is still near its prompt's layout (at most one
+    # flush behind it): timed as it stands there.
+    if length - min(cfg.n_sink, length) < 2 * r:
         return [None]
     return [max(1, round(f * r)) for f in RESIDUAL_POINTS]
 
