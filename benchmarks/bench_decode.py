@@ -8,7 +8,8 @@ For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pn
 1. draws fresh random bf16 keys/values, packs them with the Triton quantize+pack kernels (checked
    bit for bit against `pnmix.packing` on a slice);
 2. runs each fused decode kernel (`KERNELS`: the Gluon kernels of `kernels.gluon`, the default on
-   CUDA, and the Triton fallback of `kernels.decode`) and checks it against
+   CUDA, as planned and with registers capped at 168 a thread, and the Triton fallback of
+   `kernels.decode`) and checks it against
    `pnmix.backend.decode_reference` (dequantize-then-attend in fp32) on a few sequences, output
    poisoned before the run;
 3. times each kernel, and SDPA on bf16 K/V of the same shape in the same run. Every operation is
@@ -22,8 +23,9 @@ Also the quantize+pack throughput of a 32K-token prefill (1 sequence, 8 KV heads
 correctness sweep of both kernels over small configs that use every code-expansion path.
 `--plans` instead times the Gluon split kernel and its combine under the launch plan
 (`kernels.gluon.launch.plan_launch`) and its neighbours (other split counts, one tail program or
-one a chunk, the tail launched first or last) on layers with the static path's capacities for
-8K generated tokens, at a short and a full cache, for `pnmix-paper` and KIVI-2, batch 1 to 104.
+one a chunk, the tail launched first or last) and the plan for the cache's length bucket (what the
+static path runs) on layers with the static path's capacities for 8K generated tokens, at a short
+and a full cache, for `pnmix-paper` and KIVI-2, batch 1 to 104.
 Imports only `kernels` and the torch-only `pnmix.packing` / `pnmix.backend` (no transformers).
 Prints a table, then one JSON line last.
 """
@@ -53,6 +55,7 @@ from kernels import gluon  # noqa: E402
 from kernels.decode import decode_attention  # noqa: E402
 from kernels.layout import DecodeCache, channel_order  # noqa: E402
 from kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
+from kernels.plan import length_bucket, packed_groups_bound  # noqa: E402
 from pnmix import packing  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
 
@@ -61,7 +64,11 @@ B_LOW, B_HIGH, G, N_SALIENT_PAIRS, N_SINK, RESIDUAL, V_BITS, V_GROUP = 1, 3, 128
 SHAPES = [(1, 32768), (32, 8192), (32, 32768), (110, 8192)]
 # The decode kernels timed: the Gluon kernels (G a multiple of 128 runs `kernels.gluon.block`'s)
 # and the Triton kernel, the fallback for shapes the Gluon kernels do not take.
-KERNELS = {"gluon": gluon.decode_attention, "triton": decode_attention}
+# "gluon-168": the same kernel with its registers capped at 168 a thread (3 warps per scheduler,
+# 12 an SM by registers, where the uncapped kernel's 213-217 allow 8), spilling the rest.
+GLUON_REGISTERS = {"gluon": None, "gluon-168": 168}
+KERNELS = {**{name: functools.partial(gluon.decode_attention, max_registers=cap)
+              for name, cap in GLUON_REGISTERS.items()}, "triton": decode_attention}
 
 
 def attend(kernel: str, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
@@ -299,6 +306,13 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, kernels: list[str], co
         row["kernels"][kernel] = {"us": us, "eager_us": t["eager"], "host_us": t["host"], "rel_err": err,
                                   "finite": finite, "passed": err <= 1e-2 and finite, "GBps": gbps,
                                   "copy_share": gbps / copy_gbps, "speedup": t_sdpa / us}
+        if kernel in GLUON_REGISTERS:  # what the compiler gave the split kernel, and the plan's splits
+            plan = gluon.launch.plan_launch(q, cache, max_registers=GLUON_REGISTERS[kernel])
+            compiled = gluon.launch.split_launch(q, cache, scale, plan).run()
+            row["kernels"][kernel] |= {"registers": compiled.n_regs, "spilled": compiled.n_spills,
+                                       "splits": plan.num_splits, "tail_programs": plan.n_tail}
+            log(f"    {compiled.n_regs} registers, {compiled.n_spills} spilled; {plan.num_splits} splits, "
+                f"{plan.n_tail} tail programs", fh)
     return row
 
 
@@ -337,10 +351,11 @@ def static_layer(bsz: int, config: tuple[int, int, int, int], fill: int, gen: to
         b_low=b_low, b_high=b_high, group_size=G, value_bits=V_BITS, value_group_size=V_GROUP)
 
 
-def candidate_plans(q: torch.Tensor, cache: DecodeCache) -> dict[str, gluon.launch.LaunchPlan]:
-    """The planner's plan and its neighbours: the splits `wave_splits` picks at other program
-    overheads and the split count that fills one wave with the tail, each with one tail program
-    or one a chunk, launched first or last."""
+def candidate_plans(q: torch.Tensor, cache: DecodeCache, fill: int) -> dict[str, gluon.launch.LaunchPlan]:
+    """The planner's plan for the capacity and its neighbours: the splits `wave_splits` picks at
+    other program overheads and the split count that fills one wave with the tail, each with one
+    tail program or one a chunk, launched first or last; and "bucket", the plan the static path
+    makes for a cache of `fill` tokens (its length bucket, `pnmix.static.StaticGenerator.arm`)."""
     launch = gluon.launch
     n_bh, ng_cap = q.shape[0] * HKV, cache.k_low.shape[2]
     shared = launch.ring_bytes(D, cache.b_low, cache.b_high, cache.n_salient_channels, V_BITS, V_GROUP, G)
@@ -348,7 +363,8 @@ def candidate_plans(q: torch.Tensor, cache: DecodeCache) -> dict[str, gluon.laun
     chunks = -(-cache.k_sink.shape[2] // launch.TAIL_TOKENS) + -(-cache.k_res.shape[2] // launch.TAIL_TOKENS)
     splits = {launch.wave_splits(n_bh, ng_cap, resident, overhead) for overhead in (0.25, 1.0, 2.0, 4.0)}
     splits.add(max(1, resident // n_bh - chunks))
-    plans = {"planned": launch.plan_launch(q, cache)}
+    bound = packed_groups_bound(length_bucket(fill, PLAN_CAPACITY), cache.k_sink.shape[2], G)
+    plans = {"planned": launch.plan_launch(q, cache), "bucket": launch.plan_launch(q, cache, max_groups=bound)}
     for s in sorted(splits):
         base = launch.plan_launch(q, cache, s)
         for n_tail in sorted({1, chunks}):
@@ -369,7 +385,7 @@ def bench_plans(gen: torch.Generator, fh) -> list[dict]:
                 torch.cuda.empty_cache()
                 cache = static_layer(bsz, config, fill, gen)
                 q = torch.randn((bsz, HQ, D), generator=gen, device="cuda", dtype=torch.bfloat16)
-                plans = candidate_plans(q, cache)
+                plans = candidate_plans(q, cache, fill)
                 outs, times = {}, {}
                 for label, plan in plans.items():
                     out = torch.empty_like(q)

@@ -106,10 +106,13 @@ def residual_points(gen: Any, length: int) -> list[int | None]:
     return [max(1, round(f * r)) for f in RESIDUAL_POINTS]
 
 
-def set_fill(gen: Any, length: int, held: int | None = None) -> None:
+def set_fill(gen: Any, length: int, held: int | None = None) -> int:
     """Makes every sequence's static cache hold `length` tokens after the step's append (contents
-    as they are: timing only); for a quantized cache, `held` of them in the residual if given
-    (the nearest whole number of groups before it: the total is within half a group of `length`)."""
+    as they are: timing only) and returns how many it holds: for a quantized cache with `held` of
+    them in the residual if given, the whole groups that fit before it (the total is at most
+    `length` and less than a group below it, so it stays in `length`'s plan bucket wherever
+    `length` is not within a group above a power of two)."""
+    total = length
     for layer in gen.layers:
         if gen.config is None:  # fp16
             layer.lengths.fill_(length - 1)  # the step appends the length-th token
@@ -121,42 +124,47 @@ def set_fill(gen: Any, length: int, held: int | None = None) -> None:
                 groups = min((length - sinks) // cfg.group_size, cap)
                 held = min(length - sinks - groups * cfg.group_size, cfg.residual_len - 1)
             else:
-                groups = min((length - sinks - held + cfg.group_size // 2) // cfg.group_size, cap)
+                groups = min((length - sinks - held) // cfg.group_size, cap)
             layer.sink_len.fill_(sinks)
             layer.n_groups.fill_(groups)
             layer.res_len.fill_(max(0, held - 1))
-            layer.flush_now = False
+            total = sinks + groups * cfg.group_size + held
+    return total
 
 
-def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> float:
-    """Median ms of one decode step (a CUDA-graph replay) with every cache holding ~`length` tokens;
-    the mean of such medians over the residual's cycle (`residual_points`) where it cycles."""
-    set_fill(gen, length)
-    key = ("flush", flush)
-    for layer in gen.layers:
-        if gen.config is not None:
-            layer.flush_now = flush
-    if key not in gen._graphs:  # eager warm-up once (compiles kernels), then capture
+def graph_for(gen: Any, length: int, held: int | None = None, flush: bool = False) -> tuple[Any, int]:
+    """The captured step for a cache filled by `set_fill(gen, length, held)` (captured on first use,
+    after one eager warm-up that compiles its kernels) and the tokens it holds. The generator picks
+    the graph as a real generation would (`StaticGenerator.arm`: flush or not, the plan bucket)."""
+    total = set_fill(gen, length, held)
+    key = gen.arm(flush, total)
+    if key not in gen._graphs:
         gen._step_body()
-        set_fill(gen, length)
+        set_fill(gen, length, held)
         gen.capture(key)
-    points = [None] if flush else residual_points(gen, length)
-    medians = []
+    return gen._graphs[key], total
+
+
+def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> tuple[float, float]:
+    """Median ms of one decode step (a CUDA-graph replay) with every cache holding ~`length` tokens,
+    and the tokens held; the means of both over the residual's cycle (`residual_points`) where it
+    cycles. A flush step is timed with every residual one token short of full."""
+    points = [gen.layers[0].config.residual_len] if flush else residual_points(gen, length)
+    medians, totals = [], []
     for held in points:
+        graph, total = graph_for(gen, length, held, flush)
         times = []
         for _ in range(reps if len(points) == 1 else max(5, reps // 2)):
             set_fill(gen, length, held)
-            if flush:
-                for layer in gen.layers:
-                    layer.res_len.fill_(layer.config.residual_len - 1)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            gen._graphs[key].replay()
+            graph.replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         medians.append(sorted(times)[len(times) // 2])
-    return sum(medians) / len(medians)
+        totals.append(total)
+    return sum(medians) / len(medians), sum(totals) / len(totals)
 
 
 def build(model: Any, method: str, batch: int, max_len: int, compile: bool | None = None) -> Any:
@@ -177,15 +185,17 @@ def try_config(model: Any, method: str, batch: int, n_new: int, fills: tuple[int
     try:
         gen = build(model, method, batch, PROMPT + n_new)
         row["cache_bytes"] = gen.cache.nbytes()
-        t_full = time_graph(gen, PROMPT + n_new, reps=3)  # a step at the full length must fit too
+        t_full, _ = time_graph(gen, PROMPT + n_new, reps=3)  # a step at the full length must fit too
         if gen.config is not None:
             time_graph(gen, PROMPT + n_new, flush=True, reps=2)
         row["feasible"] = True
         row["step_ms_full"] = t_full
         for fill in fills:
-            row.setdefault("step_ms", {})[fill] = time_graph(gen, fill)
+            ms, tokens = time_graph(gen, fill)
+            row.setdefault("step_ms", {})[fill] = ms
+            row.setdefault("step_tokens", {})[fill] = tokens
         if fills and gen.config is not None:
-            row["flush_step_ms"] = time_graph(gen, fills[-1], flush=True)
+            row["flush_step_ms"] = time_graph(gen, fills[-1], flush=True)[0]
     except torch.OutOfMemoryError:
         row["feasible"] = False
     row["peak_bytes"] = int(torch.cuda.max_memory_allocated())
@@ -197,8 +207,11 @@ def try_config(model: Any, method: str, batch: int, n_new: int, fills: tuple[int
 def decode_seconds(row: dict, start: int, end: int, flushes: float = 0.0) -> float:
     """Decode time of the steps that take the cache from `start` to `end` tokens: the trapezoid
     integral of the measured step times (held constant outside the measured lengths), plus
-    `flushes` flush steps at their extra cost over a plain step at the last measured length."""
-    pts = sorted((int(k), v) for k, v in row["step_ms"].items())
+    `flushes` flush steps at their extra cost over a plain step at the last measured length. A
+    point lies at the tokens its caches held (`step_tokens`), which for a quantized cache is up to
+    a group below the nominal fill."""
+    held = row.get("step_tokens", {})
+    pts = sorted((held.get(k, int(k)), v) for k, v in row["step_ms"].items())
     total = sum((l1 - l0) * (t0 + t1) / 2 for (l0, t0), (l1, t1) in zip(pts, pts[1:], strict=False))
     total += (pts[0][0] - start) * pts[0][1] + (end - pts[-1][0]) * pts[-1][1]
     if flushes:
@@ -264,7 +277,10 @@ def part_max_batch(model: Any, res: dict) -> None:
 def part_throughput(model: Any, res: dict) -> None:
     from pnmix.config import preset
 
-    fills = (PROMPT + 1, 1024, 2048, 4096, 6144, PROMPT + 8192)
+    # A step's launch plans are made for its length rounded up to a power of two (pnmix/static.py),
+    # so t(L) jumps where L passes one: each bucket is timed near both of its ends (a group past
+    # its lower end: `set_fill` holds up to a group less than asked).
+    fills = (PROMPT + 1, 384, 512, 640, 1024, 1152, 2048, 2176, 4096, 4224, PROMPT + 8192)
     res.setdefault("throughput", [])
     fp16_top = res.get("max_batch", {}).get("fp16") or 20
     for method in METHODS:
@@ -345,14 +361,14 @@ def part_profile(model: Any, res: dict) -> None:
         for compiled in (False, True):
             free()
             gen = build(model, method, 1, fill + 1, compile=compiled)
-            row["step_ms" if compiled else "step_ms_eager"] = time_graph(gen, fill)
+            row["step_ms" if compiled else "step_ms_eager"] = time_graph(gen, fill)[0]
             if not compiled:
                 continue
-            set_fill(gen, fill)
+            graph, _ = graph_for(gen, fill)
             reps = 5
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(reps):
-                    gen._graphs[("flush", False)].replay()
+                    graph.replay()
                 torch.cuda.synchronize()
             kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                               if e.device_type.name == "CUDA"), key=lambda k: k[0])
@@ -389,13 +405,14 @@ def part_hf(model: Any, res: dict) -> None:
 def validate(model: Any) -> dict:
     """A real static generation vs the estimate for the same steps (the method of (c) and (d)).
 
-    Steps 1-159 are untimed: they include the first flush step (eager) and the second (captured).
-    Steps 160-399 are timed: plain graph replays and one flush-graph replay (step 275).
+    Steps 1-539 are untimed: they include every step that runs eagerly or is captured (the first
+    two of each graph: plain and flush steps of each plan bucket). Steps 540-739 are timed: plain
+    graph replays and one flush-graph replay (step 659), cache lengths 681-880, one plan bucket.
     """
     from pnmix.config import preset
 
     out = {}
-    n, b, skip = 400, 32, 160
+    n, b, skip = 740, 32, 540
     for method in ("fp16", "pnmix-paper"):
         free()
         gen = build(model, method, b, PROMPT + n)
@@ -410,7 +427,7 @@ def validate(model: Any) -> dict:
         del gen
         lo, hi = PROMPT + skip, PROMPT + n
         row = try_config(model, method, b, n, (lo, (lo + hi) // 2, hi))
-        flushes = 0 if method == "fp16" else (n - skip) // preset(method).residual_len  # one, at step 275
+        flushes = 0 if method == "fp16" else (n - skip) // preset(method).residual_len  # one, at step 659
         est_ms = decode_seconds(row, lo, hi, flushes) * 1e3 / (hi - lo)
         out[method] = {"batch": b, "timed_steps": f"{skip}-{n - 1}", "real_ms_per_step": real_ms,
                        "estimated_ms_per_step": est_ms}

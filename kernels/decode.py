@@ -330,13 +330,15 @@ def _decode_kernel(
 
 
 def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, max_groups: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over a PN-Mix layer cache.
 
     q [B, H_q, d] float (H_q a multiple of H_kv; d a power of two >= 16) -> out [B, H_q, d] in q's
     dtype. `scale` is the softmax scale (usually d ** -0.5). num_splits: splits of the packed region
     per (b, h_kv); by default enough for about four programs per SM. `out`, if given, receives the
-    result (q's shape, channels contiguous).
+    result (q's shape, channels contiguous). `max_groups`, if given, bounds the packed groups any
+    sequence holds: the splits cover that many groups instead of the capacity (groups past it are
+    not read), so a short cache in large buffers is not split as a full one.
     """
     check_operands(q, cache)
     bsz, hq, d = q.shape
@@ -345,7 +347,7 @@ def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_spli
     gq = hq // hkv
     m_p = max(16, next_pow2(gq))
     n_sc = cache.n_salient_channels
-    ng_cap = cache.k_low.shape[2]
+    ng_cap = cache.k_low.shape[2] if max_groups is None else max(0, min(cache.k_low.shape[2], max_groups))
     if num_splits is None:
         num_splits = splits_for_programs(q, bsz * hkv, ng_cap, PROGRAMS_PER_SM)
     groups_per_split, num_splits = split_plan(ng_cap, num_splits)

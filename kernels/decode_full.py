@@ -68,15 +68,20 @@ def _full_decode_kernel(
 
 
 def full_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
-                          num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                          num_splits: int | None = None, block_n: int = 64,
+                          max_tokens: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over the first lengths[b] positions of k/v.
 
     q [B, H_q, d]; k, v [B, H_kv, capacity, d] (d a power of two >= 16, channels contiguous, same
     strides); lengths int32 [B] on the device -> [B, H_q, d] in q's dtype. num_splits: token
-    slices per (b, h_kv); by default about four programs per SM.
+    slices per (b, h_kv); by default about four programs per SM. `max_tokens`, if given, bounds
+    every length: the slices cover that many tokens instead of the capacity (tokens past it are
+    not read).
     """
     bsz, hq, d = q.shape
     _, hkv, cap, d_k = k.shape
+    if max_tokens is not None:
+        cap = max(1, min(cap, max_tokens))
     if d_k != d or hq % hkv or d & (d - 1) or d < 16 or k.stride() != v.stride() or k.stride(-1) != 1:
         raise ValueError(f"unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)} (strides {k.stride()})")
     gq = hq // hkv

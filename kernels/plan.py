@@ -35,6 +35,21 @@ def split_plan(ng_cap: int, num_splits: int) -> tuple[int, int]:
     return groups_per_split, (-(-ng_cap // groups_per_split) if ng_cap else 0)
 
 
+def length_bucket(n: int, cap: int) -> int:
+    """The smallest power of two >= n, at most cap (0 for n <= 0): the size a replayed step's launch
+    plan is made for. A plan made from the capacity splits a short cache as a full one, and most of
+    its programs start with nothing to read; one made from the length itself would need a graph per
+    step. Rounded up to a power of two, a bound serves a bucket of steps (one graph each) and is at
+    most twice the length."""
+    return 0 if n <= 0 else min(cap, 1 << (n - 1).bit_length())
+
+
+def packed_groups_bound(tokens: int, n_sink: int, group_size: int) -> int:
+    """The most packed groups a sequence of at most `tokens` tokens holds: every token past its
+    sinks and its residual is in a whole group."""
+    return (tokens - min(n_sink, tokens)) // group_size
+
+
 def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """`out`, checked to take the result (q's shape, contiguous channels), or a new tensor like q."""
     if out is None:

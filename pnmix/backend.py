@@ -216,14 +216,16 @@ def decode_kernel_name() -> str:
     return name
 
 
-def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float) -> torch.Tensor:
-    """The fused decode kernel that PNMIX_DECODE_KERNEL picks: query [B, H_q, d] -> [B, H_q, d]."""
+def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float,
+                 max_groups: int | None = None) -> torch.Tensor:
+    """The fused decode kernel that PNMIX_DECODE_KERNEL picks: query [B, H_q, d] -> [B, H_q, d].
+    max_groups: a bound on the packed groups any sequence holds, for the launch plan (default: the capacity)."""
     name = decode_kernel_name()
     if name != "triton":
         from kernels import gluon
 
         if gluon.supports(cache, query):
-            return gluon.decode_attention(query, cache, scaling)
+            return gluon.decode_attention(query, cache, scaling, max_groups=max_groups)
         if name == "mma":
             raise ValueError("PNMIX_DECODE_KERNEL=mma: the Gluon decode kernel cannot run here (it needs CUDA with "
                              "compute capability >= 8.0, Triton with Gluon, G a multiple of 32, head dim a multiple "
@@ -231,7 +233,7 @@ def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float) -> tor
                              "which falls back to the Triton kernel")
     from kernels.decode import decode_attention
 
-    return decode_attention(query, cache, scaling)
+    return decode_attention(query, cache, scaling, max_groups=max_groups)
 
 
 def attend_kernels(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from kernels.plan import length_bucket, packed_groups_bound
 from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
@@ -93,6 +94,9 @@ class _StaticLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
     layer_idx: int
+    # Set by the driver for each step (and graph): a bound on the tokens any sequence holds after
+    # the step, which the kernels' launch plans are made for; None plans for the full capacity.
+    plan_tokens: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         step = StaticStep(self, key_states, value_states)
@@ -180,11 +184,17 @@ class StaticQuantLayer(_StaticLayer):
         if self.flush_now:
             self._flush()
         if self.use_kernels:
-            return backend.fused_decode(query[:, :, 0], self.decode_cache(), scaling).unsqueeze(1)
+            return backend.fused_decode(query[:, :, 0], self.decode_cache(), scaling, self.groups_bound()).unsqueeze(1)
         # The torch path (eager only: it reads lengths on the host) attends exactly as the dynamic
         # cache's torch path does, so the two agree bit for bit and a flush quantizes equal inputs.
         k_view, v_view, lengths = backend.view_from_cache(self.decode_cache(), query.dtype)
         return attend_view(query, k_view, v_view, lengths, scaling)
+
+    def groups_bound(self) -> int | None:
+        """The most packed groups a sequence holds after this step (from `plan_tokens`), or None."""
+        if self.plan_tokens is None:
+            return None
+        return packed_groups_bound(self.plan_tokens, self.config.n_sink, self.config.group_size)
 
     def _flush(self) -> None:
         """Quantizes every residual buffer into the groups past its sequence's packed region and
@@ -242,7 +252,8 @@ class StaticFullLayer(_StaticLayer):
         if self.use_kernels:
             from kernels.decode_full import full_decode_attention
 
-            return full_decode_attention(query[:, :, 0], self.k, self.v, self.lengths, scaling).unsqueeze(1)
+            return full_decode_attention(query[:, :, 0], self.k, self.v, self.lengths, scaling,
+                                         max_tokens=self.plan_tokens).unsqueeze(1)
         h = self.k.shape[1]
         mask = (torch.arange(self.k.shape[2], device=query.device)[None, :] < self.lengths[:, None])[:, None, None]
         q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
@@ -462,19 +473,31 @@ class StaticGenerator:
         self.host_len = [n + 1 for n in self.host_len]
         if self.max_len < max(self.host_len):
             raise ValueError(f"max_len={self.max_len} reached: no room for another token")
-        if self.config is None:  # fp16: every step is the same graph
-            return ("flush", False)
-        cfg, flush = self.config, False
-        for b in range(len(self.host_len)):
-            if self.host_sink[b] < cfg.n_sink:
-                self.host_sink[b] += 1
-            else:
-                self.host_res[b] += 1
-                if self.host_res[b] == cfg.residual_len:
-                    self.host_res[b], flush = 0, True
+        flush = False
+        if self.config is not None:
+            cfg = self.config
+            for b in range(len(self.host_len)):
+                if self.host_sink[b] < cfg.n_sink:
+                    self.host_sink[b] += 1
+                else:
+                    self.host_res[b] += 1
+                    if self.host_res[b] == cfg.residual_len:
+                        self.host_res[b], flush = 0, True
+        return self.arm(flush, max(self.host_len))
+
+    def arm(self, flush: bool, tokens: int) -> tuple[bool, int]:
+        """Sets the host-side choices of the next step on every layer and returns its graph's key:
+        whether it flushes (quantized layers; fp16 never does) and the bound its launch plans are
+        made for, `tokens` (the most any sequence holds after the step) rounded up to a power of
+        two (`kernels.plan.length_bucket`). A plan made for the capacity would split a short cache
+        as a full one; a bucket's graph serves every step up to its bound."""
+        bound = length_bucket(tokens, self.max_len)
+        flush = flush and self.config is not None
         for layer in self.layers:
-            layer.flush_now = flush
-        return ("flush", flush)
+            layer.plan_tokens = bound
+            if self.config is not None:
+                layer.flush_now = flush
+        return (flush, bound)
 
     def _step_body(self) -> None:
         """One decode step on the static buffers: device work only."""

@@ -18,6 +18,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # set before the kernels are decorated; only these tests use Triton
 
+import dataclasses  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
@@ -152,6 +153,24 @@ def test_decode_reads_only_held_tokens():
     garble_past_held_tokens(cache)
     after = decode_attention(q, cache, scale, num_splits=2)
     assert torch.equal(before, after)
+
+
+def test_decode_plans_for_a_bound_on_the_groups_held():
+    """max_groups: the splits cover that many packed groups, not the capacity (3 here). Where every
+    sequence holds at most that many, one split reads what it read before (bit for bit), and the
+    groups past the bound are never read."""
+    q, cache = build(Case(residual="partial"), fresh_generator())
+    cache = dataclasses.replace(cache, n_groups=torch.tensor([1, 1, 0], dtype=torch.int32))
+    scale = 0.125
+    whole = decode_attention(q, cache, scale, num_splits=1)
+    for name in ("k_low", "k_high"):
+        getattr(cache, name)[:, :, 1:] = 0xFF
+    cache.k_scale[:, :, 1:] = float("nan")
+    cache.v_scale[:, :, cache.group_size:] = float("nan")
+    assert torch.equal(decode_attention(q, cache, scale, num_splits=1, max_groups=1), whole)
+    assert torch.equal(decode_attention(q, cache, scale, max_groups=1), whole)  # planned: one split
+    want = decode_reference(q, cache, scale)
+    assert ((whole.float() - want).norm() / want.norm()).item() <= 1e-2
 
 
 def test_decode_rejects_bad_shapes():

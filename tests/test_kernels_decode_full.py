@@ -34,3 +34,20 @@ def test_full_decode_matches_attention(gqa, d, dtype, splits):
         want = (w @ v[b, :, :n].float()).reshape(hkv * gqa, d)
         err = ((out[b].float() - want).norm() / want.norm()).item()
         assert err <= 1e-2, f"sequence {b} (length {n}): relative error {err:.2e}"
+
+
+def test_full_decode_plans_for_a_bound_on_the_lengths():
+    # max_tokens 80 over a capacity of 200: 2 splits cover 80 tokens (48 each at block_n 16) where
+    # the capacity's plan splits 200, and nothing past the bound is read (NaN there would show).
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    bsz, hkv, gqa, d, cap = 3, 2, 4, 64, 200
+    lengths = torch.tensor([80, 1, 77], dtype=torch.int32)
+    q = torch.randn((bsz, hkv * gqa, d), generator=gen)
+    k = torch.randn((bsz, hkv, cap, d), generator=gen)
+    v = torch.randn((bsz, hkv, cap, d), generator=gen)
+    whole = full_decode_attention(q, k, v, lengths, d**-0.5, num_splits=2, block_n=16)
+    k[:, :, 80:] = 1e4
+    v[:, :, 80:] = float("nan")
+    bounded = full_decode_attention(q, k, v, lengths, d**-0.5, num_splits=2, block_n=16, max_tokens=80)
+    assert torch.isfinite(bounded).all()
+    assert ((bounded - whole).norm() / whole.norm()).item() <= 1e-3  # the same sums, merged from other splits

@@ -30,16 +30,17 @@ from gluon_emu import _byte_perm, _f16_pairs, _halves_f16, _transposed_blocks, r
 from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens  # noqa: E402
 
 from kernels.gluon import block, launch  # noqa: E402
+from kernels.plan import length_bucket  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def emulated(q: torch.Tensor, cache, scale: float, splits: int, n_tail: int | None = None,
-             tail_last: bool = False) -> torch.Tensor:
+def emulated(q: torch.Tensor, cache, scale: float, splits: int | None, n_tail: int | None = None,
+             tail_last: bool = False, max_groups: int | None = None) -> torch.Tensor:
     """The kernel's output through the emulator, with the plan's tail programs set (n_tail None: as
     planned) and launched first or last."""
-    plan = dataclasses.replace(launch.plan_launch(q, cache, splits), tail_last=tail_last,
+    plan = dataclasses.replace(launch.plan_launch(q, cache, splits, max_groups), tail_last=tail_last,
                                **({"n_tail": n_tail} if n_tail else {}))
     split = launch.split_launch(q, cache, scale, plan)
     assert split.grid[1] == plan.n_parts == plan.num_splits + plan.n_tail
@@ -197,6 +198,23 @@ def test_emulated_kernel_with_a_shorter_last_split():
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, 4)
 
 
+def test_emulated_kernel_planned_for_a_bound_on_the_groups_held():
+    # Capacity 3 groups, every sequence holding at most 1: the plan for max_groups=1 covers one group
+    # (the capacity's, 3), and the groups past the bound (NaN scales) are not read.
+    q, cache = build(Case(value_group=32), fresh_generator())
+    cache = dataclasses.replace(cache, n_groups=torch.tensor([1, 1, 0], dtype=torch.int32))
+    whole = launch.plan_launch(q, cache)
+    assert whole.num_splits * whole.groups_per_split == 3
+    plan = launch.plan_launch(q, cache, max_groups=1)
+    assert (plan.num_splits, plan.groups_per_split) == (1, 1)
+    cache.k_scale[:, :, 1:] = float("nan")
+    cache.v_scale[:, :, cache.group_size:] = float("nan")
+    out = emulated(q, cache, 0.125, None, max_groups=1)
+    assert torch.isfinite(out).all()
+    want = decode_reference(q, cache, 0.125)
+    assert ((out.float() - want).norm() / want.norm()).item() <= 1e-2
+
+
 def test_emulated_kernel_reads_only_held_tokens():
     q, cache = build(Case(value_group=32), fresh_generator())
     before = emulated(q, cache, 0.125, 2)
@@ -259,6 +277,12 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
 ])
 def test_wave_splits_fill_whole_waves(n_bh, ng_cap, resident, want):
     assert launch.wave_splits(n_bh, ng_cap, resident) == want
+
+
+@pytest.mark.parametrize("n,cap,want", [(0, 100, 0), (1, 100, 1), (3, 100, 4), (64, 100, 64), (65, 100, 100),
+                                        (142, 8334, 256), (8193, 8334, 8334)])
+def test_length_bucket_rounds_up_to_a_power_of_two_within_the_capacity(n, cap, want):
+    assert length_bucket(n, cap) == want
 
 
 def test_emulated_prmt_picks_the_documented_bytes():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from kernels.plan import length_bucket
 from pnmix import backend
 from pnmix.config import ConfigError, PNMixConfig, preset
 from pnmix.generation import generate, new_cache, use_pnmix_attention
@@ -122,6 +123,31 @@ def test_static_kernel_path_equals_generate(method):
         backend.set_backend(None)
     eos = model.generation_config.eos_token_id
     assert until_eos(got, eos) == until_eos(want, eos)
+
+
+@pytest.mark.parametrize("method", ["fp16", SMALL], ids=["fp16", "pnmix"])
+def test_steps_are_planned_for_their_length_bucket(method):
+    """A step's launch plans are made for the longest sequence after it, rounded up to a power of
+    two (`StaticGenerator.arm`): the bound covers every sequence's tokens and packed groups, and the
+    graph keys walk the buckets (lengths 71-140: 128, then 256) and, quantized, the flush steps."""
+    model = tiny_model("qwen3")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=5)
+    gen = StaticGenerator(model, method, max_len=300)
+    keys = []
+    arm = gen.arm
+    gen.arm = lambda flush, tokens: keys.append(arm(flush, tokens)) or keys[-1]  # type: ignore[method-assign]
+    gen.prefill(ids, mask)
+    for _ in range(70):
+        gen.step()
+        layer = gen.layers[0]
+        if method == "fp16":
+            longest = int(layer.lengths.max())
+        else:
+            longest = int((layer.sink_len + layer.n_groups * SMALL.group_size + layer.res_len).max())
+            assert layer.groups_bound() >= int(layer.n_groups.max())
+        assert keys[-1][1] == layer.plan_tokens == length_bucket(longest, 300) >= longest
+    assert {bound for _, bound in keys} == {128, 256}
+    assert any(flush for flush, _ in keys) == (method != "fp16")
 
 
 def test_static_tokens_equal_generate_embedded(embedded):

@@ -25,9 +25,10 @@ from kernels.operands import DecodeOperands, check_operands, decode_operands
 from kernels.plan import LOG2E, output_for, sm_count, split_plan
 
 # Registers per thread the kernels take (213-217 for the block kernel, 227 for the word kernel, for
-# sm_90), rounded up to the allocation unit of 8.
+# sm_90 with Triton 3.6), rounded up to the allocation unit of 8.
 REGISTERS = 232
-SHARED_PER_SM = 227 * 1024  # bytes of shared memory a Hopper SM gives its blocks
+SHARED_PER_SM = 228 * 1024  # bytes of shared memory of a Hopper SM ...
+SHARED_RESERVED = 1024  # ... of which each resident block takes this much besides its own
 # What a program costs besides its groups (starting, reading the lengths and the query, writing and
 # merging its partials), in groups. On the H200 with static-path capacities (8K tokens, batch 8 to
 # 104, both quantized presets) 1.0 picks the measured fastest split count at every batch; 0.25
@@ -74,12 +75,13 @@ def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
     return kernel_module(group_size).ring_bytes(d, b_low, b_high, n_salient, value_bits, value_group)
 
 
-def resident_programs(device: torch.device, shared_bytes: int) -> int:
-    """One-warp programs that fit on the GPU at once: registers, shared memory and the 32-block limit
-    of an SM decide. An SM's registers are four partitions of 16384, one per warp scheduler, and a
-    warp's come from one of them: at 223 registers a thread that is 2 warps a partition, 8 an SM,
-    where 65536 / (32 x 224) would say 9. Off CUDA: one SM."""
-    per_sm = max(1, min(32, 4 * (16384 // (32 * REGISTERS)), SHARED_PER_SM // max(shared_bytes, 1)))
+def resident_programs(device: torch.device, shared_bytes: int, registers: int = REGISTERS) -> int:
+    """One-warp programs that fit on the GPU at once: registers (per thread), shared memory and the
+    32-block limit of an SM decide. An SM's registers are four partitions of 16384, one per warp
+    scheduler, and a warp's come from one of them: at 223 registers a thread that is 2 warps a
+    partition, 8 an SM, where 65536 / (32 x 224) would say 9; 3 a partition takes <= 170. Off CUDA:
+    one SM."""
+    per_sm = max(1, min(32, 4 * (16384 // (32 * registers)), SHARED_PER_SM // (shared_bytes + SHARED_RESERVED)))
     return per_sm * (sm_count(device.index or 0) if device.type == "cuda" else 1)
 
 
@@ -142,12 +144,14 @@ def tails_last(n_bh: int, num_splits: int, n_tail: int, resident: int) -> bool:
 @dataclass(frozen=True)
 class LaunchPlan:
     """Per (b, h_kv): num_splits packed splits of groups_per_split groups and n_tail programs for the
-    sinks and the residual, launched after the packed splits if tail_last, else before them."""
+    sinks and the residual, launched after the packed splits if tail_last, else before them;
+    max_registers: the registers a thread may take (ptxas spills past it; None: as it allocates)."""
 
     groups_per_split: int
     num_splits: int
     n_tail: int
     tail_last: bool
+    max_registers: int | None = None
 
     @property
     def n_parts(self) -> int:
@@ -159,17 +163,21 @@ class LaunchPlan:
         return self.num_splits if self.tail_last else 0
 
 
-def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = None) -> LaunchPlan:
+def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = None,
+                max_groups: int | None = None, max_registers: int | None = None) -> LaunchPlan:
     """The plan for `q` over `cache`: `num_splits` packed splits if given, else `wave_splits` for the
     programs that fit at once; `tail_programs`, `tails_last` and, where the programs do not all fit
-    at once and the tail launches first, a shorter last split (`split_groups`)."""
+    at once and the tail launches first, a shorter last split (`split_groups`). The packed region
+    planned for is the capacity, or `max_groups` groups where given: a bound on the groups any
+    sequence holds (groups past it are not read). `max_registers` caps the kernel's registers a
+    thread (more programs fit at once; the compiler spills what does not fit)."""
     check_operands(q, cache)
     bsz, _, d = q.shape
     n_bh = bsz * cache.k_sink.shape[1]
-    ng_cap = cache.k_low.shape[2]
+    ng_cap = cache.k_low.shape[2] if max_groups is None else max(0, min(cache.k_low.shape[2], max_groups))
     shared = ring_bytes(d, cache.b_low, cache.b_high, cache.n_salient_channels, cache.value_bits,
                         cache.value_group_size, cache.group_size)
-    resident = resident_programs(q.device, shared)
+    resident = resident_programs(q.device, shared, max_registers or REGISTERS)
     if num_splits is None:
         num_splits = wave_splits(n_bh, ng_cap, resident) if ng_cap else 1
     groups_per_split, num_splits = split_plan(ng_cap, num_splits)
@@ -178,7 +186,7 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
     tail_last = tails_last(n_bh, num_splits, n_tail, resident)
     if n_bh * (num_splits + n_tail) > resident and not tail_last:  # packed splits wait for the tail's slots
         groups_per_split = split_groups(ng_cap, num_splits, chunks)
-    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last)
+    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last, max_registers)
 
 
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
@@ -213,9 +221,11 @@ class SplitLaunch:
     pl: torch.Tensor
     pa: torch.Tensor
 
-    def run(self) -> None:
-        """Launches the split kernel, one warp a program."""
-        self.kernel[self.grid](*self.args, **self.constexprs, **self.layouts, num_warps=1)
+    def run(self) -> Any:
+        """Launches the split kernel, one warp a program; returns the compiled kernel (its `n_regs`,
+        `n_spills`)."""
+        cap = {"maxnreg": self.plan.max_registers} if self.plan.max_registers else {}
+        return self.kernel[self.grid](*self.args, **self.constexprs, **self.layouts, num_warps=1, **cap)
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """Merges the partials into `out` [B, H_q, d] and returns it."""
@@ -243,25 +253,29 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: Launch
 
 
 def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, max_groups: int | None = None,
+                     max_registers: int | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with the Gluon kernels; call only where `supports(cache, q)`.
 
     q [B, H_q, d] -> [B, H_q, d] in q's dtype; num_splits: splits of the packed region per (b, h_kv)
-    (by default balanced over whole waves of the GPU, `plan_launch`); `out` as there.
+    (by default balanced over whole waves of the GPU, `plan_launch`); `out`, `max_groups` as there;
+    `max_registers` as in `plan_launch`.
     """
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, plan_launch(q, cache, num_splits))
+    launch = split_launch(q, cache, scale, plan_launch(q, cache, num_splits, max_groups, max_registers))
     launch.run()
     return launch.combine(out)
 
 
 def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
-                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90) -> Any:
+                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90,
+                    max_registers: int | None = None) -> Any:
     """Compiles the kernel for these shapes for an NVIDIA GPU of compute capability `arch`, without one.
 
     For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
     the shared memory. Pointers and strides are specialized as divisible by 16, as the JIT does for
-    real caches. Must run without TRITON_INTERPRET (it replaces the language's own functions).
+    real caches; `max_registers` as in `plan_launch`. Must run without TRITON_INTERPRET (it replaces
+    the language's own functions).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -285,4 +299,5 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
                                           for i in range(len(DecodeOperands._fields))}
     attrs |= {(i,): divisible for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
     return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 1, **({"maxnreg": max_registers} if max_registers else {})})
