@@ -66,6 +66,7 @@ def log(msg: str) -> None:
 
 EXTRA: dict[str, Any] = {}  # --config NAME=FILE: configs measured beside the presets
 COMPILE = True  # --no-compile: static steps without torch.compile
+RESULTS: Path | None = None  # the JSON the run writes: after each part, and after each throughput row
 
 
 def method_arg(name: str) -> Any:
@@ -299,6 +300,8 @@ def part_throughput(model: Any, res: dict) -> None:
                 log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s  step ms at fills "
                     + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
             res["throughput"].append(row)
+            if RESULTS is not None:  # a run cut short keeps its rows (--merge continues it)
+                RESULTS.write_text(json.dumps(res, indent=1))
     if "validate" not in res:
         res["validate"] = validate(model)
 
@@ -568,7 +571,7 @@ def main() -> None:
     args = ap.parse_args()
     from pnmix.layerwise import load_config
 
-    global COMPILE
+    global COMPILE, RESULTS
     COMPILE = not args.no_compile
     for item in args.config:
         name, _, file = item.partition("=")
@@ -578,6 +581,7 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    RESULTS = out / "static_study.json"
     res: dict[str, Any] = json.loads(Path(args.merge).read_text()) if args.merge else {}
     import transformers
     import triton
