@@ -14,8 +14,10 @@ Two cache kinds, same driver:
   sinks while a sequence holds fewer than `n_sink`, else to the residual buffer) with predicated
   device writes. When a sequence's residual buffer becomes full, the same step quantizes it into
   the packed region before attending, as `PNMixCache` does. The host knows from its own counters
-  which steps those are (no device read), so it replays a second graph ("flush step") only then;
-  that graph quantizes every sequence's residual and commits it only where the residual is full.
+  which steps those are (no device read), so it replays a flush graph only then; that graph
+  quantizes every sequence's residual and commits it only where the residual is full.
+  The counters also give the longest sequence after each step: the kernels' launch plans are made
+  for it rounded up to a power of two, one graph per (flush, bucket) (`StaticGenerator.arm`).
 - `StaticFullLayer`: the fp16 baseline, [B, H_kv, max_len, d] keys and values, attended by a
   flash-decoding kernel over each sequence's length (kernels/decode_full.py), the same scheme as
   the PN-Mix kernel, so that a comparison isolates the cache format.
