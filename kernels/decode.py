@@ -24,7 +24,7 @@ import triton.language as tl
 from kernels.combine import combine_partials, softmax_step
 from kernels.layout import DecodeCache, next_pow2
 from kernels.operands import check_operands, decode_operands
-from kernels.plan import LOG2E, output_for, split_plan, splits_for_programs
+from kernels.plan import LOG2E, output_for, planned_groups, split_plan, splits_for_programs
 
 BLOCK_T = 64  # packed tokens per inner step (or G, if smaller)
 BLOCK_R = 32  # sink and residual tokens per step
@@ -347,7 +347,7 @@ def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_spli
     gq = hq // hkv
     m_p = max(16, next_pow2(gq))
     n_sc = cache.n_salient_channels
-    ng_cap = cache.k_low.shape[2] if max_groups is None else max(0, min(cache.k_low.shape[2], max_groups))
+    ng_cap = planned_groups(cache.k_low.shape[2], max_groups)
     if num_splits is None:
         num_splits = splits_for_programs(q, bsz * hkv, ng_cap, PROGRAMS_PER_SM)
     groups_per_split, num_splits = split_plan(ng_cap, num_splits)

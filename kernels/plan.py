@@ -35,6 +35,12 @@ def split_plan(ng_cap: int, num_splits: int) -> tuple[int, int]:
     return groups_per_split, (-(-ng_cap // groups_per_split) if ng_cap else 0)
 
 
+def planned_groups(ng_cap: int, max_groups: int | None) -> int:
+    """The packed groups a launch plan covers: the capacity `ng_cap`, or `max_groups` (a bound on
+    the groups any sequence holds) within it where given."""
+    return ng_cap if max_groups is None else max(0, min(ng_cap, max_groups))
+
+
 def length_bucket(n: int, cap: int) -> int:
     """The smallest power of two >= n, at most cap (0 for n <= 0): the size a replayed step's launch
     plan is made for. A plan made from the capacity splits a short cache as a full one, and most of

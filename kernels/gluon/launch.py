@@ -22,7 +22,7 @@ from kernels.gluon import block, words
 from kernels.gluon.common import FP16_PAIR_1024, MAX_GQA, TAIL_TOKENS
 from kernels.layout import DecodeCache, next_pow2
 from kernels.operands import DecodeOperands, check_operands, decode_operands
-from kernels.plan import LOG2E, output_for, sm_count, split_plan
+from kernels.plan import LOG2E, output_for, planned_groups, sm_count, split_plan
 
 # Registers per thread the kernels take (213-217 for the block kernel, 227 for the word kernel, for
 # sm_90 with Triton 3.6), rounded up to the allocation unit of 8.
@@ -174,7 +174,7 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
     check_operands(q, cache)
     bsz, _, d = q.shape
     n_bh = bsz * cache.k_sink.shape[1]
-    ng_cap = cache.k_low.shape[2] if max_groups is None else max(0, min(cache.k_low.shape[2], max_groups))
+    ng_cap = planned_groups(cache.k_low.shape[2], max_groups)
     shared = ring_bytes(d, cache.b_low, cache.b_high, cache.n_salient_channels, cache.value_bits,
                         cache.value_group_size, cache.group_size)
     resident = resident_programs(q.device, shared, max_registers or REGISTERS)
