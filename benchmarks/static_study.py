@@ -9,7 +9,8 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
               the static cache for prompt + N tokens, graph capture and decode steps at the full
               length all fit the budget).
   throughput  (c) decode throughput vs batch at 8K generated tokens, up to each method's largest
-              feasible batch.
+              feasible batch, beside its bytes bound (every step reading the weights and the cache
+              it holds once at the copy bandwidth measured in the run: `bytes_bound_tok_s`).
   hf          HF `generate` at fp16's largest batch, with a bf16 DynamicCache and with transformers'
               own QuantizedCache (optimum-quanto, 2 and 4 bits): what users run without this tool.
   latency     (d) per-step latency along a 32K generation at batch 1; slope over 11K-31K.
@@ -205,6 +206,39 @@ def try_config(model: Any, method: str, batch: int, n_new: int, fills: tuple[int
     return row
 
 
+def copy_gbps(reps: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (GB/s) of a 1 GiB copy."""
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    gbps = 2 * src.nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
+    del src, dst
+    free()
+    return gbps
+
+
+def bytes_bound_tok_s(method: str, batch: int, weight_bytes: int, gbps: float, n_new: int = 8192) -> float:
+    """The throughput no implementation of `method` passes at `batch`: every step of an n_new-token
+    generation reads the weights and the cache it holds (`pnmix.bits.kv_cache_bytes` at its length)
+    once, at the copy bandwidth `gbps`, and does nothing else. Its ratio between two methods is
+    what their memory footprints allow, whatever the kernels."""
+    from pnmix.bits import kv_cache_bytes
+    from pnmix.config import preset
+    from pnmix.models import model_shape
+
+    shape, config = model_shape("qwen3-8b-shape"), preset(method)
+    step_bytes = sum(weight_bytes + kv_cache_bytes(config, shape, batch, length).total
+                     for length in range(PROMPT + 1, PROMPT + n_new + 1))
+    return batch * n_new / (step_bytes / (gbps * 1e9))
+
+
 def decode_seconds(row: dict, start: int, end: int, flushes: float = 0.0) -> float:
     """Decode time of the steps that take the cache from `start` to `end` tokens: the trapezoid
     integral of the measured step times (held constant outside the measured lengths), plus
@@ -283,6 +317,7 @@ def part_throughput(model: Any, res: dict) -> None:
     # its lower end: `set_fill` holds up to a group less than asked).
     fills = (PROMPT + 1, 384, 512, 640, 1024, 1152, 2048, 2176, 4096, 4224, PROMPT + 8192)
     res.setdefault("throughput", [])
+    res.setdefault("copy_gbps", copy_gbps())
     fp16_top = res.get("max_batch", {}).get("fp16") or 20
     for method in METHODS:
         top = res.get("max_batch", {}).get(method) or {"fp16": 20, "kivi2": 104, "pnmix-paper": 102}[method]
@@ -297,7 +332,9 @@ def part_throughput(model: Any, res: dict) -> None:
                 flushes = 0.0 if method == "fp16" else 8192 / preset(method).residual_len
                 secs = decode_seconds(row, PROMPT, PROMPT + 8192, flushes)
                 row["decode_s"], row["tok_s"] = secs, b * 8192 / secs
-                log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s  step ms at fills "
+                row["bound_tok_s"] = bytes_bound_tok_s(method, b, res["weight_bytes"], res["copy_gbps"])
+                log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s ({row['tok_s'] / row['bound_tok_s']:.0%} of "
+                    f"the bytes bound {row['bound_tok_s']:.0f})  step ms at fills "
                     + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
             res["throughput"].append(row)
             if RESULTS is not None:  # a run cut short keeps its rows (--merge continues it)
@@ -531,7 +568,8 @@ def part_equality(res: dict, gguf: str) -> None:
             self.steps.append((top[:, 0] - top[:, 1]).tolist())
             return scores
 
-    res["equality"] = {}
+    key = "equality" if COMPILE else "equality_eager"  # --no-compile keeps its own record beside the compiled one
+    res[key] = {}
     for name in METHODS:
         method = method_arg(name)
         margins = Margins()
@@ -550,11 +588,12 @@ def part_equality(res: dict, gguf: str) -> None:
         # `generate`'s top-2 logit margin at each row's first difference: near 0 is a near-tie
         margin = [None if i is None or i >= len(margins.steps) else margins.steps[i][row]
                   for row, i in enumerate(first_diff)]
-        res["equality"][name] = {"tokens": [len(r) for r in ref], "equal": got == ref, "first_diff": first_diff,
-                                 "first_diff_margin": margin, "graphs": len(gen._graphs), "compiled": COMPILE}
-        log(f"[equality] {name}: equal {got == ref}, compared {[len(r) for r in ref]} tokens, first difference "
+        res[key][name] = {"tokens": [len(r) for r in ref], "equal": got == ref, "first_diff": first_diff,
+                          "first_diff_margin": margin, "graphs": len(gen._graphs), "compiled": COMPILE}
+        log(f"[{key}] {name}: equal {got == ref}, compared {[len(r) for r in ref]} tokens, first difference "
             f"per row {first_diff} (generate's top-2 logit margin there {margin}), graphs captured {len(gen._graphs)}")
-    part_tuner_cost(res, model)
+    if COMPILE:  # the tuner measures its cost as it runs, whatever this run's --no-compile
+        part_tuner_cost(res, model)
 
 
 @torch.inference_mode()  # the static generator's buffers are inference tensors
@@ -645,7 +684,11 @@ def plot(path: Path) -> None:
         for m in METHODS:
             rows = sorted((r for r in res["throughput"] if r["method"] == m and r.get("tok_s")),
                           key=lambda r: r["batch"])
-            ax.plot([r["batch"] for r in rows], [r["tok_s"] for r in rows], "o-", label=f"{m} (static, graphs)")
+            line, = ax.plot([r["batch"] for r in rows], [r["tok_s"] for r in rows], "o-", label=f"{m} (static, graphs)")
+            bound = [r for r in rows if r.get("bound_tok_s")]
+            if bound:
+                ax.plot([r["batch"] for r in bound], [r["bound_tok_s"] for r in bound], "--", color=line.get_color(),
+                        lw=1, label=f"{m}: bytes bound")
         hf = res.get("hf_generate", {})
         if hf.get("tok_s"):
             ax.plot([hf["batch"]], [hf["tok_s"]], "kx", ms=10, label="HF generate, bf16 DynamicCache")
