@@ -696,7 +696,7 @@ def plot(path: Path) -> None:
             if row.get("tok_s"):
                 ax.plot([row["batch"]], [row["tok_s"]], mark, ms=10, label=f"HF generate, quanto {bits}-bit")
         ax.set(xlabel="batch (8K generated)", ylabel="decode tokens/s", title="(c)")
-        ax.legend()
+        ax.legend(loc="upper left", fontsize=7)
     if "latency" in res:
         ax = axes[3]
         for r in res["latency"]:
