@@ -206,24 +206,6 @@ def try_config(model: Any, method: str, batch: int, n_new: int, fills: tuple[int
     return row
 
 
-def copy_gbps(reps: int = 10) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (GB/s) of a 1 GiB copy."""
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    gbps = 2 * src.nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
-    del src, dst
-    free()
-    return gbps
-
-
 def bytes_bound_tok_s(method: str, batch: int, weight_bytes: int, gbps: float, n_new: int = 8192) -> float:
     """The throughput no implementation of `method` passes at `batch`: every step of an n_new-token
     generation reads the weights and the cache it holds (`pnmix.bits.kv_cache_bytes` at its length)
@@ -317,7 +299,11 @@ def part_throughput(model: Any, res: dict) -> None:
     # its lower end: `set_fill` holds up to a group less than asked).
     fills = (PROMPT + 1, 384, 512, 640, 1024, 1152, 2048, 2176, 4096, 4224, PROMPT + 8192)
     res.setdefault("throughput", [])
-    res.setdefault("copy_gbps", copy_gbps())
+    if "copy_gbps" not in res:  # the bytes bounds' memory speed, measured once per study
+        from bench_decode import copy_bandwidth
+
+        res["copy_gbps"] = copy_bandwidth()
+        free()
     fp16_top = res.get("max_batch", {}).get("fp16") or 20
     for method in METHODS:
         top = res.get("max_batch", {}).get(method) or {"fp16": 20, "kivi2": 104, "pnmix-paper": 102}[method]
