@@ -68,6 +68,9 @@ class LayerwiseConfig:
         if not isinstance(self.default, PNMixConfig):
             raise ConfigError("default", type(self.default).__name__, "a PNMixConfig")
         spans = sorted(self.ranges, key=lambda r: r.first)
+        # One spelling per config: ranges in layer order, whatever order the JSON listed them in
+        # (`to_json` sorts its keys as text, "10" before "2").
+        object.__setattr__(self, "ranges", tuple(spans))
         for a, b in zip(spans, spans[1:], strict=False):
             if b.first <= a.last:
                 raise ConfigError(f"layers {b.name}", f"overlaps layers {a.name}",

@@ -248,6 +248,9 @@ class LayerFormulaEvaluator:
         layers = config.per_layer(30) if isinstance(config, LayerwiseConfig) else [config] * 30
         return [self.layer_loss(c, i) for i, c in enumerate(layers)]
 
+    def sensitivity(self, candidates):
+        return {c: self.proxy_by_layer(c) for c in candidates}
+
     def evaluate(self, config, measure: bool = True):
         from tuner.evaluate import Score
 

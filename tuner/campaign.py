@@ -66,7 +66,7 @@ from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.errors import PNMixError
 from pnmix.inputs import SEED, TRIALS, shorten
-from pnmix.layerwise import AnyConfig, config_from_dict
+from pnmix.layerwise import AnyConfig, as_layerwise, config_from_dict
 from pnmix.names import BACKENDS
 from storage.errors import StorageError
 from storage.write import OBJECTIVES, check_budgets, check_objectives
@@ -297,6 +297,8 @@ class CampaignRunner:
         self._own: set[float] = set()
         self._pair_cache: dict[float, list[str]] = {}
         self._layer_kl_cache: dict[PNMixConfig, list[float]] = {}
+        self._tables: dict[PNMixConfig, dict[PNMixConfig, list[float]]] = {}  # pnmix-alloc, by shared fields
+        self.sensitivity_seconds = 0.0  # what this runner spent on sensitivity tables
 
     # -- the study of one budget ---------------------------------------------------------------
 
@@ -371,6 +373,9 @@ class CampaignRunner:
         candidates: list[AnyConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
         candidates += self._stored_fronts(budget)
         candidates += space.fullest_within(budget, self.head_dim)
+        if space.allocated:
+            self._warm_start_allocated(study, budget, candidates)
+            return
         candidates = [space.recast(c) for c in candidates if space.layered or isinstance(c, PNMixConfig)]
         if space.layered:
             candidates = [*self._grouped(candidates, budget), *candidates]
@@ -384,6 +389,38 @@ class CampaignRunner:
                 seen.add(frozen)
                 study.enqueue_trial(params, user_attrs={"warm_start": True})
             if len(seen) >= max(1, self.spec.n_trials // 2):  # the sampler keeps at least half the slots
+                return
+
+    def _warm_start_allocated(self, study: optuna.Study, budget: float, uniform: list[AnyConfig]) -> None:
+        """pnmix-alloc warm starts: first the allocator's config at the shared fields of the paper's
+        config (G128, 32 sinks; it fills the budget), then each uniform candidate that fits (the
+        presets, the model's stored fronts, `fullest_within`; each an allocation whose layers are
+        all alike, so the front is never worse than the uniform search's warm starts), then the
+        allocation at the shared fields of the best of those (64 sinks where that is the paper's).
+        Queued as trials whose parameters are the shared fields and whose `proposal` attribute
+        holds the config; at most half the budget's trials."""
+        space = self.space
+        fits = []
+        for c in uniform:
+            cfg = space.recast(c)
+            if space.contains(cfg) and space.cost(cfg, self.head_dim) <= budget and cfg not in fits:
+                fits.append(cfg)
+        paper = space.shared_base(space.recast(preset("pnmix-paper")))
+        queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(paper, None)]
+        queue += [(space.shared_base(c), c) for c in fits]
+        queue.append((paper.with_(n_sink=64), None))
+        seen: set[str] = set()
+        for base, proposal in queue:
+            params = space.params_of(base)
+            attrs: dict[str, Any] = {"warm_start": True}
+            if proposal is not None:
+                attrs["proposal"] = proposal.to_dict()
+            frozen = json.dumps([params, attrs.get("proposal")], sort_keys=True)
+            if frozen in seen:
+                continue
+            seen.add(frozen)
+            study.enqueue_trial(params, user_attrs=attrs)
+            if len(seen) >= max(1, self.spec.n_trials // 2):
                 return
 
     def _stored_fronts(self, budget: float) -> list[PNMixConfig]:
@@ -430,6 +467,9 @@ class CampaignRunner:
         there, so all of a campaign's trials share one grouping."""
         if not self.space.layered or self.space.groups:
             return
+        if self.space.allocated:  # one layer a group: nothing to form or store
+            self.space = self.space.with_layers(self.num_layers)
+            return
         from storage import Campaign, get_campaign, update_campaign_progress
         from tuner.layers import group_layers
 
@@ -457,9 +497,13 @@ class CampaignRunner:
             trial.set_user_attr("surplus", True)
             trial.study.stop()
             raise optuna.TrialPruned("trial cap reached by other workers")
-        config = self.space.suggest(trial, self._pairs(budget), head_dim=self.head_dim)
+        if self.space.allocated:
+            config = self._allocated_config(trial, budget)
+        else:
+            config = self.space.suggest(trial, self._pairs(budget), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
         trial.set_user_attr("config", config.to_dict())
+        trial.set_user_attr("label", config.label)  # what the dashboard shows of the config
         trial.set_user_attr("bits", bits)
         trial.set_user_attr("key_bits", mean_key_bits(config, self.num_layers, self.head_dim))
         trial.set_user_attr("kv_bits", kv_bits(config, self.num_layers, self.head_dim))
@@ -501,6 +545,89 @@ class CampaignRunner:
             trial.set_user_attr(name, getattr(score, name))
         trial.set_user_attr("accuracy", score.accuracy)
         return self._values(score.accuracy, bits, score)
+
+    # -- pnmix-alloc: the allocator's configs ---------------------------------------------------
+
+    def _allocated_config(self, trial: optuna.Trial, budget: float) -> AnyConfig:
+        """The config of a pnmix-alloc trial, whose parameters are the shared fields: the queued
+        `proposal` (a warm start) where it has these shared fields; else the allocator's config for
+        the budget at them; or, when the campaign has already scored that, the next local move from
+        the best config scored at these shared fields within the budget (`tuner.layers.moves`:
+        real scores decide what the proxy cannot tell apart). The trial's `origin` says which."""
+        from pnmix.layerwise import LayerwiseConfig, simplest
+        from tuner.layers import allocate, moves
+
+        space = self.space
+        base = space.suggest_shared(trial, self.head_dim)
+        proposal = trial.user_attrs.get("proposal")
+        if proposal is not None:
+            cfg = config_from_dict(proposal)
+            if space.contains(cfg) and space.shared_base(cfg) == base:
+                trial.set_user_attr("origin", "proposal")
+                return cfg
+        table = self._sensitivity(base, trial)
+
+        def cost(c: PNMixConfig) -> float:
+            return space.cost(c, self.head_dim)
+
+        try:
+            allocation = simplest(LayerwiseConfig.from_layers(allocate(table, budget, self.head_dim, cost=cost)))
+        except EvalError:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
+            cheapest = min(table, key=cost)
+            trial.set_user_attr("origin", "allocation")
+            return cheapest
+        taken = self._taken_configs(trial.study)
+        if config_key(allocation.to_dict()) not in taken:
+            trial.set_user_attr("origin", "allocation")
+            return allocation
+        best = self._best_scored(trial.study, base, budget)
+        start = best if best is not None else allocation
+        for changed in moves(as_layerwise(start).per_layer(self.num_layers), table, budget, cost):
+            cfg = simplest(LayerwiseConfig.from_layers(changed))
+            if config_key(cfg.to_dict()) not in taken:
+                trial.set_user_attr("origin", "move")
+                trial.set_user_attr("move_from", start.label)
+                return cfg
+        trial.set_user_attr("origin", "allocation")
+        return allocation  # no move left: the allocation's score is reused
+
+    def _sensitivity(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
+        """The per-layer sensitivity table at `base`'s shared fields: each candidate's proxy KL per
+        layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), computed once per
+        runner; the seconds it took are recorded on the trial that needed it (`sensitivity_s`)."""
+        from tuner.layers import candidates_like
+
+        if base not in self._tables:
+            started = time.perf_counter()
+            candidates = candidates_like(base, self.space)
+            self.progress(f"layer sensitivity at {base.label}: {len(candidates)} candidates")
+            self._tables[base] = self.evaluator.sensitivity(candidates)
+            seconds = time.perf_counter() - started
+            self.sensitivity_seconds += seconds
+            if trial is not None:
+                trial.set_user_attr("sensitivity_s", seconds)
+        return self._tables[base]
+
+    def _taken_configs(self, study: optuna.Study) -> set[str]:
+        """Configs the campaign has scored, or that a running trial is scoring now."""
+        taken: set[str] = set()
+        for st in self._campaign_studies(study):
+            taken |= scored_configs(st)
+            taken |= {config_key(t.user_attrs["config"]) for t in running_trials(st) if "config" in t.user_attrs}
+        return taken
+
+    def _best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
+        """The most accurate config scored in `study` (shared scores included) within `budget` whose
+        shared fields are `base`'s."""
+        best: tuple[float, AnyConfig] | None = None
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if "accuracy" not in t.user_attrs or budget_bits(t) > budget:
+                continue
+            cfg = config_from_dict(t.user_attrs["config"])
+            if self.space.contains(cfg) and self.space.shared_base(cfg) == base:
+                if best is None or t.user_attrs["accuracy"] > best[0]:
+                    best = (float(t.user_attrs["accuracy"]), cfg)
+        return best[1] if best is not None else None
 
     def _race(self, trial: optuna.Trial, config: AnyConfig, bits: float) -> Any:
         """Scores `config` rung by rung (tuner/racing.py) against this study's front of no more bits;

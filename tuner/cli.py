@@ -31,9 +31,9 @@ from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, N
 from pnmix.names import BACKENDS, BUDGET_ON, METHODS
 from tuner.profiles import PROFILES, EvalError
 from tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
-from tuner.space import DEFAULT_LAYER_GROUPS, LAYERED
+from tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS, LAYERED
 
-SWEPT = tuple(m for m in METHODS if m != LAYERED)  # a sweep covers a uniform space (layer groups are a model's)
+SWEPT = tuple(m for m in METHODS if m not in (LAYERED, ALLOCATED))  # a sweep covers a uniform space
 
 if TYPE_CHECKING:
     from tuner.campaign import CampaignSpec

@@ -11,6 +11,7 @@ through `generate`, the path the engine is tested and benchmarked against.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -289,6 +290,33 @@ class Evaluator:
         from tuner.proxy import proxy_kl_by_layer
 
         return proxy_kl_by_layer(self.trace(), config, self.pairing)
+
+    def sensitivity(self, candidates: list[PNMixConfig]) -> dict[PNMixConfig, list[float]]:
+        """The allocator's table: each candidate's proxy KL per layer (`tuner.proxy.proxy_kl_table`;
+        the candidates share G, sinks, residual and criterion). Cached on disk beside the
+        preparation, per model, profile, seed and candidate set, so a campaign's later workers and
+        later campaigns of the model read it instead of computing it again."""
+        import hashlib
+
+        from tuner.proxy import proxy_kl_table
+
+        key = hashlib.sha256(json.dumps([c.to_dict() for c in candidates], sort_keys=True).encode()).hexdigest()[:16]
+        path = self._cache_file().with_name(f"sensitivity-{self._cache_file().stem}-{key}.json")
+        try:
+            rows = json.loads(path.read_text())
+            if len(rows) == len(candidates) and all(len(r) == self.num_layers for r in rows):
+                return {c: [float(x) for x in r] for c, r in zip(candidates, rows, strict=True)}
+        except (OSError, ValueError, TypeError):
+            pass  # absent or unreadable: computed again and rewritten
+        rows = proxy_kl_table(self.trace(), candidates, self.pairing)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(rows))
+            tmp.replace(path)
+        except OSError as exc:  # a read-only or full cache folder costs the next run the seconds, nothing more
+            print(f"warning: sensitivity table not cached at {path}: {exc.strerror or exc}", file=sys.stderr)
+        return dict(zip(candidates, rows, strict=True))
 
     # -- full evaluation -----------------------------------------------------------------------
 

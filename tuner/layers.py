@@ -121,3 +121,45 @@ def grouped_for_budget(space: Any, kl_of: Mapping[PNMixConfig, Sequence[float]],
     except EvalError:
         return None
     return space.layerwise(chosen)
+
+
+def _step_apart(a: PNMixConfig, b: PNMixConfig) -> bool:
+    """Whether `b` is one step from `a`: one bit of b_high or b_low, or one salient-ratio step
+    (0.1), with the other knobs kept (a uniform pair's ratio counts as 0)."""
+    bits = abs(a.b_high - b.b_high) + abs(a.b_low - b.b_low)
+    ratio = abs(a.salient_ratio - b.salient_ratio)
+    return (bits == 1 and ratio < 0.1 + 1e-9) or (bits == 0 and abs(ratio - 0.1) < 1e-9)
+
+
+def moves(choice: Sequence[PNMixConfig], kl: Mapping[PNMixConfig, Sequence[float]], budget: float,
+          cost: Callable[[PNMixConfig], float]) -> list[list[PNMixConfig]]:
+    """Local moves from an allocation that keep its mean cost within `budget`: one layer one step up
+    (a bit or a ratio step, `_step_apart`) and another one step down, or one layer one step up where
+    the slack allows it. Ranked by the proxy's change in summed KL, least harm first: the moves the
+    proxy can least tell from the allocation itself, which real scores then decide between."""
+    n = len(choice)
+    limit = budget * n + 1e-9
+    spent = sum(cost(c) for c in choice)
+    cands = list(kl)
+    ups: list[tuple[float, float, int, PNMixConfig]] = []  # (delta KL, delta cost, layer, new config)
+    downs: list[tuple[float, float, int, PNMixConfig]] = []
+    for i, cur in enumerate(choice):
+        for c in cands:
+            if c == cur or not _step_apart(cur, c):
+                continue
+            extra = cost(c) - cost(cur)
+            delta = kl[c][i] - kl[cur][i]
+            (ups if extra > 0 else downs).append((delta, extra, i, c))
+    ranked: list[tuple[float, int, list[PNMixConfig]]] = []
+    for d_up, extra, i, c in ups:
+        if spent + extra <= limit:
+            changed = list(choice)
+            changed[i] = c
+            ranked.append((d_up, len(ranked), changed))
+        for d_down, saved, j, e in downs:
+            if j != i and spent + extra + saved <= limit:
+                changed = list(choice)
+                changed[i], changed[j] = c, e
+                ranked.append((d_up + d_down, len(ranked), changed))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    return [changed for _, _, changed in ranked]

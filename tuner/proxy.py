@@ -46,9 +46,27 @@ def proxy_kl(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairi
 def proxy_kl_by_layer(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairing,
                       n_queries: int = 64) -> list[float]:
     """`proxy_kl` layer by layer, each layer under its own config (a layer-wise config's), from
-    which the layer-sensitivity profile (`tuner/sensitivity.py`) is read."""
+    which the layer-sensitivity profile (`tuner/layers.py`) is read."""
     layers = as_layerwise(config).per_layer(len(trace.keys))
-    shared = layers[0]  # sinks, G and residual: the same in every layer
+    return [row[0] for row in _kl_rows(trace, [[c] for c in layers], pairing, n_queries)]
+
+
+def proxy_kl_table(trace: Trace, configs: list[PNMixConfig], pairing: Pairing,
+                   n_queries: int = 64) -> list[list[float]]:
+    """Each config's per-layer KL, `[config][layer]`, for configs that share G, sinks, residual,
+    criterion and seed (the allocator's candidates): the exact attention and the saliency scores
+    of a layer are computed once for all of them, so the table costs a fraction of one
+    `proxy_kl_by_layer` pass per config, with the same figures."""
+    if not configs:
+        return []
+    rows = _kl_rows(trace, [list(configs)] * len(trace.keys), pairing, n_queries)
+    return [[rows[layer][c] for layer in range(len(trace.keys))] for c in range(len(configs))]
+
+
+def _kl_rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_queries: int) -> list[list[float]]:
+    """For each layer, the KL of each of its configs (`per_layer[layer]`), which share the
+    token-schedule fields (sinks, G, residual) and the saliency rule (criterion, seed)."""
+    shared = per_layer[0][0]  # sinks, G and residual: the same in every layer and config
     p = trace.prefill_len
     t = trace.keys[0].shape[1]
     stride = max(1, (t - p) // n_queries)
@@ -61,24 +79,28 @@ def proxy_kl_by_layer(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairi
     use_packed = (s_idx[None, :] >= sinks) & (s_idx[None, :] < sinks + packed_upto[:, None])  # [Q, T]
     causal = s_idx[None, :] <= positions[:, None]
     n_q = int(packed_upto.max())
-    out: list[float] = []
+    out: list[list[float]] = []
     for li, (q, k) in enumerate(zip(trace.queries, trace.keys, strict=True)):
-        cfg = layers[li]
-        if not cfg.keys_quantized:
-            out.append(0.0)
-            continue
+        configs = per_layer[li]
         h_kv, _, d = k.shape
         group = q.shape[0] // h_kv
-        prefill_mask = torch.ones((1, p), dtype=torch.bool, device=dev)
-        scores = saliency_scores(cfg.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
-                                 cfg.seed + li)[0]
-        pairs = select_salient_pairs(scores, cfg.salient_pairs(d))
-        k_hat = k.clone()
-        k_hat[:, sinks : sinks + n_q] = quantize_pnmix(k[:, sinks : sinks + n_q], pairs, cfg.b_high, cfg.b_low,
-                                                       cfg.group_size, pairing)
         qs = q[:, positions]  # [Hq, Q, d]
         exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
-        approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
-        mixed = torch.where(use_packed, approx, exact)
-        out.append(float(masked_kl(exact, mixed, causal).mean()))
+        prefill_mask = torch.ones((1, p), dtype=torch.bool, device=dev)
+        first = configs[0]
+        scores = saliency_scores(first.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
+                                 first.seed + li)[0]
+        row: list[float] = []
+        for cfg in configs:
+            if not cfg.keys_quantized:
+                row.append(0.0)
+                continue
+            pairs = select_salient_pairs(scores, cfg.salient_pairs(d))
+            k_hat = k.clone()
+            k_hat[:, sinks : sinks + n_q] = quantize_pnmix(k[:, sinks : sinks + n_q], pairs, cfg.b_high, cfg.b_low,
+                                                           cfg.group_size, pairing)
+            approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
+            mixed = torch.where(use_packed, approx, exact)
+            row.append(float(masked_kl(exact, mixed, causal).mean()))
+        out.append(row)
     return out

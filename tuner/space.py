@@ -9,6 +9,12 @@ Kitty-like method compare on one model:
     pnmix:        any 1 <= b_low <= b_high <= 4, G, r in {0.1..0.9} (r = 0 when b_high == b_low), sinks
     kivi:         uniform 1 or 2 bits, G; no salient channels, no sinks
     kitty:        4/2 bits, k_magnitude saliency, G and r; 32 sinks
+    pnmix-alloc:  PN-Mix with every layer its own bit pair and r, chosen by the allocator
+                  (tuner/layers.py) rather than sampled: a trial's parameters are the shared
+                  fields only (G, sinks, values when searched), and its per-layer pairs and ratios
+                  are the knapsack's over the per-layer sensitivity at those shared fields, or a
+                  local move from the best allocation scored so far, or a uniform config (one
+                  allocation whose layers are all alike); `groups` holds one layer per group
     pnmix-layers: PN-Mix with the model's layers in `layer_groups` groups (`groups`, formed by the
                   campaign from layer sensitivity), each group its own bit pair and r; G, sinks and
                   values shared by every layer (pnmix/layerwise.py says why)
@@ -36,6 +42,7 @@ SINKS = (0, 8, 16, 32, 64)
 VALUE_BITS = (1, 2, 4, 8)  # searched value bits (`search_values`)
 VALUE_GROUPS = (32, 64, 128)  # searched value group sizes, those that divide the model's head_dim
 LAYERED = "pnmix-layers"
+ALLOCATED = "pnmix-alloc"
 DEFAULT_LAYER_GROUPS = 4
 
 AnyConfig = PNMixConfig | LayerwiseConfig
@@ -71,7 +78,17 @@ class SearchSpace:
 
     @property
     def layered(self) -> bool:
-        return self.method == LAYERED
+        """Whether the space's configs are layer-wise (its `groups` say which layers go together)."""
+        return self.method in (LAYERED, ALLOCATED)
+
+    @property
+    def allocated(self) -> bool:
+        """Whether each layer's pair and ratio come from the allocator, not from trial parameters."""
+        return self.method == ALLOCATED
+
+    def with_layers(self, num_layers: int) -> SearchSpace:
+        """pnmix-alloc: this space on a model of `num_layers` layers (one group per layer)."""
+        return self.with_groups([[i] for i in range(num_layers)])
 
     def with_groups(self, groups: Sequence[Sequence[int]]) -> SearchSpace:
         """This space with the layer groups of a model (every layer in exactly one group)."""
@@ -133,6 +150,8 @@ class SearchSpace:
         `pairs`: the bit pairs to choose from (default: all of the method's). pnmix-layers: one pair
         and ratio per group ("bits_0", "salient_ratio_0", ...), G and sinks shared."""
         # Parameter order as the uniform space always drew them: a seed reproduces its campaigns.
+        if self.allocated:
+            return self.suggest_shared(trial, head_dim)
         if not self.layered:
             hi, lo = (int(x) for x in trial.suggest_categorical("bits", pairs or self.bit_pairs()).split("/"))
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
@@ -154,6 +173,23 @@ class SearchSpace:
             ratio = float(trial.suggest_categorical(f"salient_ratio_{k}", list(RATIOS))) if hi > lo else 0.0
             per_group.append(self.config(hi, lo, group, ratio, sinks, **values))
         return self.layerwise(per_group)
+
+    def suggest_shared(self, trial: Any, head_dim: int = 128) -> PNMixConfig:
+        """pnmix-alloc: the shared fields a trial samples (G, sinks, values when searched), as the
+        base config whose bits and ratio the allocator then sets layer by layer (the base holds the
+        paper's 3/1 r0.5, which `tuner.layers.candidates_like` replaces)."""
+        group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
+        sinks = int(trial.suggest_categorical("n_sink", list(SINKS)))
+        values: dict[str, int] = {}
+        if self.search_values:
+            groups = sorted({g for _, g in self.value_choices(head_dim)})
+            values = {"value_bits": int(trial.suggest_categorical("value_bits", list(VALUE_BITS))),
+                      "value_group_size": int(trial.suggest_categorical("value_group_size", groups))}
+        return self.config(3, 1, group, 0.5, sinks, **values)
+
+    def shared_base(self, config: AnyConfig) -> PNMixConfig:
+        """The base config of `config`'s shared fields (what `suggest_shared` returns for them)."""
+        return as_layerwise(config).default.with_(b_high=3, b_low=1, salient_ratio=0.5)
 
     def layerwise(self, per_group: Sequence[PNMixConfig]) -> AnyConfig:
         """The config whose group k's layers take `per_group[k]`, in its simplest form."""
@@ -210,6 +246,8 @@ class SearchSpace:
             params["n_sink"] = first.n_sink
         if self.search_values:
             params["value_bits"], params["value_group_size"] = first.value_bits, first.value_group_size
+        if self.allocated:
+            return params
         if not self.layered:
             params["bits"] = f"{first.b_high}/{first.b_low}"
             if len(self._ratios(first.b_high, first.b_low)) > 1:
@@ -259,7 +297,7 @@ class SearchSpace:
         """The configs of the space one step from `config` on one searched knob (sinks, salient ratio
         (each group's, for pnmix-layers), group size, value bits and group when searched: the next
         value down or up), in that order; with `head_dim`, only value groups that divide it."""
-        if not self.contains(config):
+        if not self.contains(config) or self.allocated:  # pnmix-alloc: local moves (tuner.layers.moves)
             return []
 
         def steps(values: Sequence[Any], v: Any) -> list[Any]:
@@ -342,7 +380,7 @@ class SearchSpace:
         return {k: v for k, v in asdict(self).items() if k != "groups"}
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
+        out: dict[str, Any] = {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
                "salient_ratio": [] if self.method == "kivi" else list(RATIOS), "n_sink": self._sinks(),
                "residual_len": self.residual_len,
                "value_bits": list(VALUE_BITS) if self.search_values else self.value_bits,
@@ -350,7 +388,7 @@ class SearchSpace:
                "criterion": "k_magnitude" if self.method == "kitty" else self.criterion}
         if self.budget_on != "key":  # only where it differs: a sweep file's header holds this dict
             out["budget_on"] = self.budget_on
-        if self.layered:
+        if self.method == LAYERED:
             out["layer_groups"] = self.layer_groups
             if self.groups:
                 out["groups"] = [list(g) for g in self.groups]

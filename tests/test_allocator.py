@@ -1,0 +1,149 @@
+"""The allocator as the search (`--method pnmix-alloc`): its budget, its moves, its campaigns, and its
+configs served through SQL, the REST API and `export`."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from test_budgets import D, LayerFormulaEvaluator, run_campaign
+from test_budgets import db as db  # noqa: F401  (the fixture)
+
+from pnmix.analysis import Trace
+from pnmix.bits import kv_bits, mean_key_bits
+from pnmix.config import PNMixConfig, preset
+from pnmix.layerwise import LayerwiseConfig, config_from_dict, simplest
+from tuner.campaign import front_trials, study_name
+from tuner.layers import allocate, candidates_like, moves
+from tuner.proxy import proxy_kl_by_layer, proxy_kl_table
+from tuner.space import SearchSpace
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.mark.parametrize("budget_on", ["key", "kv"])
+def test_the_allocator_and_its_moves_never_exceed_the_budget(budget_on):
+    space = SearchSpace(method="pnmix-alloc", budget_on=budget_on).with_layers(8)
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(6):
+        base = space.config(3, 1, [32, 64, 128][trial % 3], 0.5, [0, 32, 64][trial % 3])
+        cands = candidates_like(base, space)
+        kl = {c: torch.rand(8, generator=gen).tolist() for c in cands}
+
+        def cost(c: PNMixConfig) -> float:
+            return space.cost(c, D)
+
+        low, high = min(map(cost, cands)), max(map(cost, cands))
+        budget = float(torch.empty(1).uniform_(low, high, generator=gen))
+        choice = allocate(kl, budget, D, cost=cost)
+        whole = LayerwiseConfig.from_layers(choice)
+        assert space.cost(whole, D) <= budget + 1e-9, (trial, budget)
+        figure = kv_bits(whole, 8, D) if budget_on == "kv" else mean_key_bits(whole, 8, D)
+        assert figure == pytest.approx(sum(map(cost, choice)) / 8)  # the per-layer costs add up to the model's
+        found = moves(choice, kl, budget, cost)
+        assert found, trial
+        for changed in found[:200]:
+            assert space.cost(LayerwiseConfig.from_layers(changed), D) <= budget + 1e-9
+            assert sum(a != b for a, b in zip(changed, choice, strict=True)) in (1, 2)
+        # Least proxy harm first.
+        harm = [sum(kl[c][i] for i, c in enumerate(m)) for m in found]
+        assert harm == sorted(harm)
+
+
+def test_an_allocation_whose_layers_are_alike_is_the_uniform_config():
+    """A table that makes one candidate the best everywhere gives that config, in its single form:
+    stored, served and cached exactly as the uniform config (tests/test_layerwise.py checks the
+    cache bit for bit, `test_every_layer_equal_gives_the_single_configs_tokens_and_bytes`)."""
+    space = SearchSpace(method="pnmix-alloc").with_layers(5)
+    paper = space.recast(preset("pnmix-paper"))
+    cands = candidates_like(paper, space)
+    kl = {c: [0.0 if c == paper else 1.0] * 5 for c in cands}
+    choice = allocate(kl, space.cost(paper, D), D, cost=lambda c: space.cost(c, D))
+    assert simplest(LayerwiseConfig.from_layers(choice)) == paper
+    assert space.contains(paper)
+
+
+def test_the_sensitivity_table_equals_one_proxy_pass_per_candidate():
+    gen = torch.Generator().manual_seed(2)
+    trace = Trace([torch.randn((6, 300, 64), generator=gen) for _ in range(3)],
+                  [torch.randn((2, 300, 64), generator=gen) for _ in range(3)], 40, 0.125)
+    cands = candidates_like(PNMixConfig(group_size=32, residual_len=64, n_sink=8), SearchSpace())[:9]
+    table = proxy_kl_table(trace, cands, "rotate_half")
+    for c, row in zip(cands, table, strict=True):
+        assert row == proxy_kl_by_layer(trace, c, "rotate_half")
+    assert len({tuple(r) for r in table}) == len(cands)  # the candidates differ
+
+
+class SkewedEvaluator(LayerFormulaEvaluator):
+    """Real accuracy that weighs the layers unlike the proxy does (the proxy under-rates the last
+    layers): what local moves exist to find."""
+
+    def evaluate(self, config, measure: bool = True):
+        score = super().evaluate(config, measure)
+        layers = config.per_layer(30) if isinstance(config, LayerwiseConfig) else [config] * 30
+        extra = sum(self.layer_loss(c, i) for i, c in enumerate(layers) if i >= 24) / 30
+        score.accuracy = max(0.0, score.accuracy - 2 * extra)
+        return score
+
+
+def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise_points(db, monkeypatch):
+    from api.app import create_app
+    from api.settings import Settings
+    from storage import list_front_points, recommend
+
+    space = SearchSpace(method="pnmix-alloc")
+    budgets = (2.0, 2.5)
+    import test_budgets
+
+    monkeypatch.setattr(test_budgets, "LayerFormulaEvaluator", SkewedEvaluator)
+    runner, campaign_id = run_campaign(db, space, budgets, 8)
+    assert runner.space.groups == tuple((i,) for i in range(30))
+    for budget in budgets:
+        study = optuna.load_study(study_name=study_name(campaign_id, budget), storage=db.url)
+        own = sorted((t for t in study.trials if "shared" not in t.user_attrs), key=lambda t: t.number)
+        first = own[0]
+        # The first scored config is the allocator's at the paper's shared fields, and fills the budget.
+        assert first.user_attrs["origin"] == "allocation"
+        assert isinstance(config_from_dict(first.user_attrs["config"]), LayerwiseConfig)
+        assert budget - 0.05 < first.user_attrs["bits"] <= budget
+        scored = [t for t in study.trials if "accuracy" in t.user_attrs]
+        assert all(t.user_attrs["bits"] <= budget + 1e-9 for t in scored)
+        origins = {t.user_attrs.get("origin") for t in own}
+        assert {"allocation", "proposal", "move"} <= origins, origins
+        uniform = [t for t in scored if isinstance(config_from_dict(t.user_attrs["config"]), PNMixConfig)]
+        best = max(front_trials(study), key=lambda t: t.user_attrs["accuracy"])
+        # Never worse than the pure allocation (one of its warm starts), and above every uniform config.
+        assert best.user_attrs["accuracy"] >= first.user_attrs["accuracy"]
+        assert best.user_attrs["accuracy"] > max(t.user_attrs["accuracy"] for t in uniform)
+        assert all(t.user_attrs["label"] == config_from_dict(t.user_attrs["config"]).label for t in own
+                   if "config" in t.user_attrs)
+    # The layer-wise best round-trips through SQL, the REST API and export.
+    with db.session(readonly=True) as s:
+        stored = recommend(s, "smollm2-135m", 2.5)
+        assert isinstance(stored.config, LayerwiseConfig) and stored.layers
+        assert stored.key_bits == pytest.approx(mean_key_bits(stored.config, 30, D))
+        assert len(list_front_points(s, "smollm2-135m", campaign_id=campaign_id).items) >= 2
+    with TestClient(create_app(Settings(database_url=db.url))) as client:
+        got = client.get("/v1/recommend", params={"model": "smollm2-135m", "target_bits": 2.5})
+        assert got.status_code == 200, got.text
+        body = got.json()
+        served = config_from_dict(json.loads(body["pnmix_config"]))
+        assert isinstance(served, LayerwiseConfig)
+        with db.session(readonly=True) as s:
+            same = [p for p in list_front_points(s, "smollm2-135m", campaign_id=campaign_id).items
+                    if (p.budget, p.trial_number) == (body["point"]["budget"], body["point"]["trial_number"])]
+        assert len(same) == 1 and same[0].config == served and body["point"]["layers"] == same[0].layers
+        assert body["point"]["accuracy_se"] == pytest.approx(0.01)
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    monkeypatch.setenv("PNMIX_DATABASE_URL", db.url)
+    out = db.url.replace("sqlite:///", "").replace("pnmix.db", "exported.json")
+    result = CliRunner().invoke(app, ["export", "--model", "smollm2-135m", "--bits", "2.5", "-o", out])
+    assert result.exit_code == 0, result.output
+    with open(out) as f:
+        assert config_from_dict(json.load(f)) == stored.config
