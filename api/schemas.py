@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from pnmix.inputs import BUDGET, LAYER_GROUPS, TRIALS
-from pnmix.names import BACKENDS, BUDGET_ON, METHODS
+from pnmix.names import BACKENDS, BUDGET_ON, DEFAULT_METHOD, METHODS
 from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from storage.read import OPTIMIZE, ModelSummary
 from storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
@@ -216,7 +216,10 @@ class CampaignCreate(BaseModel):
                                   description="bit budgets, on the figure `budget_on` names")
     n_trials: WholeNumber = Field(default=30, ge=TRIALS.low, le=TRIALS.high,
                           description="trials per budget (the default is `pnmix tune`'s)")
-    method: Literal[METHODS] = "pnmix"  # type: ignore[valid-type]
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_METHOD, description="pnmix-alloc (default): each layer's bits from the allocator, local "
+        "moves scored by real accuracy; pnmix, kivi, kitty: uniform configs of each method's knobs; "
+        "pnmix-layers: sampled layer groups")
     profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]
     objectives: list[Literal[REQUESTED_OBJECTIVES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(REQUIRED_OBJECTIVES), min_length=2, max_length=len(REQUESTED_OBJECTIVES),

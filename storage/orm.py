@@ -198,6 +198,8 @@ class FrontPoint(Base):
     backend: Mapped[str] = mapped_column(String(32))  # torch | triton
     device: Mapped[str] = mapped_column(String(255))  # e.g. "cpu (2 cores)", "NVIDIA H200"
     versions: Mapped[dict[str, Any]] = mapped_column(default=dict)  # package -> version
+    # per part {"weight": w, "values": [per-unit influence]} (storage.write.FrontPointIn); NULL: unknown
+    unit_influence: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     campaign: Mapped[Campaign] = relationship(back_populates="points")

@@ -101,13 +101,39 @@ TIE_Z = 2.0  # points whose accuracy is within this many standard errors of the 
 
 def tied_with(best: FrontPoint, point: FrontPoint) -> bool:
     """Whether `point`'s accuracy is statistically indistinguishable from `best`'s: equal, or lower by
-    at most TIE_Z standard errors of the difference, sqrt(se_best^2 + se_point^2). The points' per-item
-    outcomes are not stored, so the difference is not paired: that errs towards calling points tied."""
+    at most TIE_Z standard errors of the difference. Two points of one campaign that keep their
+    per-unit outcomes were scored on the same items: the difference is paired (`paired_se`). Else it
+    is unpaired, sqrt(se_best^2 + se_point^2), which errs towards calling points tied."""
     if point.accuracy >= best.accuracy:
         return True
-    if best.accuracy_se is None or point.accuracy_se is None:
-        return False
-    return best.accuracy - point.accuracy <= TIE_Z * math.hypot(best.accuracy_se, point.accuracy_se)
+    se = paired_se(best, point)
+    if se is None:
+        if best.accuracy_se is None or point.accuracy_se is None:
+            return False
+        se = math.hypot(best.accuracy_se, point.accuracy_se)
+    return best.accuracy - point.accuracy <= TIE_Z * se
+
+
+def paired_se(a: FrontPoint, b: FrontPoint) -> float | None:
+    """The standard error of a's accuracy minus b's, paired unit by unit, for two points of one
+    campaign that both keep their per-unit outcomes (`unit_influence`) on the same parts; else None.
+    Per part the SE of the mean per-unit difference, combined with the parts' weights (tuner/stats.py)."""
+    ua, ub = a.unit_influence, b.unit_influence
+    if a.campaign_id != b.campaign_id or not ua or not ub or set(ua) != set(ub):
+        return None
+    total = sum(float(ua[p]["weight"]) for p in ua)
+    if total <= 0:
+        return None
+    var = 0.0
+    for part, entry in ua.items():
+        xs, ys = entry["values"], ub[part]["values"]
+        if len(xs) != len(ys) or len(xs) < 2:
+            return None
+        diffs = [x - y for x, y in zip(xs, ys, strict=True)]
+        mean = sum(diffs) / len(diffs)
+        sem2 = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)
+        var += (float(entry["weight"]) / total) ** 2 * sem2
+    return math.sqrt(var)
 
 
 def bits_column(bits_of: str) -> Any:

@@ -97,6 +97,9 @@ class FrontPointIn:
     backend:        "torch" (CPU/GPU reference) or "triton"
     device:         what it ran on, e.g. "cpu" or "NVIDIA H200"
     versions:       package -> version, e.g. {"torch": "2.13.0", "transformers": "5.24.0"}
+    unit_influence: per part, its weight in the accuracy and the per-unit values whose mean is the
+                    part's score ({"passkey": {"weight": 0.25, "values": [1.0, 0.0, ...]}}; tuner/stats.py):
+                    two points of one campaign, scored on the same units, then compare paired
     """
 
     config: PNMixConfig | LayerwiseConfig
@@ -109,6 +112,7 @@ class FrontPointIn:
     accuracy_parts: Mapping[str, float] = field(default_factory=dict)
     versions: Mapping[str, str] = field(default_factory=dict)
     accuracy_se: float | None = None
+    unit_influence: Mapping[str, Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, PNMixConfig | LayerwiseConfig):
@@ -128,6 +132,13 @@ class FrontPointIn:
                 raise InvalidValueError(f"invalid {name}={value!r}: a non-empty string")
         for part, value in self.accuracy_parts.items():
             _check_number(f"accuracy_parts[{part!r}]", value)
+        for part, entry in (self.unit_influence or {}).items():
+            values = entry.get("values") if isinstance(entry, Mapping) else None
+            if not isinstance(values, list) or not values:
+                raise InvalidValueError(f"invalid unit_influence[{part!r}]: a weight and a non-empty list of values")
+            _check_number(f"unit_influence[{part!r}].weight", entry.get("weight"), low=0.0)
+            for value in values:
+                _check_number(f"unit_influence[{part!r}] value", value)
 
 
 def upsert_model(session: Session, model: ModelIn) -> Model:
@@ -408,6 +419,9 @@ def replace_front(
                 backend=point.backend,
                 device=point.device,
                 versions={str(k): str(v) for k, v in point.versions.items()},
+                unit_influence=None if point.unit_influence is None else {
+                    str(k): {"weight": float(v["weight"]), "values": [float(x) for x in v["values"]]}
+                    for k, v in point.unit_influence.items()},
             )
         )
     session.execute(

@@ -147,3 +147,49 @@ def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise
     assert result.exit_code == 0, result.output
     with open(out) as f:
         assert config_from_dict(json.load(f)) == stored.config
+
+
+def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db):  # noqa: F811
+    """Two configs that answer the same items alike but one more: unpaired SEs call them tied, the
+    paired difference does not; across campaigns (other items, maybe) the comparison stays unpaired."""
+    from storage import FrontPointIn, create_campaign, recommend_with_ties, replace_front
+    from storage.read import paired_se
+    from tuner.stats import paired, unit_influence
+
+    gen = torch.Generator().manual_seed(3)
+    base = (torch.rand(40, generator=gen) < 0.6).float().tolist()
+    better = list(base)
+    for i in [i for i, x in enumerate(base) if x == 0][:5]:
+        better[i] = 1.0  # five more items answered, none lost
+    kl = torch.rand(8, generator=gen).mul(0.2).tolist()
+    units_a = {"passkey": better, "fidelity": kl}
+    units_b = {"passkey": base, "fidelity": kl}
+    from tuner.stats import combine, combined_se, part_score
+
+    def point(cfg, n, units):
+        acc = combine({p: part_score(p, u) for p, u in units.items()})
+        return FrontPointIn(cfg, accuracy=acc, kv_bytes=1, throughput=1.0, trial_number=n, backend="t", device="cpu",
+                            accuracy_se=combined_se(units), unit_influence=unit_influence(units))
+
+    lw = LayerwiseConfig.from_layers([preset("pnmix-paper").with_(b_low=2, salient_ratio=0.1)] * 2
+                                     + [preset("pnmix-paper")] * 28)
+    with db.session() as s:
+        one = create_campaign(s, "smollm2-135m", [3.0], 4)
+        replace_front(s, one.id, 3.0, [point(lw, 0, units_a), point(preset("pnmix-paper"), 1, units_b)])
+    with db.session(readonly=True) as s:
+        best, ties = recommend_with_ties(s, "smollm2-135m", 3.0)
+        other = next(p for p in ties if p is not best) if len(ties) > 1 else None
+        assert best.config == lw and other is None  # paired: the layer-wise point is ahead, not tied
+        from storage import list_front_points
+
+        a, b = sorted(list_front_points(s, "smollm2-135m").items, key=lambda p: p.trial_number)
+        want = paired(units_a, units_b)["accuracy"]
+        assert paired_se(a, b) == pytest.approx(want[1], rel=1e-9)
+        assert a.accuracy - b.accuracy == pytest.approx(want[0], rel=1e-9)
+        assert a.accuracy - b.accuracy <= 2 * (a.accuracy_se ** 2 + b.accuracy_se ** 2) ** 0.5  # unpaired: tied
+    with db.session() as s:  # the same scores in two campaigns: not known to share items, so unpaired
+        two = create_campaign(s, "smollm2-135m", [3.0], 4)
+        replace_front(s, two.id, 3.0, [point(preset("pnmix-paper"), 0, units_b)])
+    with db.session(readonly=True) as s:
+        a, b = [p for p in list_front_points(s, "smollm2-135m").items if p.trial_number == 0]
+        assert paired_se(a, b) is None

@@ -597,16 +597,19 @@ class CampaignRunner:
         runner; the seconds it took are recorded on the trial that needed it (`sensitivity_s`)."""
         from tuner.layers import candidates_like
 
-        if base not in self._tables:
+        # The proxy sees keys only: one table per key-side shared fields, whatever the value format.
+        keys = base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
+        if keys not in self._tables:
             started = time.perf_counter()
-            candidates = candidates_like(base, self.space)
-            self.progress(f"layer sensitivity at {base.label}: {len(candidates)} candidates")
-            self._tables[base] = self.evaluator.sensitivity(candidates)
+            candidates = candidates_like(keys, self.space)
+            self.progress(f"layer sensitivity at {keys.label}: {len(candidates)} candidates")
+            self._tables[keys] = self.evaluator.sensitivity(candidates)
             seconds = time.perf_counter() - started
             self.sensitivity_seconds += seconds
             if trial is not None:
                 trial.set_user_attr("sensitivity_s", seconds)
-        return self._tables[base]
+        values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
+        return {c.with_(**values): row for c, row in self._tables[keys].items()}
 
     def _taken_configs(self, study: optuna.Study) -> set[str]:
         """Configs the campaign has scored, or that a running trial is scoring now."""
@@ -792,6 +795,7 @@ class CampaignRunner:
     def write_front(self, study: optuna.Study, budget: float, progress: bool = True) -> int:
         """Replaces the stored (campaign, budget) front with the study's feasible Pareto trials."""
         from storage import FrontPointIn, replace_front
+        from tuner.stats import unit_influence
 
         points = []
         for t in front_trials(study):
@@ -800,7 +804,8 @@ class CampaignRunner:
                 kv_bytes=int(t.user_attrs["kv_bytes"]), throughput=float(t.user_attrs["decode_tokens_per_s"]),
                 trial_number=t.number, backend=str(t.user_attrs["backend"]), device=str(t.user_attrs["device"]),
                 accuracy_parts=dict(t.user_attrs["parts"]), versions=dict(t.user_attrs["versions"]),
-                accuracy_se=t.user_attrs.get("accuracy_se")))
+                accuracy_se=t.user_attrs.get("accuracy_se"),
+                unit_influence=unit_influence(t.user_attrs["units"]) if t.user_attrs.get("units") else None))
         with self.db.session() as s:
             replace_front(s, self.campaign_id, budget, points)
         if progress:

@@ -28,7 +28,7 @@ from pnmix.cli import (
 )
 from pnmix.config import PRESETS
 from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, Names, Number, OutputFile, Shard
-from pnmix.names import BACKENDS, BUDGET_ON, METHODS
+from pnmix.names import BACKENDS, BUDGET_ON, DEFAULT_METHOD, METHODS
 from tuner.profiles import PROFILES, EvalError
 from tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
 from tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS, LAYERED
@@ -42,7 +42,10 @@ if TYPE_CHECKING:
 # Every option parses through a checker of pnmix.inputs (refused before any work; api/cli.py prints it).
 ProfileOpt = Annotated[str, typer.Option("--profile", help=", ".join(PROFILES), parser=Choice(tuple(PROFILES)))]
 BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS), parser=Choice(BACKENDS))]
-MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: each method's own knobs", parser=Choice(METHODS))]
+MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: pnmix-alloc gives each layer its bits by the "
+                                        "allocator (per-layer sensitivity, knapsack, local moves scored for real); "
+                                        "the others search uniform configs of each method's knobs, or layer groups",
+                                        parser=Choice(METHODS))]
 SeedOpt = Annotated[int, typer.Option(help="task (and sampler) seed", parser=Int(inputs.SEED))]
 TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(inputs.TRIALS))]
 BitsOpt = Annotated[float, typer.Option(help="bit budget (key bits, or KV bits with --bits-of kv)",
@@ -300,7 +303,7 @@ def tune(
     # 45: in the replay against the ground truth (benchmarks/bench_tuner.py) 45 a budget reached
     # 0.97-0.98 of the true front at each budget within a tenth of a full sweep's seconds; 30, 0.88-0.95.
     trials: TrialsOpt = 30,
-    method: MethodOpt = "pnmix",
+    method: MethodOpt = DEFAULT_METHOD,
     budget_on: Annotated[str, typer.Option(help="what the budgets bound: key (key bits per key element) or kv (key "
                                            "and value bits per cached element)", parser=Choice(BUDGET_ON))] = "key",
     search_values: Annotated[bool, typer.Option(help="search value bits and value group size too (needs "
@@ -747,26 +750,50 @@ def run_main_job(
     trials: TrialsOpt = 6,
     storage: StorageOpt = None,
 ) -> None:
-    """The main job: bit-budget table, then a small real campaign (quick profile, budgets 3.0 and 2.3)."""
+    """The main job: bit-budget table, then a small real allocator campaign (quick profile, budgets 3.0
+    and 2.3 key bits), its fronts, the recommendation at <= 2.3 bits beside pnmix-paper, and a plot."""
     from pathlib import Path
 
     from storage import recommend_with_ties
     from tuner.campaign import CampaignSpec
     from tuner.plot import pareto_plot
     from tuner.session import find_or_create_campaign, open_db
+    from tuner.space import SearchSpace
 
     console.print(budget_table(model))
     db = open_db(storage, upgrade=True)
     # 2.3 bits admits the paper's config (2.263 key bits at d = 64); at 2.25 only KIVI-2 and cheaper fit.
-    spec = CampaignSpec(model=model, budgets=(3.0, 2.3), n_trials=trials, profile="quick")
+    spec = CampaignSpec(model=model, budgets=(3.0, 2.3), n_trials=trials, profile="quick", method=ALLOCATED,
+                        space=SearchSpace(method=ALLOCATED))
     campaign_id = find_or_create_campaign(db, spec)
     console.print(f"campaign {campaign_id} on {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
     path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
     with db.session(readonly=True) as s:
-        p, ties = recommend_with_ties(s, model, 2.3)
+        p, ties = recommend_with_ties(s, model, 2.3, campaign_id=campaign_id)
         console.print(f"recommendation at <= 2.3 key bits: {p.config.to_json()} "
                       f"(key bits {p.key_bits:.3f}, accuracy {_pm(p.accuracy, p.accuracy_se)})")
         _print_ties([(t.config, t.key_bits, t.accuracy, t.accuracy_se) for t in ties if t is not p])
+        console.print(_against_paper(studies[p.budget], p.trial_number, spec.space))
     console.print(f"Pareto plot: {path}; the API (`pnmix serve`) and `pnmix dashboard` read {db.display_url}")
+
+
+def _against_paper(study: Any, trial_number: int, space: Any) -> str:
+    """The recommended point's accuracy minus pnmix-paper's, paired on the same items (both scored in
+    the campaign's study of that budget)."""
+    from pnmix.config import preset
+    from tuner.stats import paired
+
+    paper = space.recast(preset("pnmix-paper")).to_dict()
+    trials = study.get_trials(deepcopy=False)
+    mine = next((t for t in trials if t.number == trial_number), None)
+    theirs = next((t for t in trials if t.user_attrs.get("config") == paper and t.user_attrs.get("units")), None)
+    if mine is None or theirs is None or not mine.user_attrs.get("units"):
+        return "pnmix-paper was not scored at this budget: no paired comparison"
+    if mine.number == theirs.number:
+        return "the recommendation is pnmix-paper itself"
+    diff, se = paired(mine.user_attrs["units"], theirs.user_attrs["units"])["accuracy"]
+    verdict = ("beyond two standard errors" if se and abs(diff) > 2 * se
+               else "within two standard errors: not a measured difference")
+    return f"recommendation minus pnmix-paper, paired on the same items: {_diff(diff, se)} ({verdict})"

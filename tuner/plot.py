@@ -1,5 +1,5 @@
-"""Pareto plot of a campaign: accuracy vs the budget's bits (key or KV) per budget, front marked,
-presets marked."""
+"""Pareto plot of a campaign: accuracy vs the budget's bits (key or KV) per budget, front marked
+with each point's standard error (layer-wise points as diamonds), presets marked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig, preset
-from pnmix.layerwise import config_from_dict
+from pnmix.layerwise import LayerwiseConfig, config_from_dict
 
 
 def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: str = "key") -> Path:
@@ -28,8 +28,16 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
         ax.scatter([budget_bits(t) for t in done], [t.user_attrs["accuracy"] for t in done],
                    s=14, alpha=0.4, color=color)
         front = sorted(front_trials(study), key=budget_bits)
-        ax.plot([budget_bits(t) for t in front], [t.user_attrs["accuracy"] for t in front], "o-",
-                color=color, label=f"front, budget {budget:g} bits")
+        # Each front point with its standard error; layer-wise configs as diamonds, uniform as circles.
+        xs, ys = [budget_bits(t) for t in front], [t.user_attrs["accuracy"] for t in front]
+        ax.plot(xs, ys, "-", color=color, label=f"front, budget {budget:g} bits (+- 1 SE)")
+        ax.errorbar(xs, ys, yerr=[t.user_attrs.get("accuracy_se") or 0.0 for t in front], fmt="none",
+                    ecolor=color, capsize=3, linewidth=1)
+        layered = [isinstance(config_from_dict(t.user_attrs["config"]), LayerwiseConfig) for t in front]
+        for marker, which in (("D", True), ("o", False)):
+            ax.scatter([x for x, lw in zip(xs, layered, strict=True) if lw is which],
+                       [y for y, lw in zip(ys, layered, strict=True) if lw is which], marker=marker, color=color,
+                       s=30, zorder=3)
         ax.axvline(budget, color=color, linestyle=":", linewidth=1)
         for t in done:
             cfg = config_from_dict(t.user_attrs["config"])
@@ -42,6 +50,8 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
     ax.set_ylabel("accuracy (combined)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    ax.scatter([], [], marker="D", color="gray", label="layer-wise config")
+    ax.scatter([], [], marker="o", color="gray", label="uniform config")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,12 @@ def influence(name: str, units: Sequence[float]) -> list[float]:
     return [s * (1.0 - (u - m)) for u in units]
 
 
+def unit_influence(units: Mapping[str, Sequence[float]]) -> dict[str, dict[str, object]]:
+    """What a stored point keeps to be compared paired (storage.read.paired_se): each part's weight
+    and its per-unit influence values; `paired` on two configs' units gives the same SE."""
+    return {name: {"weight": WEIGHTS[name], "values": influence(name, u)} for name, u in units.items() if u}
+
+
 def combine(parts: Mapping[str, float]) -> float:
     """The combined accuracy: weighted mean of the parts that ran (weights in tuner.profiles.WEIGHTS)."""
     total = sum(WEIGHTS[name] for name in parts)

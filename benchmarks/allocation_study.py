@@ -1,0 +1,257 @@
+"""The allocator campaign against the best uniform config, the pure proxy allocation and pnmix-paper.
+
+    python benchmarks/allocation_study.py --device cuda --out DIR [--trials 10]   # GPU: campaigns + rescoring
+    python benchmarks/allocation_study.py --report DIR/allocation_study.json     # anywhere: table and plot
+
+On the embedded model, full profile, seed 0 (the ground truth's items and trajectories), one
+evaluator for everything, so every score below is on the same items and every difference is paired:
+  key   a `pnmix-alloc` campaign over the key budgets 1.5, 2.0, 2.25, 2.263 (pnmix-paper's bits),
+        2.5 and 3.0, `--trials` scored configs a budget;
+  kv    a `pnmix-alloc` campaign over the KV budgets 2.25, 2.5 and 2.64 with value formats searched;
+  then, per budget: the campaign's best (the most accurate point of its front), the pure proxy
+  allocation (the budget's first trial: the allocator's config at pnmix-paper's shared fields,
+  before any real score), the best uniform config of the ground-truth sweep within the budget
+  (benchmarks/ground_truth/, 870 configs, re-scored here; under a KV budget by its KV bits) and
+  pnmix-paper where it fits, each with its SE; the campaign minus each, paired.
+The wall time of each campaign (preparation, sensitivity tables and every trial) is recorded, as
+are the kernel specialisations the campaign's trials compiled (Triton's cache, counted before and
+after). Each budget's pick is written as a config for `qwen3-8b-shape` (its 30 layers stretched
+onto 36 by relative depth: layer j takes layer floor(j * 30 / 36)'s config) to DIR/picks/, for
+`static_study.py --part maxbatch --config NAME=FILE`. Resumable: a cut run keeps its campaigns
+(DIR/study.db) and the JSON of every part it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pnmix.bits import kv_bits, mean_key_bits  # noqa: E402
+from pnmix.config import PNMixConfig, preset  # noqa: E402
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, config_from_dict, simplest  # noqa: E402
+
+TRUTH = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
+KEY_BUDGETS = (1.5, 2.0, 2.25, 2.263, 2.5, 3.0)
+KV_BUDGETS = (2.25, 2.5, 2.64)
+MODEL, LAYERS, HEAD_DIM, TARGET_LAYERS = "smollm2-135m", 30, 64, 36
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stretch(config: AnyConfig, layers: int = LAYERS, target: int = TARGET_LAYERS) -> AnyConfig:
+    """`config` on a model of `target` layers: layer j takes layer floor(j * layers / target)'s config."""
+    if isinstance(config, PNMixConfig):
+        return config
+    per = config.per_layer(layers)
+    return simplest(LayerwiseConfig.from_layers([per[j * layers // target] for j in range(target)]))
+
+
+def triton_kernels() -> int:
+    """Compiled kernels in Triton's cache (a count before and after a campaign gives its new ones)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return sum(1 for _ in root.glob("*/*.cubin")) if root.is_dir() else 0
+
+
+def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: Path, res: dict[str, Any]) -> None:
+    import optuna
+
+    from storage import Database, upgrade
+    from tuner.campaign import CampaignRunner, CampaignSpec, front_trials
+    from tuner.session import find_or_create_campaign
+    from tuner.space import ALLOCATED, SearchSpace
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    kv = name == "kv"
+    space = SearchSpace(method=ALLOCATED, budget_on="kv" if kv else "key", search_values=kv)
+    spec = CampaignSpec(model=MODEL, budgets=budgets, n_trials=trials, method=ALLOCATED, profile=ev.profile.name,
+                        objectives=("accuracy", "key_bits"), seed=ev.seed, space=space)
+    db = Database(f"sqlite:///{out / 'study.db'}")
+    upgrade(db)
+    campaign_id = find_or_create_campaign(db, spec)
+    kernels = triton_kernels()
+    started = time.perf_counter()
+    runner = CampaignRunner(db, db.url, campaign_id, spec, ev, progress=log)
+    studies = runner.run()
+    wall = time.perf_counter() - started
+    part: dict[str, Any] = {"budgets": list(budgets), "trials": trials, "campaign_s": wall,
+                            "sensitivity_s": runner.sensitivity_seconds, "sensitivity_tables": len(runner._tables),
+                            "new_triton_kernels": triton_kernels() - kernels, "rows": []}
+    for budget in budgets:
+        study = studies[budget]
+        own = sorted((t for t in study.trials if "shared" not in t.user_attrs and "accuracy" in t.user_attrs),
+                     key=lambda t: t.number)
+        scored = [t for t in study.trials if "accuracy" in t.user_attrs and "config" in t.user_attrs]
+        best = max(front_trials(study), key=lambda t: t.user_attrs["accuracy"])
+        proxy = next(t for t in own if t.user_attrs.get("origin") == "allocation")
+        part["rows"].append({
+            "budget": budget, "best": record(best), "proxy": record(proxy),
+            "origins": {o: sum(1 for t in own if t.user_attrs.get("origin") == o)
+                        for o in ("allocation", "proposal", "move")},
+            "trial_seconds": [t.user_attrs.get("seconds") for t in own],
+            "scored": len(scored)})
+    res[name] = part
+    log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {len(runner._tables)} tables")
+
+
+def record(t: Any) -> dict[str, Any]:
+    a = t.user_attrs
+    return {"trial": t.number, "config": a["config"], "label": a.get("label") or config_from_dict(a["config"]).label,
+            "bits": a["bits"], "key_bits": a["key_bits"], "kv_bits": a["kv_bits"], "accuracy": a["accuracy"],
+            "accuracy_se": a.get("accuracy_se"), "units": a["units"], "origin": a.get("origin")}
+
+
+def compare(ev: Any, res: dict[str, Any]) -> None:
+    """Per budget of each part: the ground truth's best uniform config and pnmix-paper, re-scored on
+    the same items, and the campaign's best minus each (paired)."""
+    from tuner.stats import paired
+    from tuner.sweep import read_sweep
+
+    truth = read_sweep(TRUTH)
+    scores: dict[str, Any] = {}
+
+    def score(cfg: PNMixConfig) -> dict[str, Any]:
+        key = cfg.to_json()
+        if key not in scores:
+            s = ev.evaluate(cfg, measure=False)
+            scores[key] = {"config": cfg.to_dict(), "label": cfg.label, "key_bits": s.key_bits,
+                           "kv_bits": kv_bits(cfg, LAYERS, HEAD_DIM), "accuracy": s.accuracy,
+                           "accuracy_se": s.accuracy_se, "units": s.units}
+        return scores[key]
+
+    paper = preset("pnmix-paper")
+    for name in ("key", "kv"):
+        for row in res.get(name, {}).get("rows", []):
+            budget = row["budget"]
+            figure = "kv_bits" if name == "kv" else "key_bits"
+
+            def bits_of(cfg: PNMixConfig, figure: str = figure) -> float:
+                return kv_bits(cfg, LAYERS, HEAD_DIM) if figure == "kv_bits" else mean_key_bits(cfg, LAYERS, HEAD_DIM)
+
+            fits = [r for r in truth.records if bits_of(PNMixConfig.from_dict(r["config"])) <= budget + 1e-9]
+            uniform = PNMixConfig.from_dict(max(fits, key=lambda r: r["accuracy"])["config"])
+            row["uniform"] = score(uniform)
+            row["paper"] = score(paper) if bits_of(paper) <= budget + 1e-9 else None
+            row["minus"] = {}
+            for other in ("uniform", "proxy", "paper"):
+                if row.get(other):
+                    diff, se = paired(row["best"]["units"], row[other]["units"])["accuracy"]
+                    row["minus"][other] = [diff, se]
+            log(f"{name} {budget:g}: best {row['best']['accuracy']:.3f} ({row['best']['label'][:60]}); "
+                + "; ".join(f"- {k} {d:+.3f} +- {s:.3f}" for k, (d, s) in row["minus"].items()))
+
+
+def write_picks(res: dict[str, Any], out: Path) -> None:
+    picks = out / "picks"
+    picks.mkdir(exist_ok=True)
+    for name in ("key", "kv"):
+        for row in res.get(name, {}).get("rows", []):
+            cfg = stretch(config_from_dict(row["best"]["config"]))
+            (picks / f"{name}-{row['budget']:g}.json").write_text(cfg.to_json() + "\n")
+
+
+def report(path: Path) -> None:
+    """The RESULTS table and the plot from a study JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(path.read_text())
+    lines = ["| budget | campaign's best | bits | accuracy +- SE | minus best uniform | minus pure proxy allocation "
+             "| minus pnmix-paper |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, name in zip(axes, ("key", "kv"), strict=True):
+        rows = res.get(name, {}).get("rows", [])
+        for row in rows:
+            m = row.get("minus", {})
+
+            def cell(k: str, m: dict[str, Any] = m) -> str:
+                if k not in m:
+                    return "-"
+                d, s = m[k]
+                return f"**{d:+.3f} +- {s:.3f}**" if abs(d) > 2 * s else f"{d:+.3f} +- {s:.3f}"
+
+            b = row["best"]
+            lines.append(f"| {row['budget']:g} {name} | {b['label']} | {b['bits']:.3f} | {b['accuracy']:.3f} +- "
+                         f"{b['accuracy_se']:.3f} | {cell('uniform')} | {cell('proxy')} | {cell('paper')} |")
+        for key, label, marker in (("best", "campaign's best", "D"), ("proxy", "pure proxy allocation", "s"),
+                                   ("uniform", "best uniform (ground truth)", "o"), ("paper", "pnmix-paper", "^")):
+            pts = [(r[key]["kv_bits" if name == "kv" else "key_bits"], r[key]["accuracy"], r[key]["accuracy_se"] or 0)
+                   for r in rows if r.get(key)]
+            if pts:
+                xs, ys, es = zip(*pts, strict=True)
+                ax.errorbar(xs, ys, yerr=es, fmt=marker, capsize=3, label=label)
+        ax.set(xlabel="KV bits per element" if name == "kv" else "key bits per element", ylabel="accuracy (+- SE)",
+               title=f"{name} budgets")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    table = "\n".join(lines)
+    path.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    for name in ("key", "kv"):
+        part = res.get(name)
+        if part:
+            print(f"{name}: campaign {part['campaign_s']:.0f} s (sensitivity {part['sensitivity_s']:.1f} s in "
+                  f"{part['sensitivity_tables']} tables; {part['new_triton_kernels']} new Triton kernels)")
+    print(f"preparation {res.get('preparation_s', 0):.0f} s; {res.get('env')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="full")
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--parts", default="key,kv,compare")
+    ap.add_argument("--key-budgets", default=",".join(f"{b:g}" for b in KEY_BUDGETS))
+    ap.add_argument("--kv-budgets", default=",".join(f"{b:g}" for b in KV_BUDGETS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/allocation_study"))
+    ap.add_argument("--report", metavar="JSON")
+    args = ap.parse_args()
+    if args.report:
+        report(Path(args.report))
+        return
+    import torch
+    import transformers
+
+    from tuner.evaluate import Evaluator
+    from tuner.profiles import profile
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "allocation_study.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    res["env"] = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+                  "torch": torch.__version__, "transformers": transformers.__version__,
+                  "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    started = time.perf_counter()
+    ev = Evaluator(MODEL, profile(args.profile), 0, device=args.device, progress=log)
+    ev.prepare()
+    res.setdefault("preparation_s", time.perf_counter() - started)
+    log(f"preparation {time.perf_counter() - started:.0f} s")
+    for name, text in (("key", args.key_budgets), ("kv", args.kv_budgets)):
+        budgets = tuple(float(b) for b in text.split(","))
+        if name in args.parts.split(",") and name not in res:
+            run_part(name, ev, budgets, args.trials, out, res)
+            path.write_text(json.dumps(res))
+    if "compare" in args.parts.split(","):
+        compare(ev, res)
+        write_picks(res, out)
+    path.write_text(json.dumps(res))
+    report(path)
+
+
+if __name__ == "__main__":
+    main()
