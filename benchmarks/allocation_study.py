@@ -68,6 +68,7 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
 
     from storage import Database, upgrade
     from tuner.campaign import CampaignRunner, CampaignSpec, front_trials
+    from tuner.profiles import EvalError
     from tuner.session import find_or_create_campaign
     from tuner.space import ALLOCATED, SearchSpace
 
@@ -78,7 +79,12 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
                         objectives=("accuracy", "key_bits"), seed=ev.seed, space=space)
     db = Database(f"sqlite:///{out / 'study.db'}")
     upgrade(db)
-    campaign_id = find_or_create_campaign(db, spec)
+    try:
+        campaign_id = find_or_create_campaign(db, spec)
+    except EvalError:  # resumed with another trial count: the same campaign, run to the new count
+        from dataclasses import replace
+
+        campaign_id = find_or_create_campaign(db, replace(spec, n_trials=10))
     kernels = triton_kernels()
     started = time.perf_counter()
     runner = CampaignRunner(db, db.url, campaign_id, spec, ev, progress=log)
