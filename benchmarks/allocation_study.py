@@ -67,8 +67,10 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
     import optuna
 
     from storage import Database, upgrade
+    from tuner import record as trial_record
     from tuner.campaign import CampaignRunner, CampaignSpec, front_trials
     from tuner.profiles import EvalError
+    from tuner.record import Kind
     from tuner.session import find_or_create_campaign
     from tuner.space import ALLOCATED, SearchSpace
 
@@ -95,26 +97,24 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
                             "new_triton_kernels": triton_kernels() - kernels, "rows": []}
     for budget in budgets:
         study = studies[budget]
-        own = sorted((t for t in study.trials if "shared" not in t.user_attrs and "accuracy" in t.user_attrs),
-                     key=lambda t: t.number)
-        scored = [t for t in study.trials if "accuracy" in t.user_attrs and "config" in t.user_attrs]
-        best = max(front_trials(study), key=lambda t: t.user_attrs["accuracy"])
-        proxy = next(t for t in own if t.user_attrs.get("origin") == "allocation")
+        records = [trial_record.read(t) for t in study.trials]
+        own = sorted((r for r in records if r.kind in (Kind.SCORED, Kind.REUSED)), key=lambda r: r.number)
+        best = max(map(trial_record.read, front_trials(study)), key=lambda r: r.accuracy or 0.0)
+        proxy = next(r for r in own if r.origin == "allocation")
         part["rows"].append({
-            "budget": budget, "best": record(best), "proxy": record(proxy),
-            "origins": {o: sum(1 for t in own if t.user_attrs.get("origin") == o)
-                        for o in ("allocation", "proposal", "move")},
-            "trial_seconds": [t.user_attrs.get("seconds") for t in own],
-            "scored": len(scored)})
+            "budget": budget, "best": summary(best), "proxy": summary(proxy),
+            "origins": {o: sum(1 for r in own if r.origin == o) for o in ("allocation", "proposal", "move")},
+            "trial_seconds": [r.attrs.get("seconds") for r in own],
+            "scored": sum(1 for r in records if r.has_score)})
     res[name] = part
     log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {len(runner._tables)} tables")
 
 
-def record(t: Any) -> dict[str, Any]:
-    a = t.user_attrs
-    return {"trial": t.number, "config": a["config"], "label": a.get("label") or config_from_dict(a["config"]).label,
-            "bits": a["bits"], "key_bits": a["key_bits"], "kv_bits": a["kv_bits"], "accuracy": a["accuracy"],
-            "accuracy_se": a.get("accuracy_se"), "units": a["units"], "origin": a.get("origin")}
+def summary(r: Any) -> dict[str, Any]:
+    """What the study keeps of a trial's record (tuner/record.py)."""
+    return {"trial": r.number, "config": r.config_dict, "label": r.config.label, "bits": r.bits,
+            "key_bits": r.key_bits, "kv_bits": r.kv_bits, "accuracy": r.accuracy, "accuracy_se": r.accuracy_se,
+            "units": r.units, "origin": r.origin}
 
 
 def compare(ev: Any, res: dict[str, Any]) -> None:

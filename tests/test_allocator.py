@@ -193,3 +193,44 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
     with db.session(readonly=True) as s:
         a, b = [p for p in list_front_points(s, "smollm2-135m").items if p.trial_number == 0]
         assert paired_se(a, b) is None
+
+
+def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
+    """`tuner.record.read` on trials as campaigns stored them: a score with only `key_bits` (before KV
+    budgets), a reused twin, another budget's shared score, an over-budget proposal, a surplus trial,
+    a pruned one and a failed one."""
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from tuner import record
+    from tuner.campaign import counts, scored_here
+
+    paper = preset("pnmix-paper").to_dict()
+    score = {"accuracy": 0.7, "accuracy_se": 0.02, "units": {"passkey": [1.0, 0.0]}, "parts": {"passkey": 0.5}}
+    dist = {"group_size": CategoricalDistribution([32, 64, 128])}
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    made = [
+        ({"config": paper, "key_bits": 2.263, **score}, TrialState.COMPLETE, record.Kind.SCORED),
+        ({"config": paper, "key_bits": 2.263, "reused_from": 0, **score}, TrialState.COMPLETE, record.Kind.REUSED),
+        ({"config": paper, "bits": 2.263, "score_from": "pnmix:1:2.5#3", "shared": True, **score},
+         TrialState.COMPLETE, record.Kind.SHARED),
+        ({"config": paper, "bits": 9.0, "skipped": "over budget: no inference run"}, TrialState.COMPLETE,
+         record.Kind.SKIPPED),
+        ({"surplus": True}, TrialState.PRUNED, record.Kind.SURPLUS),
+        ({"config": paper, "bits": 2.263, "proxy_kl": 0.3}, TrialState.PRUNED, record.Kind.PRUNED),
+        ({"config": paper, "bits": 2.263, "error": "out of memory: CUDA"}, TrialState.FAIL, record.Kind.FAILED),
+    ]
+    for attrs, state, _ in made:
+        values = [0.7, 2.263] if state == TrialState.COMPLETE else None
+        study.add_trial(create_trial(state=state, values=values, params={"group_size": 128}, distributions=dist,
+                                     user_attrs=attrs))
+    for t, (_, _, kind) in zip(study.trials, made, strict=True):
+        r = record.read(t)
+        assert r.kind == kind, (t.number, r.kind)
+        assert counts(t) == (kind in (record.Kind.SCORED, record.Kind.REUSED, record.Kind.PRUNED))
+        assert scored_here(t) == (kind == record.Kind.SCORED)
+    first, reused, shared = (record.read(t) for t in study.trials[:3])
+    assert first.bits == 2.263 and first.config == preset("pnmix-paper") and first.original and first.has_score
+    assert reused.source == "#0" and not reused.original and not record.stands_for_its_config(study.trials[1])
+    assert shared.source == "pnmix:1:2.5#3" and record.stands_for_its_config(study.trials[2])
+    assert record.read(study.trials[6]).error == "out of memory: CUDA"

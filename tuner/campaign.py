@@ -70,16 +70,12 @@ from pnmix.layerwise import AnyConfig, as_layerwise, config_from_dict
 from pnmix.names import BACKENDS
 from storage.errors import StorageError
 from storage.write import OBJECTIVES, check_budgets, check_objectives
-from tuner import profiles, queue
+from tuner import profiles, queue, record
 from tuner.profiles import EvalError
 from tuner.space import SearchSpace
 
 warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats and metric names are stable enough
 
-# Stored on every scored trial; "units" (each item's 1/0, each trajectory's KL) make scores comparable
-# item by item across trials, and "accuracy_se" / "parts_se" are their standard errors (tuner/stats.py).
-SCORE_ATTRS = ("parts", "kv_bytes", "decode_tokens_per_s", "backend", "device", "versions", "fidelity_kl",
-               "fidelity_agreement", "seconds", "accuracy_se", "parts_se", "units", "timings")
 PRUNE_SLACK = 0.9  # prune only when an evaluated trial's proxy KL is at least 10% lower
 MIN_FULL = 3  # always fully evaluate the first few candidates of a study
 # A worker's trial counts as dead after GRACE_S without a heartbeat; it is then retried.
@@ -494,33 +490,27 @@ class CampaignRunner:
         if self._cap_reached(trial):
             # Another worker started the last trial at the same moment: record this one as surplus
             # (no inference, excluded from the count) rather than run past the requested count.
-            trial.set_user_attr("surplus", True)
+            record.mark_surplus(trial)
             trial.study.stop()
             raise optuna.TrialPruned("trial cap reached by other workers")
+        origin = None
         if self.space.allocated:
-            config = self._allocated_config(trial, budget)
+            config, origin = self._allocated_config(trial, budget)
         else:
             config = self.space.suggest(trial, self._pairs(budget), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
-        trial.set_user_attr("config", config.to_dict())
-        trial.set_user_attr("label", config.label)  # what the dashboard shows of the config
-        trial.set_user_attr("bits", bits)
-        trial.set_user_attr("key_bits", mean_key_bits(config, self.num_layers, self.head_dim))
-        trial.set_user_attr("kv_bits", kv_bits(config, self.num_layers, self.head_dim))
+        record.write_config(trial, config, bits, mean_key_bits(config, self.num_layers, self.head_dim),
+                            kv_bits(config, self.num_layers, self.head_dim), origin)
         trial.set_constraint(f"{self.space.budget_on}_bits", bits - budget)
         if bits > budget:
-            trial.set_user_attr("skipped", "over budget: no inference run")
+            record.mark_skipped(trial)
             return self._values(0.0, bits, None)
         found = self._evaluated_twin(trial.study, config)
         if found is not None:  # a config already scored in this campaign: reuse the score, don't re-run
             source, twin = found
-            for name in SCORE_ATTRS + ("accuracy", "proxy_kl"):
-                if name in twin.user_attrs:
-                    trial.set_user_attr(name, twin.user_attrs[name])
-            if source == trial.study.study_name:
-                trial.set_user_attr("reused_from", twin.number)  # that trial stands on this front
-            else:  # scored under another budget: the score is the same, and it belongs on this front too
-                trial.set_user_attr("score_from", f"{source}#{twin.number}")
+            # From this study, the twin stands on the front; from another budget's, the same score
+            # belongs on this front too.
+            record.copy_score(trial, twin, None if source == trial.study.study_name else source)
             self._enqueue_neighbour(trial.study, config, budget, trial.number)
             return tuple(twin.values)
         warm = bool(trial.user_attrs.get("warm_start"))
@@ -539,21 +529,20 @@ class CampaignRunner:
                 raise
             reason = failure_reason(exc)
             print(f"warning: budget {budget:g}: trial {trial.number} failed: {reason}", file=sys.stderr, flush=True)
-            trial.set_user_attr("error", reason)
+            record.mark_failed(trial, reason)
             raise
-        for name in SCORE_ATTRS:
-            trial.set_user_attr(name, getattr(score, name))
-        trial.set_user_attr("accuracy", score.accuracy)
+        record.write_score(trial, score)
         return self._values(score.accuracy, bits, score)
 
     # -- pnmix-alloc: the allocator's configs ---------------------------------------------------
 
-    def _allocated_config(self, trial: optuna.Trial, budget: float) -> AnyConfig:
+    def _allocated_config(self, trial: optuna.Trial, budget: float) -> tuple[AnyConfig, str]:
         """The config of a pnmix-alloc trial, whose parameters are the shared fields: the queued
         `proposal` (a warm start) where it has these shared fields; else the allocator's config for
         the budget at them; or, when the campaign has already scored that, the next local move from
         the best config scored at these shared fields within the budget (`tuner.layers.moves`:
-        real scores decide what the proxy cannot tell apart). The trial's `origin` says which."""
+        real scores decide what the proxy cannot tell apart). Returns it with its origin:
+        proposal, allocation or move."""
         from pnmix.layerwise import LayerwiseConfig, simplest
         from tuner.layers import allocate, moves
 
@@ -563,8 +552,7 @@ class CampaignRunner:
         if proposal is not None:
             cfg = config_from_dict(proposal)
             if space.contains(cfg) and space.shared_base(cfg) == base:
-                trial.set_user_attr("origin", "proposal")
-                return cfg
+                return cfg, "proposal"
         table = self._sensitivity(base, trial)
 
         def cost(c: PNMixConfig) -> float:
@@ -573,23 +561,17 @@ class CampaignRunner:
         try:
             allocation = simplest(LayerwiseConfig.from_layers(allocate(table, budget, self.head_dim, cost=cost)))
         except EvalError:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
-            cheapest = min(table, key=cost)
-            trial.set_user_attr("origin", "allocation")
-            return cheapest
+            return min(table, key=cost), "allocation"
         taken = self._taken_configs(trial.study)
         if config_key(allocation.to_dict()) not in taken:
-            trial.set_user_attr("origin", "allocation")
-            return allocation
+            return allocation, "allocation"
         best = self._best_scored(trial.study, base, budget)
         start = best if best is not None else allocation
         for changed in moves(as_layerwise(start).per_layer(self.num_layers), table, budget, cost):
             cfg = simplest(LayerwiseConfig.from_layers(changed))
             if config_key(cfg.to_dict()) not in taken:
-                trial.set_user_attr("origin", "move")
-                trial.set_user_attr("move_from", start.label)
-                return cfg
-        trial.set_user_attr("origin", "allocation")
-        return allocation  # no move left: the allocation's score is reused
+                return cfg, "move"
+        return allocation, "allocation"  # no move left: the allocation's score is reused
 
     def _sensitivity(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
         """The per-layer sensitivity table at `base`'s shared fields: each candidate's proxy KL per
@@ -624,12 +606,13 @@ class CampaignRunner:
         shared fields are `base`'s."""
         best: tuple[float, AnyConfig] | None = None
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            if "accuracy" not in t.user_attrs or budget_bits(t) > budget:
+            r = record.read(t)
+            if not r.has_score or r.bits is None or r.bits > budget or r.accuracy is None:
                 continue
-            cfg = config_from_dict(t.user_attrs["config"])
-            if self.space.contains(cfg) and self.space.shared_base(cfg) == base:
-                if best is None or t.user_attrs["accuracy"] > best[0]:
-                    best = (float(t.user_attrs["accuracy"]), cfg)
+            cfg = r.config
+            if cfg is not None and self.space.contains(cfg) and self.space.shared_base(cfg) == base:
+                if best is None or r.accuracy > best[0]:
+                    best = (r.accuracy, cfg)
         return best[1] if best is not None else None
 
     def _race(self, trial: optuna.Trial, config: AnyConfig, bits: float) -> Any:
@@ -779,14 +762,12 @@ class CampaignRunner:
         if key in have:
             return False  # scored there already (by its own sampler, or shared before)
         have.add(key)
-        attrs = {name: trial.user_attrs[name] for name in (*SCORE_ATTRS, "accuracy", "proxy_kl", "config", "bits",
-                                                            "key_bits", "kv_bits") if name in trial.user_attrs}
         distributions = dict(trial.distributions)
         if "bits" in distributions:  # this budget's choice of bit pairs (the config's pair is among them: it fits)
             distributions["bits"] = optuna.distributions.CategoricalDistribution(self._pairs(budget))
         study.add_trial(optuna.trial.create_trial(
             values=list(trial.values), params=trial.params, distributions=distributions,
-            user_attrs={**attrs, "score_from": f"{source}#{trial.number}", "shared": True},
+            user_attrs=record.shared_attrs(trial, source),
             constraints={f"{self.space.budget_on}_bits": budget_bits(trial) - budget}))
         return True
 
@@ -798,14 +779,14 @@ class CampaignRunner:
         from tuner.stats import unit_influence
 
         points = []
-        for t in front_trials(study):
+        for r in map(record.read, front_trials(study)):
+            a = r.attrs
+            assert r.config is not None and r.accuracy is not None  # front trials are scored
             points.append(FrontPointIn(
-                config=config_from_dict(t.user_attrs["config"]), accuracy=float(t.user_attrs["accuracy"]),
-                kv_bytes=int(t.user_attrs["kv_bytes"]), throughput=float(t.user_attrs["decode_tokens_per_s"]),
-                trial_number=t.number, backend=str(t.user_attrs["backend"]), device=str(t.user_attrs["device"]),
-                accuracy_parts=dict(t.user_attrs["parts"]), versions=dict(t.user_attrs["versions"]),
-                accuracy_se=t.user_attrs.get("accuracy_se"),
-                unit_influence=unit_influence(t.user_attrs["units"]) if t.user_attrs.get("units") else None))
+                config=r.config, accuracy=float(r.accuracy), kv_bytes=int(a["kv_bytes"]),
+                throughput=float(a["decode_tokens_per_s"]), trial_number=r.number, backend=str(a["backend"]),
+                device=str(a["device"]), accuracy_parts=dict(a["parts"]), versions=dict(a["versions"]),
+                accuracy_se=r.accuracy_se, unit_influence=unit_influence(r.units) if r.units else None))
         with self.db.session() as s:
             replace_front(s, self.campaign_id, budget, points)
         if progress:
@@ -1006,19 +987,16 @@ def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def counts(trial: optuna.trial.FrozenTrial) -> bool:
-    """Whether a trial takes one of the requested slots: a config scored (or screened out by the
-    proxy). Over-budget proposals cost no inference, so they take none (the sampler still sees them
-    as infeasible), and neither do the surplus trials of a racing worker nor the scores another
-    budget's study shared."""
-    attrs = trial.user_attrs
-    return not attrs.get("surplus") and "skipped" not in attrs and not attrs.get("shared")
+    """Whether a trial takes one of the requested slots: a config scored, reused or screened out
+    (tuner/record.py). Over-budget proposals cost no inference, so they take none (the sampler still
+    sees them as infeasible), and neither do the surplus trials of a racing worker nor the scores
+    another budget's study shared."""
+    return record.kind_of(trial) in (record.Kind.SCORED, record.Kind.REUSED, record.Kind.PRUNED)
 
 
 def scored_here(trial: optuna.trial.FrozenTrial) -> bool:
     """A COMPLETE trial whose config was evaluated in its own study (not a reused or shared score)."""
-    attrs = trial.user_attrs
-    return (trial.state == optuna.trial.TrialState.COMPLETE and "accuracy" in attrs
-            and not {"reused_from", "score_from", "shared"} & attrs.keys())
+    return record.kind_of(trial) == record.Kind.SCORED and "accuracy" in trial.user_attrs
 
 
 def config_key(config: dict[str, Any]) -> str:
@@ -1042,7 +1020,8 @@ def over_budget_limit(n_trials: int) -> int:
 
 def exhausted(study: optuna.Study, n_trials: int) -> bool:
     """The sampler keeps proposing configs over the budget (few fit it): the budget ends early."""
-    over = sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED_STATES) if "skipped" in t.user_attrs)
+    over = sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED_STATES)
+               if record.kind_of(t) == record.Kind.SKIPPED)
     return over >= over_budget_limit(n_trials)
 
 
@@ -1055,7 +1034,7 @@ def front_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     front, seen = [], set()
     for t in pareto_trials(study):
         key = json.dumps(t.user_attrs.get("config"), sort_keys=True)
-        if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs and key not in seen:
+        if record.stands_for_its_config(t) and key not in seen:
             seen.add(key)
             front.append(t)
     return front

@@ -269,7 +269,7 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
 
         def on_trial(budget: float, study: Any) -> None:
             front = front_trials(study)
-            best = max((t.user_attrs["accuracy"] for t in front), default=0.0)
+            best = max((t.user_attrs["accuracy"] for t in front), default=0.0)  # front trials are scored
             bar.update(tasks[budget], completed=len(finished(study)), best=f"best accuracy {best:.3f}")
 
         studies = runner.run(on_trial=on_trial)
@@ -783,17 +783,18 @@ def _against_paper(study: Any, trial_number: int, space: Any) -> str:
     """The recommended point's accuracy minus pnmix-paper's, paired on the same items (both scored in
     the campaign's study of that budget)."""
     from pnmix.config import preset
+    from tuner import record
     from tuner.stats import paired
 
     paper = space.recast(preset("pnmix-paper")).to_dict()
-    trials = study.get_trials(deepcopy=False)
-    mine = next((t for t in trials if t.number == trial_number), None)
-    theirs = next((t for t in trials if t.user_attrs.get("config") == paper and t.user_attrs.get("units")), None)
-    if mine is None or theirs is None or not mine.user_attrs.get("units"):
+    trials = [record.read(t) for t in study.get_trials(deepcopy=False)]
+    mine = next((r for r in trials if r.number == trial_number), None)
+    theirs = next((r for r in trials if r.config_dict == paper and r.units), None)
+    if mine is None or theirs is None or not mine.units or not theirs.units:
         return "pnmix-paper was not scored at this budget: no paired comparison"
     if mine.number == theirs.number:
         return "the recommendation is pnmix-paper itself"
-    diff, se = paired(mine.user_attrs["units"], theirs.user_attrs["units"])["accuracy"]
+    diff, se = paired(mine.units, theirs.units)["accuracy"]
     verdict = ("beyond two standard errors" if se and abs(diff) > 2 * se
                else "within two standard errors: not a measured difference")
     return f"recommendation minus pnmix-paper, paired on the same items: {_diff(diff, se)} ({verdict})"

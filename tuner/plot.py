@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig, preset
-from pnmix.layerwise import LayerwiseConfig, config_from_dict
+from pnmix.layerwise import LayerwiseConfig
 
 
 def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: str = "key") -> Path:
@@ -17,34 +17,35 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
     import matplotlib.pyplot as plt
     import optuna
 
-    from tuner.campaign import budget_bits, front_trials
+    from tuner import record
+    from tuner.campaign import front_trials
 
     marks = {"pnmix-paper": preset("pnmix-paper"), "kivi2": preset("kivi2"), "kivi1": preset("kivi1")}
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (budget, study) in enumerate(sorted(studies.items())):
         color = f"C{i}"
-        done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                if "accuracy" in t.user_attrs]
-        ax.scatter([budget_bits(t) for t in done], [t.user_attrs["accuracy"] for t in done],
-                   s=14, alpha=0.4, color=color)
-        front = sorted(front_trials(study), key=budget_bits)
+        done = [r for r in map(record.read, study.get_trials(deepcopy=False,
+                                                              states=(optuna.trial.TrialState.COMPLETE,)))
+                if r.has_score]
+        ax.scatter([r.bits or 0.0 for r in done], [r.accuracy or 0.0 for r in done], s=14, alpha=0.4, color=color)
+        front = sorted(map(record.read, front_trials(study)), key=lambda r: r.bits or 0.0)
         # Each front point with its standard error; layer-wise configs as diamonds, uniform as circles.
-        xs, ys = [budget_bits(t) for t in front], [t.user_attrs["accuracy"] for t in front]
+        xs, ys = [r.bits or 0.0 for r in front], [r.accuracy or 0.0 for r in front]
         ax.plot(xs, ys, "-", color=color, label=f"front, budget {budget:g} bits (+- 1 SE)")
-        ax.errorbar(xs, ys, yerr=[t.user_attrs.get("accuracy_se") or 0.0 for t in front], fmt="none",
-                    ecolor=color, capsize=3, linewidth=1)
-        layered = [isinstance(config_from_dict(t.user_attrs["config"]), LayerwiseConfig) for t in front]
+        ax.errorbar(xs, ys, yerr=[r.accuracy_se or 0.0 for r in front], fmt="none", ecolor=color, capsize=3,
+                    linewidth=1)
+        layered = [isinstance(r.config, LayerwiseConfig) for r in front]
         for marker, which in (("D", True), ("o", False)):
             ax.scatter([x for x, lw in zip(xs, layered, strict=True) if lw is which],
                        [y for y, lw in zip(ys, layered, strict=True) if lw is which], marker=marker, color=color,
                        s=30, zorder=3)
         ax.axvline(budget, color=color, linestyle=":", linewidth=1)
-        for t in done:
-            cfg = config_from_dict(t.user_attrs["config"])
+        for r in done:
+            cfg = r.config
             for name, ref in marks.items():
                 if isinstance(cfg, PNMixConfig) and _same_method(cfg, ref):
-                    ax.annotate(name, (budget_bits(t), t.user_attrs["accuracy"]), fontsize=8,
-                                xytext=(4, -10), textcoords="offset points")
+                    ax.annotate(name, (r.bits or 0.0, r.accuracy or 0.0), fontsize=8, xytext=(4, -10),
+                                textcoords="offset points")
     ax.set_xlabel("KV bits per cached element (keys and values, formula)" if budget_on == "kv"
                   else "key bits per element (formula, metadata included; layers' mean)")
     ax.set_ylabel("accuracy (combined)")
