@@ -201,7 +201,10 @@ def report(path: Path) -> None:
         ax.set(xlabel="KV bits per element" if name == "kv" else "key bits per element", ylabel="accuracy (+- SE)",
                title=f"{name} budgets")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if rows:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
     table = "\n".join(lines)

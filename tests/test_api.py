@@ -244,7 +244,7 @@ def test_enqueued_campaign_is_what_a_worker_claims(env):
     created = r.json()
     assert r.headers["location"] == f"/v1/campaigns/{created['id']}"
     assert (created["status"], created["trials_total"], created["profile"], created["method"]) == (
-        "queued", 24, "quick", "pnmix",
+        "queued", 24, "quick", "pnmix-alloc",
     )
     assert client.get(r.headers["location"]).json() == created
     claimed = []
