@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api import problems
-from api.limits import BodySizeLimit
+from api.limits import BodySizeLimit, HeaderSizeLimit
 from api.routes import campaigns, health, models, recommend
 from api.settings import Settings, load_settings
 from storage.engine import Database
@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     problems.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HeaderSizeLimit, max_bytes=settings.max_header_bytes)  # added last: runs first
     for module in (health, models, recommend, campaigns):
         app.include_router(module.router, prefix="/v1")
     _add_problem_schema(app)

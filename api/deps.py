@@ -57,8 +57,21 @@ def require_token(
 
 
 async def no_duplicate_keys(request: Request) -> None:
-    """Refuses a JSON body that gives a key twice: a parser would keep one of the two silently."""
+    """Refuses a JSON body that is not UTF-8 (RFC 8259: JSON exchanged between systems is UTF-8; a
+    parser would guess UTF-16 or UTF-32 from its zero bytes), with 415, and one that gives a key
+    twice (a parser would keep one of the two silently), with 422."""
     import json
+
+    body = await request.body()
+    charset = request.headers.get("content-type", "").lower().partition("charset=")[2].strip(' ";')
+    try:
+        body.decode("utf-8")
+        utf8 = b"\x00" not in body and not body.startswith(b"\xef\xbb\xbf") and charset in ("", "utf-8", "utf8")
+    except UnicodeDecodeError:
+        utf8 = False
+    if not utf8:
+        raise ProblemError(415, "Unsupported Media Type", "the JSON body is not UTF-8 (or declares another "
+                           "charset): allowed UTF-8 JSON without a byte order mark")
 
     def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
         keys = [k for k, _ in items]
@@ -68,7 +81,7 @@ async def no_duplicate_keys(request: Request) -> None:
         return dict(items)
 
     try:
-        json.loads(await request.body(), object_pairs_hook=pairs)
+        json.loads(body, object_pairs_hook=pairs)
     except (ValueError, RecursionError):  # not JSON at all: the body's own validation says so
         pass
 

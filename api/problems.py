@@ -83,6 +83,8 @@ _TITLES = {
     405: "Method Not Allowed",
     409: "Conflict",
     413: "Content Too Large",
+    415: "Unsupported Media Type",
+    431: "Request Header Fields Too Large",
     422: "Unprocessable Content",
     500: "Internal Server Error",
     503: "Service Unavailable",

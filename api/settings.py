@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from pnmix.errors import PNMixError
-from pnmix.inputs import PAGE_SIZE, PORT
+from pnmix.inputs import BODY_BYTES, HEADER_BYTES, PAGE_SIZE, PORT
 from storage.settings import StorageSettings
 
 MAX_PAGE_SIZE = int(PAGE_SIZE.high)
@@ -30,7 +30,11 @@ class Settings(StorageSettings):
     port: int = Field(default=8000, ge=PORT.low, le=PORT.high)
     default_page_size: int = Field(default=50, ge=PAGE_SIZE.low, le=PAGE_SIZE.high)
     check_schema: bool = Field(default=True, description="refuse to start unless the schema is at head")
-    max_body_bytes: int = Field(default=64 * 1024, ge=1, description="larger request bodies are refused with 413")
+    max_body_bytes: int = Field(default=64 * 1024, ge=BODY_BYTES.low, le=BODY_BYTES.high,
+                                description="larger request bodies are refused with 413")
+    max_header_bytes: int = Field(default=16 * 1024, ge=HEADER_BYTES.low, le=HEADER_BYTES.high,
+                                  description="requests whose header fields (names and values) hold more bytes "
+                                              "are refused with 431")
 
     @property
     def writes_enabled(self) -> bool:

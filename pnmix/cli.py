@@ -254,6 +254,12 @@ def generate(
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
+    # What depends on the model's shape or the path is refused before the weights load.
+    config.check_head_dim(models.model_shape(model).head_dim)
+    if static and (config.keys_quantized or config.values_quantized):
+        from pnmix.static import method_config
+
+        method_config(config)
     import time
 
     import torch

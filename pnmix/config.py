@@ -32,6 +32,28 @@ class ConfigError(PNMixError, ValueError):
         super().__init__(f"invalid {field}={shorten(value)}: allowed {allowed}")
 
 
+def utf8_text(text: str | bytes | bytearray) -> str:
+    """Config JSON as text: bytes must be UTF-8 (RFC 8259), which `json.loads` would not insist on
+    (it guesses UTF-16 or UTF-32 from zero bytes)."""
+    if isinstance(text, bytes | bytearray):
+        try:
+            return bytes(text).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError("config", bytes(text[:24]), "JSON text in UTF-8") from None
+    return text
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`'s object hook for configs: a key given twice in one object is refused (a parser
+    would silently keep the last), in every object of the document."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ConfigError("config", f"{key!r} given twice", "each key once in a JSON object")
+        seen.add(key)
+    return dict(pairs)
+
+
 def salient_pair_count(salient_ratio: float, head_dim: int) -> int:
     """Number of salient RoPE pairs per KV head: round(r * d/2), rounding halves up.
 
@@ -158,8 +180,11 @@ class PNMixConfig:
     def from_json(cls, text: str | bytes) -> PNMixConfig:
         if not isinstance(text, str | bytes | bytearray):
             raise ConfigError("config", type(text).__name__, "JSON text of a PNMixConfig object")
+        text = utf8_text(text)
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=unique_keys)
+        except ConfigError:
+            raise
         except json.JSONDecodeError as exc:
             raise ConfigError("config", text[:40], f"valid JSON ({exc.msg} at char {exc.pos})") from None
         except RecursionError:  # absurdly nested input: refuse it like any other malformed JSON

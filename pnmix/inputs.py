@@ -109,6 +109,38 @@ HEAD_DIM = Range(2, 1024, integer=True, even=True)  # RoPE rotates channel pairs
 COUNT = Range(1, INT32_MAX, integer=True)  # tokens, sequences, lengths
 NEW_TOKENS = Range(1, 1 << 20, integer=True)  # tokens one command generates
 LIMIT = Range(0, INT32_MAX, integer=True)
+# Settings read from the environment (the tuner's timings and retries, the service's limits)
+SECONDS = Range(0.0, 86_400.0, low_open=True)  # a wait, a heartbeat, a timeout: up to a day
+RETRIES = Range(0, 1000, integer=True)
+BODY_BYTES = Range(1, 1 << 30, integer=True)  # a request body limit
+HEADER_BYTES = Range(1024, 1 << 20, integer=True)  # a request's header limit
+
+
+# The numbers read straight from the environment (the service's and the database's settings go
+# through pydantic-settings instead: `storage.settings`, `api.settings`), with their ranges.
+ENVIRONMENT = {
+    "PNMIX_HEARTBEAT_S": Range(1, 3600, integer=True),  # a campaign trial's heartbeat interval
+    "PNMIX_GRACE_S": Range(1, 86_400, integer=True),  # silence after which a trial counts as dead
+    "PNMIX_DB_RETRIES": RETRIES,  # consecutive database faults a campaign retries
+    "PNMIX_DB_RETRY_S": SECONDS,  # the first wait between those retries
+}
+
+
+def env_value(name: str, default: float) -> float:
+    """The environment variable `name` (a key of `ENVIRONMENT`) as a number in its range (`default`
+    when unset); anything else (text, nan, inf, a value out of range) is refused in one line naming
+    the variable."""
+    import os
+
+    allowed = ENVIRONMENT[name]
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    parser = Int(allowed) if allowed.integer else Number(allowed)
+    try:
+        return float(parser(text.strip()))
+    except InputError:
+        raise InputError(f"environment variable {name}", text, allowed.allowed) from None
 
 
 # -- parsers of the command line's options -------------------------------------------------------

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pnmix.config import ConfigError, PNMixConfig
+from pnmix.config import ConfigError, PNMixConfig, unique_keys, utf8_text
 
 LAYER_FIELDS = ("b_high", "b_low", "salient_ratio")
 
@@ -44,7 +44,9 @@ class LayerRange:
     def parse(cls, text: str, changes: Any) -> LayerRange:
         allowed = 'a layer "N" or an inclusive range "A-B" of layers counted from 0, A <= B'
         parts = text.split("-") if isinstance(text, str) else []
-        if len(parts) not in (1, 2) or not all(p.strip().isdigit() and len(p.strip()) <= 6 for p in parts):
+        # ASCII digits only: str.isdigit() also accepts "²" or "١", which int() then refuses
+        if len(parts) not in (1, 2) or not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) <= 6
+                                               for p in parts):
             raise ConfigError("layers", text, allowed)
         first, last = int(parts[0]), int(parts[-1])
         if first > last:
@@ -235,8 +237,11 @@ def config_from_dict(data: Any) -> PNMixConfig | LayerwiseConfig:
 
 def load_config(text: str | bytes) -> PNMixConfig | LayerwiseConfig:
     """A config from JSON: a layer-wise one when it has a "default" key, else a single one."""
+    text = utf8_text(text)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=unique_keys)  # "0-3" twice is refused, not merged
+    except ConfigError:
+        raise
     except (RecursionError, ValueError, TypeError):  # JSONDecodeError is a ValueError
         return PNMixConfig.from_json(text)  # raises the parse error in PNMixConfig's own one-line words
     return config_from_dict(data)

@@ -290,7 +290,11 @@ def _converted_dir(source: ModelSource) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{source.name}-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        try:
+            _convert_gguf(gguf, tmp)
+        except ModelError:  # a file that does not convert leaves no trace in the cache, its digest entry neither
+            forget_digest(gguf)
+            raise
         (tmp / SOURCE_DIGEST).write_text(digest + "\n")
         if target.exists() and not _conversion_of(target, digest):  # a conversion cut short, or tampered with
             shutil.rmtree(target, ignore_errors=True)
@@ -315,6 +319,36 @@ def _conversion_of(folder: Path, digest: str) -> bool:
         return False
 
 
+def _digest_index() -> Path:
+    return cache_dir() / "models" / DIGESTS
+
+
+def _read_digests(index: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_digests(index: Path, known: dict[str, Any]) -> None:
+    try:  # written aside and renamed: a reader never sees half an index; a lost race only costs a rehash
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f".{DIGESTS}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(index)
+    except OSError:
+        pass
+
+
+def forget_digest(path: Path) -> None:
+    """Removes `path`'s entry from the digest index (a GGUF file that failed to convert)."""
+    index = _digest_index()
+    known = _read_digests(index)
+    if known.pop(str(path.resolve()), None) is not None:
+        _write_digests(index, known)
+
+
 def gguf_digest(path: Path) -> str:
     """SHA-256 of a GGUF file, hashed once and remembered by the file's (size, mtime, ctime, inode, device):
     any write to the file, a copy over it or a rename of another file onto it changes one of these."""
@@ -323,14 +357,9 @@ def gguf_digest(path: Path) -> str:
     except OSError as exc:
         raise ModelError(f"cannot read GGUF file {path}: {exc.strerror}") from None
     identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-    index = cache_dir() / "models" / DIGESTS
+    index = _digest_index()
     key = str(path.resolve())
-    try:
-        known = json.loads(index.read_text())
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
+    known = _read_digests(index)
     entry = known.get(key)
     if isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("sha256"), str):
         return str(entry["sha256"])
@@ -343,13 +372,7 @@ def gguf_digest(path: Path) -> str:
         raise ModelError(f"cannot read GGUF file {path}: {exc.strerror}") from None
     digest = sha.hexdigest()
     known[key] = {"identity": identity, "sha256": digest}
-    try:  # written aside and renamed: a reader never sees half an index; a lost race only costs a rehash
-        index.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index.with_name(f".{DIGESTS}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(index)
-    except OSError:
-        pass
+    _write_digests(index, known)
     return digest
 
 

@@ -334,7 +334,7 @@ class StaticCache(Cache):
         return sum(layer.nbytes() for layer in self.static_layers)
 
 
-def _method_config(method: str | PNMixConfig | LayerwiseConfig) -> LayerwiseConfig | None:
+def method_config(method: str | PNMixConfig | LayerwiseConfig) -> LayerwiseConfig | None:
     """None for the fp16 baseline, else the (layer-wise) PN-Mix config the static path supports:
     keys and values quantized in every layer."""
     if isinstance(method, str) and method == "fp16":
@@ -372,7 +372,7 @@ class StaticGenerator:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"invalid max_len={max_len!r}: allowed an integer >= 2 (prompt + new tokens per row)")
         self.model = model
-        self.layerwise = _method_config(method)
+        self.layerwise = method_config(method)
         # The fields every layer shares (sinks, residual, G) set the flush schedule: the default's.
         self.config = self.layerwise.default if self.layerwise is not None else None
         self.max_len = max_len

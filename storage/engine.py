@@ -42,11 +42,14 @@ def display_url(url: str | Any) -> str:
         return "<unparseable database URL>"
 
 
-def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, create: bool = True) -> Engine:
+def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, create: bool = True,
+                create_folder: bool = True) -> Engine:
     """An engine for `url`; SQLite files get WAL mode, a busy timeout and enforced foreign keys.
 
     `create=False` (what only reads, and the service): a SQLite file that is not there is refused in
-    one line instead of being created, with its folder, by the first connection.
+    one line instead of being created, with its folder, by the first connection. `create_folder=False`
+    (a worker, a queued campaign: processes that are not told where to write) creates the file but
+    refuses a folder that does not exist.
     """
     try:
         parsed = make_url(url)
@@ -60,6 +63,10 @@ def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, c
             raise StorageError(
                 f"SQLite database {display_url(url)!r} must be a file path (several connections share it)"
             )
+        if parsed.query:  # e.g. ?timeout=abc would reach sqlite3.connect as a float() of text
+            raise StorageError(f"SQLite database URL {display_url(url)!r} takes no query parameters (given: "
+                               f"{', '.join(sorted(parsed.query))}): allowed sqlite:///path/to/pnmix.db; the busy "
+                               "timeout is PNMIX_DB_BUSY_TIMEOUT_S")
         path = Path(database).expanduser()
         if not create:
             try:
@@ -69,6 +76,9 @@ def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, c
             if not exists:
                 raise SchemaError(f"database {display_url(url)} does not exist: run `pnmix db upgrade` (or `pnmix "
                                   "run`) to create it")
+        if not create_folder and not path.parent.is_dir():
+            raise StorageError(f"the folder of SQLite database {database} does not exist ({path.parent}): create "
+                               "it first; a worker or a queued campaign does not create folders")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -109,9 +119,11 @@ def configure_sqlite(engine: Engine, busy_timeout_s: float, readonly_option: boo
 class Database:
     """An engine plus a session factory; the one object the tuner, worker and service pass around."""
 
-    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, create: bool = True) -> None:
+    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, create: bool = True,
+                 create_folder: bool = True) -> None:
         self.url = url
-        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s, echo=echo, create=create)
+        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s, echo=echo, create=create,
+                                  create_folder=create_folder)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @classmethod

@@ -53,7 +53,13 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def upgrade(db: Database, revision: str = "head") -> tuple[str | None, str | None]:
-    """Brings the schema to `revision` in one transaction; returns (before, after)."""
+    """Brings the schema to `revision` in one transaction; returns (before, after). A `revision`
+    older than the database's is refused: an upgrade never goes back (Alembic would do nothing)."""
+    order = revision_order()
+    before = current_revision(db.engine)
+    if revision != "head" and before in order and revision in order and order.index(revision) < order.index(before):
+        raise SchemaError(f"{db.display_url} is at revision {before}; upgrading to the older {revision} would do "
+                          f"nothing: allowed head or a revision from {before} on (pnmix does not downgrade)")
     return _run(db, "upgrade", revision)
 
 
@@ -103,6 +109,13 @@ def check_schema(db: Database) -> str:
 
 
 @lru_cache(maxsize=1)
+def revision_order() -> list[str]:
+    """Every revision in alembic/versions, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    return [rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()][::-1]
+
+
 def known_revisions() -> frozenset[str]:
     """Every revision in alembic/versions."""
     from alembic.script import ScriptDirectory

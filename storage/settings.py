@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pnmix.inputs import SECONDS
 from storage.errors import StorageError
 
 
@@ -27,7 +28,9 @@ class StorageSettings(BaseSettings):
 
     database_url: str | None = Field(default=None, description="SQLAlchemy URL; wins over db_path")
     db_path: Path = Field(default_factory=default_db_path, description="SQLite file used without a URL")
-    db_busy_timeout_s: float = Field(default=30.0, gt=0, description="SQLite: how long a writer waits for the lock")
+    db_busy_timeout_s: float = Field(default=30.0, gt=SECONDS.low, le=SECONDS.high, allow_inf_nan=False,
+                                     description="SQLite: how long a writer waits for the lock: "
+                                                 f"{SECONDS.allowed} seconds")
 
     @property
     def url(self) -> str:
@@ -48,4 +51,6 @@ def load_storage_settings(**overrides: object) -> StorageSettings:
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
-    return f"PNMIX_{loc.upper()}: {err['msg']}"
+    field = StorageSettings.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+    allowed = f" (allowed: {field.description})" if field is not None and field.description else ""
+    return f"PNMIX_{loc.upper()}={str(err.get('input'))[:80]!r}: {err['msg']}{allowed}"

@@ -75,6 +75,23 @@ class Places:
         self.missing = root / "missing-folder" / "x.json"
         self.long = str(root / ("x" * 10_000))
         self.unwritable = "/proc/pnmix-fuzz-nothing.json"  # no one, not even root, makes a file in /proc
+        # Config files whose contents are bad in the ways a parser lets slip: a key twice (in the
+        # config, in a layer range, a range twice), layers in other scripts' digits, other encodings.
+        contents = {
+            "twice": ('{"b_high": 4, "b_high": 3}', "utf-8"),
+            "range-twice": ('{"default": {}, "layers": {"0-3": {"b_high": 4}, "0-3": {"b_high": 2}}}', "utf-8"),
+            "field-twice": ('{"default": {"b_low": 1, "b_low": 2}}', "utf-8"),
+            "superscript": ('{"default": {}, "layers": {"\u00b2": {"b_high": 4}}}', "utf-8"),
+            "arabic-digits": ('{"default": {}, "layers": {"\u0661-\u0663": {"b_high": 4}}}', "utf-8"),
+            "fullwidth": ('{"default": {}, "layers": {"\uff11": {"b_high": 4}}}', "utf-8"),
+            "utf16": ('{"b_high": 3}', "utf-16"),
+            "utf32": ('{"b_high": 3}', "utf-32"),
+        }
+        self.bad_configs = []
+        for name, (text, encoding) in contents.items():
+            path = root / f"config-{name}.json"
+            path.write_bytes(text.encode(encoding))
+            self.bad_configs.append(str(path))
 
 
 def bad_values(parser: Any, places: Places) -> list[str]:
@@ -82,7 +99,8 @@ def bad_values(parser: Any, places: Places) -> list[str]:
     junk = ["", "x" * 10_000, "\u00e9\u00e8\u2603", "-"]
     if isinstance(parser, inputs.Int):
         r = parser.range
-        values = ["", "x", "1.5", "nan", "inf", "0x10", " 7", "\u0661\u0662", "9" * 5000, "-" + "9" * 40,
+        values = ["", "x", "1.5", "nan", "inf", "0x10", " 7", "\u0661\u0662", "\u00b2", "\uff17", "9" * 5000,
+                  "-" + "9" * 40,
                   number_text(r.low - 1), number_text(r.high + 1)]
         if parser.values:  # a gap between allowed values
             values += [str(v) for v in range(int(r.low), int(r.high)) if v not in parser.values][:2]
@@ -116,6 +134,8 @@ def bad_values(parser: Any, places: Places) -> list[str]:
     if isinstance(parser, inputs.DatabaseUrl):
         values = ["", "nonsense", "x" * 10_000, "sqlite://", "sqlite:///:memory:", "mysql://u@h/db",
                   "postgresql://u:pw@/db"]
+        # query parameters that the driver would read as numbers or flags
+        values += [f"sqlite:///{places.root}/q.db?{q}" for q in ("timeout=abc", "timeout=inf", "uri=true&mode=ro")]
         if parser.must_exist:
             values += [f"sqlite:///{places.missing.with_suffix('.db')}", f"sqlite:///{places.folder}"]
         return values
@@ -154,7 +174,8 @@ def cases(places: Places) -> list[tuple[tuple[str, ...], list[str]]]:
             assert isinstance(parser, inputs.Parser), (
                 f"pnmix {' '.join(path)} {param.opts}: no pnmix.inputs parser, so nothing checks its values")
             option = max(param.opts, key=len)
-            for value in bad_values(parser, places):
+            contents = places.bad_configs if param.name == "config_file" else []
+            for value in [*bad_values(parser, places), *contents]:
                 others = [a for i, a in enumerate(required) if not (i % 2 == 0 and a == option)
                           and not (i % 2 == 1 and required[i - 1] == option)]
                 out.append((path, [*path, *others, option, value]))

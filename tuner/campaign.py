@@ -49,7 +49,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import random
 import sys
 import threading
@@ -65,7 +64,7 @@ from optuna.exceptions import ExperimentalWarning
 from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.errors import PNMixError
-from pnmix.inputs import SEED, TRIALS, shorten
+from pnmix.inputs import SEED, TRIALS, env_value, shorten
 from pnmix.layerwise import AnyConfig, as_layerwise, config_from_dict
 from pnmix.names import BACKENDS
 from storage.errors import StorageError
@@ -79,11 +78,12 @@ warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats an
 PRUNE_SLACK = 0.9  # prune only when an evaluated trial's proxy KL is at least 10% lower
 MIN_FULL = 3  # always fully evaluate the first few candidates of a study
 # A worker's trial counts as dead after GRACE_S without a heartbeat; it is then retried.
-HEARTBEAT_S = int(os.environ.get("PNMIX_HEARTBEAT_S", "10"))
-GRACE_S = int(os.environ.get("PNMIX_GRACE_S", "30"))
+# Read when a command first imports this module: a malformed value is one line, before any work.
+HEARTBEAT_S = int(env_value("PNMIX_HEARTBEAT_S", 10))
+GRACE_S = int(env_value("PNMIX_GRACE_S", 30))
 # Consecutive database failures tolerated (waits of DB_RETRY_S, doubling, at most 30 s) before giving up.
-DB_RETRIES = int(os.environ.get("PNMIX_DB_RETRIES", "5"))
-DB_RETRY_S = float(os.environ.get("PNMIX_DB_RETRY_S", "1"))
+DB_RETRIES = int(env_value("PNMIX_DB_RETRIES", 5))
+DB_RETRY_S = env_value("PNMIX_DB_RETRY_S", 1.0)
 log = logging.getLogger("pnmix.tuner")
 
 Progress = Callable[[str], None]

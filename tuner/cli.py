@@ -358,7 +358,10 @@ def tune(
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # what a worker could not load: one line before the database
-    db = open_db(storage, create=True)
+    from tuner.queue import check_budgets_reachable
+
+    check_budgets_reachable(spec.space, spec.budgets, models.model_shape(model).head_dim, model)
+    db = open_db(storage, create=True, create_folder=not enqueue)  # a queued campaign's workers write elsewhere
     campaign_id = find_or_create_campaign(db, spec, status="queued" if enqueue else "running")
     from tuner.campaign import optuna_storage
 
@@ -462,7 +465,7 @@ def worker(
     from tuner.queue import CannotRunHere, runnable_backends
     from tuner.session import open_db
 
-    db = open_db(storage, create=True)
+    db = open_db(storage, create=True, create_folder=False)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     backends = runnable_backends()
     while True:

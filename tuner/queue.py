@@ -61,6 +61,16 @@ def check_backend(backend: str) -> None:
                             "(or auto) here, or a worker on a GPU host")
 
 
+def check_budgets_reachable(space: Any, budgets: Sequence[float], head_dim: int, model: str) -> None:
+    """Every budget can be met by some config of the campaign's space on a model of `head_dim`; else
+    one line with the smallest budget that can (checked where a campaign is enqueued or started)."""
+    floor = space.min_bits(head_dim)
+    below = [b for b in budgets if b < floor - 1e-9]
+    if below:
+        raise EvalError(f"invalid budget {below[0]:g}: no config of the {space.method} space on {shorten(model)} "
+                        f"fits it; allowed budgets >= {floor:.5f} {space.budget_on} bits, the smallest that can be met")
+
+
 def check_runnable(spec: Any) -> None:
     """What a worker checks before it loads anything: its backend, and that the model can be
     loaded here for accuracy (cheap: no weights are read)."""

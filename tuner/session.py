@@ -8,21 +8,23 @@ from tuner.campaign import CampaignSpec
 from tuner.profiles import EvalError
 
 
-def open_db(storage: str | None, upgrade: bool = False, create: bool = False) -> Any:
+def open_db(storage: str | None, upgrade: bool = False, create: bool = False, create_folder: bool = True) -> Any:
     """The project database (settings, or `storage` URL); checks the schema revision first.
 
     `create=True` (commands that write: tune, worker) creates the tables of a database that has
     none of ours yet at the head revision, as Optuna creates its own; a database at an older
     revision still asks for `pnmix db upgrade`. `upgrade=True` (the main job) migrates it too.
     Otherwise (commands that only read) nothing is created: a SQLite file that is not there is
-    one line.
+    one line. `create_folder=False` (a worker, an enqueued campaign) refuses a SQLite file whose folder
+    does not exist instead of creating it.
     """
     from storage import Database, check_schema, load_storage_settings
     from storage import upgrade as upgrade_schema
     from storage.migrations import has_no_pnmix_tables
 
     settings = load_storage_settings(**({"database_url": storage} if storage else {}))
-    db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s, create=upgrade or create)
+    db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s, create=upgrade or create,
+                  create_folder=create_folder)
     if upgrade or (create and has_no_pnmix_tables(db)):
         upgrade_schema(db)
     check_schema(db)

@@ -5,10 +5,12 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from api.deps import NoDuplicateKeys, ReadSession, TokenChecked, WriteSession
-from api.problems import problem_doc
+from api.problems import ProblemError, problem_doc
 from api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
 from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from storage import read, write
+from tuner.profiles import EvalError
+from tuner.queue import check_budgets_reachable
 
 router = APIRouter(tags=["campaigns"])
 
@@ -37,7 +39,7 @@ def get_campaign(session: ReadSession,
     status_code=201,
     response_model=CampaignPublic,
     dependencies=[TokenChecked, NoDuplicateKeys],
-    responses=problem_doc(400, 401, 403, 404, 413, 422, 503),
+    responses=problem_doc(400, 401, 403, 404, 413, 415, 422, 503),
 )
 def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Response) -> CampaignPublic:
     """Enqueues a campaign (status `queued`) for `pnmix worker` to pick up. Needs the bearer token.
@@ -50,5 +52,9 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
         objectives=body.objectives, backend=body.backend, budget_on=body.budget_on,
         search_space=space.to_dict(), options={"space": space.to_options(), "multi_fidelity": False},
     )
+    try:  # refused inside the write session: it rolls back, nothing is stored
+        check_budgets_reachable(space, body.budgets, campaign.model.head_dim, body.model)
+    except EvalError as exc:
+        raise ProblemError(422, "Unprocessable Content", str(exc)) from None
     response.headers["Location"] = f"/v1/campaigns/{campaign.id}"
     return CampaignPublic.of(campaign)

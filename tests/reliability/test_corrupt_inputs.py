@@ -40,6 +40,7 @@ BAD_CONFIGS = [
     ('{"group_size": 48}', "invalid group_size=48: allowed one of 32, 64, 128"),
     ('{"bits": 2}', "invalid bits=2: allowed a field among b_high, b_low, criterion, group_size, n_sink, "
                     "residual_len, salient_ratio, seed, value_bits, value_group_size"),
+    ('{"b_high": 5, "b_high": 3}', "invalid config=\"'b_high' given twice\": allowed each key once in a JSON object"),
 ]
 
 
@@ -96,6 +97,8 @@ def test_truncated_gguf_is_refused_and_leaves_no_conversion(tmp_path, monkeypatc
     message = str(caught.value)
     assert message.startswith(f"cannot read GGUF file {cut}: ") and "\n" not in message
     assert not list((tmp_path / "cache" / "models").glob("*smollm2*")), "a half-written conversion was left"
+    digests = tmp_path / "cache" / "models" / models.DIGESTS
+    assert not digests.exists() or str(cut.resolve()) not in digests.read_text(), "its digest entry was left"
 
 
 def test_truncated_gguf_on_the_command_line_is_one_line(tmp_path, gguf_bytes):
