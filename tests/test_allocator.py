@@ -227,10 +227,16 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
     for t, (_, _, kind) in zip(study.trials, made, strict=True):
         r = record.read(t)
         assert r.kind == kind, (t.number, r.kind)
-        assert counts(t) == (kind in (record.Kind.SCORED, record.Kind.REUSED, record.Kind.PRUNED))
+        assert counts(t) == (kind not in (record.Kind.SHARED, record.Kind.SKIPPED, record.Kind.SURPLUS))
         assert scored_here(t) == (kind == record.Kind.SCORED)
     first, reused, shared = (record.read(t) for t in study.trials[:3])
     assert first.bits == 2.263 and first.config == preset("pnmix-paper") and first.original and first.has_score
     assert reused.source == "#0" and not reused.original and not record.stands_for_its_config(study.trials[1])
     assert shared.source == "pnmix:1:2.5#3" and record.stands_for_its_config(study.trials[2])
     assert record.read(study.trials[6]).error == "out of memory: CUDA"
+    # Another worker's running trial holds its slot; one already marked over budget does not.
+    running = optuna.create_study().ask()
+    frozen = running.study._storage.get_trial(running._trial_id)
+    assert record.kind_of(frozen) == record.Kind.PENDING and counts(frozen)
+    running.set_user_attr("skipped", "over budget: no inference run")
+    assert not counts(running.study._storage.get_trial(running._trial_id))

@@ -125,7 +125,7 @@ def test_generate_refuses_what_the_model_or_the_static_path_cannot_take_before_l
     monkeypatch.setattr(models, "load", no_load)
     for argv, needle in ((["--value-group", "48"], "invalid value_group_size=48: allowed a positive divisor of "
                                                     "head_dim=64"),
-                         (["--static", "--b-high", "16", "--b-low", "16"], "the static path has no mixed mode")):
+                         (["--static", "--b-high", "16"], "the static path has no mixed mode")):
         code, _, err = run(["generate", "--prompt", "hi", *argv])
         assert code == 2 and err.count("\n") == 1 and needle in err, err
 

@@ -69,8 +69,8 @@ class TrialRecord:
 
     @property
     def counts(self) -> bool:
-        """Whether it takes one of the requested slots (scored, reused or pruned)."""
-        return self.kind in (Kind.SCORED, Kind.REUSED, Kind.PRUNED)
+        """Whether it takes one of the requested slots (`takes_slot`)."""
+        return self.kind not in NO_SLOT
 
     @property
     def has_score(self) -> bool:
@@ -84,21 +84,32 @@ class TrialRecord:
 
 def kind_of(trial: optuna.trial.FrozenTrial) -> Kind:
     attrs, state = trial.user_attrs, trial.state
-    if state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING):
-        return Kind.PENDING
-    if state == optuna.trial.TrialState.FAIL:
-        return Kind.FAILED
+    # The kinds that take no slot first: a running trial already marked surplus or over budget is one.
     if attrs.get("surplus"):
         return Kind.SURPLUS
     if "skipped" in attrs:
         return Kind.SKIPPED
     if attrs.get("shared"):
         return Kind.SHARED
+    if state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING):
+        return Kind.PENDING
+    if state == optuna.trial.TrialState.FAIL:
+        return Kind.FAILED
     if state == optuna.trial.TrialState.PRUNED:
         return Kind.PRUNED
     if "reused_from" in attrs or "score_from" in attrs:
         return Kind.REUSED
     return Kind.SCORED
+
+
+NO_SLOT = (Kind.SURPLUS, Kind.SKIPPED, Kind.SHARED)
+
+
+def takes_slot(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a trial takes one of its budget's requested slots: every kind but surplus, skipped and
+    shared. A pending trial does (another worker's running trial holds its slot while it runs); among
+    finished trials, the scored, reused and pruned ones do."""
+    return kind_of(trial) not in NO_SLOT
 
 
 def stands_for_its_config(trial: optuna.trial.FrozenTrial) -> bool:

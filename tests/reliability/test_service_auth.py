@@ -1,10 +1,11 @@
-"""Item 8: writes need the right token, the token never leaks, and big bodies are refused.
+"""Writes need the right token, the token never leaks, and big bodies and headers are refused.
 
 Against a real `pnmix serve` (log level debug, its whole output captured): a write without a
 token, with a wrong one, with an empty one or with another scheme is refused with 401 (403 when the
 server has no token, or an empty one, configured) and changes nothing in the database; neither
 the token nor the wrong token appears in any response or in the server's log. Bodies over
-`PNMIX_MAX_BODY_BYTES` get 413, whether declared by Content-Length or streamed in chunks.
+`PNMIX_MAX_BODY_BYTES` get 413, whether declared by Content-Length or streamed in chunks; header
+fields over `PNMIX_MAX_HEADER_BYTES` get 431.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def test_writes_are_refused_without_the_token_and_nothing_leaks(seeded):
         r = client.post("/v1/campaigns", content=b"x" * (1 << 20), headers=json_type)
         assert r.status_code == 413  # refused before the token is even looked at
         bodies.append(r.text)
+        assert count_rows(db) == rows and campaigns_dump(db) == campaigns
+
+        for size in (100_000, 1 << 20, 8 << 20):  # header fields over PNMIX_MAX_HEADER_BYTES (16 KiB)
+            r = client.get("/v1/models", headers={"X-Padding": "x" * size})
+            assert r.status_code == 431 and r.headers["content-type"] == "application/problem+json", size
         assert count_rows(db) == rows and campaigns_dump(db) == campaigns
 
         r = client.post("/v1/campaigns", content=padded(LIMIT), headers={**AUTH, **json_type})
