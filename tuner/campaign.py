@@ -988,9 +988,9 @@ def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 def counts(trial: optuna.trial.FrozenTrial) -> bool:
     """Whether a trial takes one of the requested slots: a config scored, reused or screened out, or
-    a trial still running (tuner/record.py). Over-budget proposals cost no inference, so they take none (the sampler still
-    sees them as infeasible), and neither do the surplus trials of a racing worker nor the scores
-    another budget's study shared."""
+    a trial still running (tuner/record.py). Over-budget proposals cost no inference, so they take
+    none (the sampler still sees them as infeasible), and neither do the surplus trials of a racing
+    worker nor the scores another budget's study shared."""
     return record.takes_slot(trial)
 
 
