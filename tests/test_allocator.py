@@ -240,3 +240,28 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
     assert record.kind_of(frozen) == record.Kind.PENDING and counts(frozen)
     running.set_user_attr("skipped", "over budget: no inference run")
     assert not counts(running.study._storage.get_trial(running._trial_id))
+
+
+def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import create_trial
+
+    from tuner.cli import _against_paper
+    from tuner.space import SearchSpace
+    from tuner.stats import paired
+
+    space = SearchSpace(method="pnmix-alloc").with_layers(30)
+    paper = space.recast(preset("pnmix-paper"))
+    lw = LayerwiseConfig.from_layers([paper.with_(b_low=2, salient_ratio=0.1)] * 3 + [paper] * 27)
+    a = {"passkey": [1.0] * 30 + [0.0] * 10, "fidelity": [0.1, 0.2, 0.15]}
+    b = {"passkey": [1.0] * 22 + [0.0] * 18, "fidelity": [0.2, 0.3, 0.25]}
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    dist = {"group_size": CategoricalDistribution([32, 64, 128])}
+    for cfg, units in ((paper, b), (lw, a)):
+        study.add_trial(create_trial(values=[0.5, 2.26], params={"group_size": 128}, distributions=dist,
+                                     user_attrs={"config": cfg.to_dict(), "units": units, "accuracy": 0.5}))
+    diff, se = paired(a, b)["accuracy"]
+    said = _against_paper(study, 1, space)
+    assert f"{diff:+.3f} +- {se:.3f}" in said and "paired on the same items" in said
+    assert ("beyond two standard errors" in said) == (abs(diff) > 2 * se)
+    assert _against_paper(study, 0, space) == "is pnmix-paper itself"

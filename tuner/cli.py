@@ -778,13 +778,17 @@ def run_main_job(
         console.print(f"recommendation at <= 2.3 key bits: {p.config.to_json()} "
                       f"(key bits {p.key_bits:.3f}, accuracy {_pm(p.accuracy, p.accuracy_se)})")
         _print_ties([(t.config, t.key_bits, t.accuracy, t.accuracy_se) for t in ties if t is not p])
-        console.print(_against_paper(studies[p.budget], p.trial_number, spec.space))
+        console.print("recommendation " + _against_paper(studies[p.budget], p.trial_number, spec.space))
+        best = max([p, *ties], key=lambda q: q.accuracy)
+        if best is not p:  # tied with the recommendation, but the comparison with the paper says more
+            console.print(f"most accurate point ({best.config.label}, {best.key_bits:.3f} key bits) "
+                          + _against_paper(studies[best.budget], best.trial_number, spec.space))
     console.print(f"Pareto plot: {path}; the API (`pnmix serve`) and `pnmix dashboard` read {db.display_url}")
 
 
 def _against_paper(study: Any, trial_number: int, space: Any) -> str:
-    """The recommended point's accuracy minus pnmix-paper's, paired on the same items (both scored in
-    the campaign's study of that budget)."""
+    """A point's accuracy minus pnmix-paper's, paired on the same items (both scored in the campaign's
+    study of that budget), as the end of a sentence about the point."""
     from pnmix.config import preset
     from tuner import record
     from tuner.stats import paired
@@ -794,10 +798,10 @@ def _against_paper(study: Any, trial_number: int, space: Any) -> str:
     mine = next((r for r in trials if r.number == trial_number), None)
     theirs = next((r for r in trials if r.config_dict == paper and r.units), None)
     if mine is None or theirs is None or not mine.units or not theirs.units:
-        return "pnmix-paper was not scored at this budget: no paired comparison"
+        return "against pnmix-paper: not scored at this budget, no paired comparison"
     if mine.number == theirs.number:
-        return "the recommendation is pnmix-paper itself"
+        return "is pnmix-paper itself"
     diff, se = paired(mine.units, theirs.units)["accuracy"]
     verdict = ("beyond two standard errors" if se and abs(diff) > 2 * se
                else "within two standard errors: not a measured difference")
-    return f"recommendation minus pnmix-paper, paired on the same items: {_diff(diff, se)} ({verdict})"
+    return f"minus pnmix-paper, paired on the same items: {_diff(diff, se)} ({verdict})"
