@@ -43,12 +43,17 @@ def load(url: str, campaign_id: int, budget: float) -> optuna.Study | None:
 
 
 def mid_trial(url: str, campaign_id: int, budget: float, min_complete: int) -> list[optuna.trial.FrozenTrial] | None:
-    """The RUNNING trials, once at least `min_complete` trials completed and one is being evaluated."""
+    """The RUNNING trials, once at least `min_complete` trials completed and one is being evaluated:
+    its config and bits are written (`kv_bits` is the last of them), it fits the budget and no trial
+    scored it before (an over-budget or already scored config completes at once, with no evaluation
+    to be killed in)."""
     study = load(url, campaign_id, budget)
     if study is None:
         return None
     trials = study.get_trials(deepcopy=False)
-    running = [t for t in trials if t.state == RUNNING and "config" in t.user_attrs]
+    scored = [t.user_attrs.get("config") for t in trials if t.state == COMPLETE]
+    running = [t for t in trials if t.state == RUNNING and "kv_bits" in t.user_attrs
+               and t.user_attrs["bits"] <= budget and t.user_attrs["config"] not in scored]
     if sum(t.state == COMPLETE for t in trials) >= min_complete and running:
         return running
     return None
