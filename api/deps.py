@@ -56,7 +56,7 @@ def require_token(
         )
 
 
-async def no_duplicate_keys(request: Request) -> None:
+async def strict_json_body(request: Request) -> None:
     """Refuses a JSON body that is not UTF-8 (RFC 8259: JSON exchanged between systems is UTF-8; a
     parser would guess UTF-16 or UTF-32 from its zero bytes), with 415, and one that gives a key
     twice (a parser would keep one of the two silently), with 422."""
@@ -94,4 +94,4 @@ ReadSession = Annotated[Session, Depends(read_session)]
 # with yield runs after the response.
 WriteSession = Annotated[Session, Depends(write_session, scope="function")]
 TokenChecked = Depends(require_token)
-NoDuplicateKeys = Depends(no_duplicate_keys)
+StrictJsonBody = Depends(strict_json_body)

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from api.deps import NoDuplicateKeys, ReadSession, TokenChecked, WriteSession
+from api.deps import ReadSession, StrictJsonBody, TokenChecked, WriteSession
 from api.problems import ProblemError, problem_doc
 from api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
 from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
@@ -38,7 +38,7 @@ def get_campaign(session: ReadSession,
     "/campaigns",
     status_code=201,
     response_model=CampaignPublic,
-    dependencies=[TokenChecked, NoDuplicateKeys],
+    dependencies=[TokenChecked, StrictJsonBody],
     responses=problem_doc(400, 401, 403, 404, 413, 415, 422, 503),
 )
 def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Response) -> CampaignPublic:
