@@ -218,12 +218,13 @@ def _raw_block(q32, k_base, v_base, stride_t, n_valid, t0, m_i, l_i, acc,
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSC"])  # one compile serves every salient count of a size class
 def _decode_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr,
-    qk_scale, groups_per_split, n_split,
+    qk_scale, groups_per_split, n_split, NSC,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    B_LOW: tl.constexpr, NH: tl.constexpr, NSC: tl.constexpr, NSC_P: tl.constexpr, NNS_P: tl.constexpr,
+    B_LOW: tl.constexpr, NH: tl.constexpr, SAL: tl.constexpr, NS: tl.constexpr, NSC_P: tl.constexpr,
+    NNS_P: tl.constexpr,
     BV: tl.constexpr, GV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PTX: tl.constexpr,
 ):
     """Program (b * HKV + h, split): partial attention of the GQ query heads of KV head h.
@@ -242,7 +243,7 @@ def _decode_kernel(
     b = bh // HKV
     h = bh % HKV
     G8: tl.constexpr = G // 8
-    NNS: tl.constexpr = D - NSC
+    NNS = D - NSC
     NVG: tl.constexpr = D // GV
     rows = tl.arange(0, M_P)
     row_ok = rows < GQ
@@ -290,11 +291,11 @@ def _decode_kernel(
             for sub in tl.static_range(G // BLOCK_T):
                 byte = sub * (BLOCK_T // 8) + tl.arange(0, BLOCK_T // 8)
                 scores = tl.zeros([M_P, BLOCK_T], tl.float32) + bias[:, None]
-                if NNS > 0:  # non-salient channels: the B_LOW low planes
+                if NS:  # non-salient channels: the B_LOW low planes
                     lo_ns = lo_g + ns_idx[:, None] * G8 + byte[None, :]
                     r0, r1, r2, r3 = _load_planes(lo_ns, D * G8, lo_ns, 0, (jn < NNS)[:, None], B_LOW, B_LOW)
                     scores = tl.dot(u_ns, _planes_to_f16(r0, r1, r2, r3, B_LOW, NNS_P, BLOCK_T, PTX), scores)
-                if NSC > 0:  # salient channels: low planes, then the NH high planes (B_LOW + NH <= 4)
+                if SAL:  # salient channels: low planes, then the NH high planes (B_LOW + NH <= 4)
                     lo_s = lo_g + sal_idx[:, None] * G8 + byte[None, :]
                     hi_s = hi_g + js[:, None] * G8 + byte[None, :]
                     r0, r1, r2, r3 = _load_planes(lo_s, D * G8, hi_s, NSC * G8, (js < NSC)[:, None], B_LOW, B_LOW + NH)
@@ -359,9 +360,9 @@ def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_spli
     out = output_for(q, out)
     _decode_kernel[(bsz * hkv, n_parts)](
         decode_operands(q, cache), pm, pl, pa,
-        scale * LOG2E, groups_per_split, num_splits,
+        scale * LOG2E, groups_per_split, num_splits, n_sc,
         HKV=hkv, GQ=gq, M_P=m_p, D=d, G=g, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
-        NSC=n_sc, NSC_P=next_pow2(max(n_sc, 16)), NNS_P=next_pow2(max(d - n_sc, 16)),
+        SAL=n_sc > 0, NS=n_sc < d, NSC_P=next_pow2(max(n_sc, 16)), NNS_P=next_pow2(max(d - n_sc, 16)),
         BV=cache.value_bits, GV=cache.value_group_size, BLOCK_T=min(g, BLOCK_T), BLOCK_R=BLOCK_R,
         PTX=q.is_cuda, num_warps=NUM_WARPS, num_stages=1,
     )

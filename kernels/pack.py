@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import PackedKeys, PackedValues, next_pow2
+from kernels.layout import PackedKeys, PackedValues
 
 
 @triton.jit
@@ -46,13 +46,15 @@ def _pack_tokens(q, bit: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
     return tl.sum(bits * weights[None, None, :], axis=2).to(tl.uint8)
 
 
-@triton.jit
+# The salient count, its share per program and the salient list's row stride are run-time values
+# (never specialised), so configs that differ only in their salient ratio share one compile.
+@triton.jit(do_not_specialize=["stride_sn", "NSC", "JB"])
 def _quantize_pack_keys_kernel(
     k_ptr, sal_ptr, is_sal_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
     n_groups,
-    stride_kn, stride_kt, stride_kc, stride_sn,
+    stride_kn, stride_kt, stride_kc, stride_sn, NSC, JB,
     D: tl.constexpr, G: tl.constexpr, B_LOW: tl.constexpr, B_HIGH: tl.constexpr,
-    NSC: tl.constexpr, BLOCK_C: tl.constexpr, JB: tl.constexpr, JB_P: tl.constexpr,
+    SAL: tl.constexpr, BLOCK_C: tl.constexpr, JB_P: tl.constexpr,
 ):
     """Program (row * n_groups + group, channel block): one group of G tokens of one row
     (sequence x KV head), channels [cb * BLOCK_C, (cb + 1) * BLOCK_C), and the high planes of
@@ -78,7 +80,7 @@ def _quantize_pack_keys_kernel(
     x = tl.load(k_row + t[None, :] * stride_kt + c[:, None] * stride_kc).to(tl.float32)  # [BLOCK_C, G]
     lev_low: tl.constexpr = (1 << B_LOW) - 1
     lev_high: tl.constexpr = (1 << B_HIGH) - 1
-    if NSC > 0:
+    if SAL:
         is_sal = tl.load(is_sal_ptr + n * D + c) != 0
         levels = tl.where(is_sal, lev_high, lev_low).to(tl.float32)
     else:
@@ -91,7 +93,7 @@ def _quantize_pack_keys_kernel(
     low_base = low_ptr + ng.to(tl.int64) * (B_LOW * D * G8)
     for p in tl.static_range(B_LOW):
         tl.store(low_base + p * (D * G8) + c[:, None] * G8 + byte[None, :], _pack_tokens(q, p, BLOCK_C, G))
-    if B_HIGH > B_LOW and NSC > 0:
+    if B_HIGH > B_LOW and SAL:
         # Salient channels again, gathered: the same fp32 arithmetic on the same inputs gives the
         # same codes, and the gathered rows come out in the stored (ascending) order.
         jl = tl.arange(0, JB_P)
@@ -158,9 +160,9 @@ def quantize_pack_keys(
         _quantize_pack_keys_kernel[(rows * n_groups, n_blocks)](
             k3, sal, is_sal, out.low, out.high, out.scale, out.zero,
             n_groups,
-            k3.stride(0), k3.stride(1), k3.stride(2), max(sal.stride(0), 1),
-            D=d, G=group_size, B_LOW=b_low, B_HIGH=b_high, NSC=n_sc, BLOCK_C=block_c, JB=jb,
-            JB_P=next_pow2(jb), num_warps=4,
+            k3.stride(0), k3.stride(1), k3.stride(2), max(sal.stride(0), 1), n_sc, jb,
+            D=d, G=group_size, B_LOW=b_low, B_HIGH=b_high, SAL=n_sc > 0, BLOCK_C=block_c,
+            JB_P=block_c, num_warps=4,  # jb <= block_c: one tile size for every salient count
         )
     return out
 

@@ -44,7 +44,7 @@ def emulated(q: torch.Tensor, cache, scale: float, splits: int | None, n_tail: i
                                **({"n_tail": n_tail} if n_tail else {}))
     split = launch.split_launch(q, cache, scale, plan)
     assert split.grid[1] == plan.n_parts == plan.num_splits + plan.n_tail
-    assert split.args[-2] == plan.tail_start == (plan.num_splits if tail_last else 0)
+    assert split.args[-3] == plan.tail_start == (plan.num_splits if tail_last else 0)
     for t in (split.pm, split.pl, split.pa):
         t.fill_(float("nan"))  # poisoned: a partial the kernel does not write fails the check
     run_split_kernel(split)

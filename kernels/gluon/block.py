@@ -140,7 +140,7 @@ def _plane_pairs(x, K: gl.constexpr, magic_p):
 
 @gluon.jit
 def _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, S: gl.constexpr, H: gl.constexpr, magic,
-                 B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr,
+                 B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, D: gl.constexpr,
                  NSC_P: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr):
     """Scores S^T [16 tokens, 8 heads] of tile H of step S (`_token_of_row`): the keys are the A
     operand and u^T [D, 8] the B operand (N = 8 heads: half the MMAs and accumulator registers
@@ -163,7 +163,7 @@ def _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, S: gl.constexpr, H: gl.cons
         x = _plane_pairs(lw_s[p], K, magic + p * 0x04000400)
         acc = mma_v2(_plane_operand(x, D, A_OP), u, acc)
     if NH > 0:
-        if NSC > 0:
+        if SAL:
             for p in gl.static_range(NH):
                 x = _plane_pairs(hw_s[p], K, magic + p * 0x04000400)
                 acc = mma_v2(_plane_operand(x, NSC_P, A_OP), u_hi, acc)
@@ -181,7 +181,7 @@ def _run_offsets(C: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze,
                  ksc, kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr,
-                 B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr,
+                 B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, n_sc, SAL: gl.constexpr, NW: gl.constexpr,
                  NVG: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
     """Starts the asynchronous copies of block `blk` (128 tokens): into the one-slot key buffers
     its 16 bytes of every channel's (low) and salient channel's (high) plane words, and at a
@@ -195,10 +195,10 @@ def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks
     for p in gl.static_range(B_LOW):
         _async_load(buf_lo.index(p), lo + p * (D * G32 * 2) + off_lo, mask=(off_lo >= 0) & valid)
     if NH > 0:
-        if NSC > 0:
-            hi = khi + g * (NH * NSC * G32 * 2) + q8
+        if SAL:
+            hi = khi + g * (NH * n_sc * G32 * 2) + q8
             for p in gl.static_range(NH):
-                _async_load(buf_hi.index(p), hi + p * (NSC * G32 * 2) + off_hi, mask=m_hi & valid)
+                _async_load(buf_hi.index(p), hi + p * (n_sc * G32 * 2) + off_hi, mask=m_hi & valid)
     for tile in gl.static_range(8):
         _async_load(buf_v.index(slot * 8 + tile), vp + (blk * 128 + 2 * tile) * NW + off_v,
                     mask=(off_v >= 0) & valid)
@@ -270,12 +270,12 @@ def _softmax_values(s0, s1, m, row0, acc, acc_z, l_t, buf_v, buf_sc, buf_ze, sel
     return acc, acc_z, l_t + p0 + p1
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["n_sc"])  # one compile serves every salient count of a size class
 def _block_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
-    qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic,
+    qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-    B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
+    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, NSC_P: gl.constexpr,
     BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
@@ -337,7 +337,7 @@ def _block_kernel(
         # Element offsets of the copies, from the block's first word / token / row.
         off_lo = _run_offsets(D, G32, CP_KEYS)
         off_hi = _run_offsets(NSC_P, G32, CP_KEYS)
-        m_hi = off_hi < NSC * G32 * 2
+        m_hi = off_hi < n_sc * G32 * 2
         # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
         # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
         n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
@@ -357,7 +357,7 @@ def _block_kernel(
         b_start = g_start * (G32 // 4)
         _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
                      vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                     G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                     G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
         async_copy.commit_group()
         n_groups = gl.load(ops.n_groups_ptr + b)
         g_end = gl.minimum(g_start + groups_per_split, n_groups)
@@ -373,16 +373,16 @@ def _block_kernel(
                        other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         js = gl.arange(0, NSC_P, layout=KCOL)
         order = ops.order_ptr + b.to(gl.int64) * ops.stride_ob + h * ops.stride_oh
-        sal = gl.load(order + (D - NSC) + js, mask=js < NSC, other=0)
-        q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & (js < NSC)[:, None],
+        sal = gl.load(order + (D - n_sc) + js, mask=js < n_sc, other=0)
+        q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & (js < n_sc)[:, None],
                          other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
         # In shared memory, not registers: they are read once per group, and the loop's registers
         # decide how many programs an SM holds.
         buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
         buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
         js_cp = gl.arange(0, NSC_P, layout=CP_SAL)
-        off_ss = gl.load(order + (D - NSC) + js_cp, mask=js_cp < NSC, other=0) // 2
-        off_ss = gl.where(js_cp < NSC, off_ss, -1)
+        off_ss = gl.load(order + (D - n_sc) + js_cp, mask=js_cp < n_sc, other=0) // 2
+        off_ss = gl.where(js_cp < n_sc, off_ss, -1)
         # The words of the salient channels' scales need the channel order: their own copy group.
         _issue_salient_scales(b_start, n_blk > 0, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
         async_copy.commit_group()
@@ -409,7 +409,7 @@ def _block_kernel(
                               gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
                 # The salient channels' scales: each in the low or high half of its copied word.
                 s_word = buf_ss.index(0).load(KCOL)
-                s_sal = gl.where(js < NSC, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
+                s_sal = gl.where(js < n_sc, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
                 u_hi = buf_qs.load(B_OP) * s_sal[:, None]
                 c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
                             gl.zeros([16, 8], gl.float32, layout=MMA))
@@ -423,19 +423,19 @@ def _block_kernel(
             _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
             _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo,
                          khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v,
-                         off_s, off_k, G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                         off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
             _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
             async_copy.commit_group()
             # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
             # for its 128 tokens, then the value products of its 4 steps.
-            s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s01 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s10 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s11 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s20 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s21 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s30 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
-            s31 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, NSC, D, NSC_P, MMA, A_OP)
+            s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s01 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s10 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s11 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s20 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s21 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s30 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s31 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s_max = gl.maximum(gl.maximum(gl.maximum(s00, s01), gl.maximum(s10, s11)),
                                gl.maximum(gl.maximum(s20, s21), gl.maximum(s30, s31)))
             m_new = gl.maximum(m_h, gl.max(s_max, axis=0))

@@ -191,8 +191,10 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
 
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
                      value_bits: int, value_group: int) -> dict:
-    """The kernel's compile-time constants besides its layouts."""
-    return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, NSC=n_salient,
+    """The kernel's compile-time constants besides its layouts. The salient channel count is not
+    one (it is the kernel's run-time `n_sc`): only its size class NSC_P and whether there are any
+    (SAL) are, so configs that differ only in their salient ratio share a compiled kernel."""
+    return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, SAL=n_salient > 0,
                 NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
                 **kernel_module(group_size).CONSTANTS)
@@ -213,7 +215,8 @@ class SplitLaunch:
 
     grid: tuple[int, int]
     kernel: Any  # `block._block_kernel` or `words._words_kernel`
-    args: tuple  # (DecodeOperands, pm, pl, pa, ksw, qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic)
+    # (DecodeOperands, pm, pl, pa, ksw, qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc)
+    args: tuple
     constexprs: dict
     layouts: dict  # the kernel's layout arguments
     plan: LaunchPlan
@@ -245,7 +248,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: Launch
     ops = decode_operands(q, cache, _view(cache.k_low, kernel.PLANE_DTYPE), _view(cache.k_high, kernel.PLANE_DTYPE),
                           _view(cache.v_packed), _view(cache.v_scale.flatten(-2)), _view(cache.v_zero.flatten(-2)))
     args = (ops, pm, pl, pa, _view(cache.k_scale), scale * LOG2E, plan.groups_per_split, plan.n_parts, plan.n_tail,
-            plan.tail_start, FP16_PAIR_1024)
+            plan.tail_start, FP16_PAIR_1024, cache.n_salient_channels)
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high,
                                   cache.n_salient_channels, cache.value_bits, cache.value_group_size)
     layouts = kernel.layouts(d, cache.value_bits, cache.value_group_size, constexprs["NSC_P"])

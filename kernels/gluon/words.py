@@ -118,7 +118,7 @@ def _plane_pairs(we, wo, sel, bit_e, bit_o, magic_p):
 
 @gluon.jit
 def _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, half: gl.constexpr, magic,
-                 B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, D: gl.constexpr,
+                 B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, D: gl.constexpr,
                  NSC_P: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr):
     """Scores S^T [16 tokens, 8 heads] of half step `half` of a 32-token word: the keys are the A
     operand and u^T [D, 8] the B operand (N = 8 heads: half the MMAs and accumulator registers
@@ -140,7 +140,7 @@ def _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, in
                          magic + p * 0x04000400)
         acc = mma_v2(_plane_operand(x, D, A_OP), u, acc)
     if NH > 0:
-        if NSC > 0:
+        if SAL:
             # A second accumulator: two shorter dependent MMA chains instead of one long one.
             acc_hi = gl.zeros([16, 8], gl.float32, layout=MMA)
             for p in gl.static_range(NH):
@@ -162,7 +162,7 @@ def _parity_offsets(C2: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
                 kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr, B_LOW: gl.constexpr,
-                D: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
+                D: gl.constexpr, NH: gl.constexpr, n_sc, SAL: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
                 PL_P: gl.constexpr, PH_P: gl.constexpr):
     """Starts the asynchronous copies of word step `step` (32 tokens) into ring slot `stage`: the
     plane words of every channel (low) and salient channel (high), the value words, scales and
@@ -178,10 +178,10 @@ def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_k
     for p in gl.static_range(B_LOW):
         _async_load(buf_lo.index(stage * PL_P + p), lo + p * (D * G32) + off_lo, mask=(off_lo >= 0) & valid)
     if NH > 0:
-        if NSC > 0:
-            hi = khi + g * (NH * NSC * G32) + wd
+        if SAL:
+            hi = khi + g * (NH * n_sc * G32) + wd
             for p in gl.static_range(NH):
-                _async_load(buf_hi.index(stage * PH_P + p), hi + p * (NSC * G32) + off_hi, mask=m_hi & valid)
+                _async_load(buf_hi.index(stage * PH_P + p), hi + p * (n_sc * G32) + off_hi, mask=m_hi & valid)
     for half in gl.static_range(2):
         t0 = step * 32 + half * 16
         _async_load(buf_v.index(stage * 2 + half), vp + t0 * NW + off_v,
@@ -223,12 +223,12 @@ def _smem_pair_words(buf, row0, N_PLANES: gl.constexpr, PAR: gl.constexpr, L: gl
     return e0, o0, e1, o1, e2, o2, e3, o3
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["n_sc"])  # one compile serves every salient count of a size class
 def _words_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
-    qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic,
+    qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-    B_LOW: gl.constexpr, NH: gl.constexpr, NSC: gl.constexpr, NSC_P: gl.constexpr,
+    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, NSC_P: gl.constexpr,
     BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
@@ -290,8 +290,8 @@ def _words_kernel(
         inv_pos = gl.exp2(-(_token_of_row(t_s) & 7).to(gl.float32))  # 2^-k: the scores' per-row factor
         js_a = gl.arange(0, NSC_P, layout=gl.SliceLayout(0, MMA))
         order = ops.order_ptr + b.to(gl.int64) * ops.stride_ob + h * ops.stride_oh
-        sal_a = gl.load(order + (D - NSC) + js_a, mask=js_a < NSC, other=0)
-        q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < NSC)[None, :],
+        sal_a = gl.load(order + (D - n_sc) + js_a, mask=js_a < n_sc, other=0)
+        q_sal = (gl.load(q_base[:, None] + sal_a[None, :], mask=(rows_a < GQ)[:, None] & (js_a < n_sc)[None, :],
                          other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
         v_sel, v_mask = _value_selectors(BV, V5)  # `_value_codes`
         # Ring of STAGES word steps (32 tokens each) in shared memory, filled by asynchronous
@@ -309,7 +309,7 @@ def _words_kernel(
         # Element offsets of one row's copy, from the step's first word / token / row.
         off_lo = _parity_offsets(D // 2, G32, CP_LO)
         off_hi = _parity_offsets(NSC_P // 2, G32, CP_HI)
-        m_hi = off_hi < NSC * G32
+        m_hi = off_hi < n_sc * G32
         # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
         # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
         n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
@@ -329,7 +329,7 @@ def _words_kernel(
             _issue_step(w_start + i, w_start + i < w_end, i, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off,
                         off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                        G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                        G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
         u = gl.zeros([D, 8], gl.float16, layout=B_OP)  # u^T, u_hi^T: the first 8 heads
         u_hi = gl.zeros([NSC_P, 8], gl.float16, layout=B_OP)
         bias = gl.zeros([8], gl.float32, layout=HEADS)
@@ -348,7 +348,7 @@ def _words_kernel(
             _issue_step(nxt, nxt < w_end, (nxt - w_start) % STAGES, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off,
                         off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                        G32, B_LOW, D, NH, NSC, NW, NVG, PL_P, PH_P)
+                        G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
             g = w // G32
             if w % G32 == 0:  # a new group: its scales fold into the query, its zeros into a bias
                 s_row = buf_ks.index(stage * 2).load(gl.SliceLayout(0, MMA)).to(gl.float32)
@@ -358,7 +358,7 @@ def _words_kernel(
                 u = _p_operand(u16, D, B_OP)
                 bias = _first_heads(gl.sum(q32 * z_row[None, :], axis=1), HEADS)  # zero: u @ z
                 # A gather the copies cannot do (2-byte elements); the row was just copied, so it hits cache.
-                s_sal = gl.load(ops.ksc_ptr + ks_off + g * D + sal_a, mask=js_a < NSC, other=0.0).to(gl.float32)
+                s_sal = gl.load(ops.ksc_ptr + ks_off + g * D + sal_a, mask=js_a < n_sc, other=0.0).to(gl.float32)
                 u_hi16 = (q_sal.to(gl.float32) * s_sal[None, :]).to(gl.float16)
                 u_hi = _p_operand(u_hi16, NSC_P, B_OP)
                 # The planes' constant part (`_half_scores`), from the fp16 operands the MMAs see.
@@ -371,9 +371,9 @@ def _words_kernel(
             # interleave with this step's dependent chains (a warp has few neighbours to hide
             # them: 8 per SM). Then one online-softmax update for the 32 tokens.
             s0 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 0, magic, B_LOW,
-                              NH, NSC, D, NSC_P, MMA, A_OP)
+                              NH, SAL, D, NSC_P, MMA, A_OP)
             s1 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 1, magic, B_LOW,
-                              NH, NSC, D, NSC_P, MMA, A_OP)
+                              NH, SAL, D, NSC_P, MMA, A_OP)
             acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, before * 2, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG,
                                       WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
