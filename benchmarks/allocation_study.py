@@ -14,10 +14,11 @@ evaluator for everything, so every score below is on the same items and every di
   (benchmarks/ground_truth/, 870 configs, re-scored here; under a KV budget by its KV bits) and
   pnmix-paper where it fits, each with its SE; the campaign minus each, paired.
 The wall time of each campaign (preparation, sensitivity tables and every trial) is recorded, as
-are the kernel specialisations the campaign's trials compiled (Triton's cache, counted before and
-after). Each budget's pick is written as a config for `qwen3-8b-shape` (its 30 layers stretched
-onto 36 by relative depth: layer j takes layer floor(j * 30 / 36)'s config) to DIR/picks/, for
-`static_study.py --part maxbatch --config NAME=FILE`. Resumable: a cut run keeps its campaigns
+are the kernel specialisations the campaign's trials compiled and the compiler's seconds
+(`kernels.compiles`: Triton's compilation listener). Each budget's pick is written as a config
+for `qwen3-8b-shape` (its 30 layers stretched onto 36 by relative depth: layer j takes layer
+floor(j * 30 / 36)'s config) to DIR/picks/, for `static_study.py --part maxbatch --config
+NAME=FILE`. Resumable: a cut run keeps its campaigns
 (DIR/study.db) and the JSON of every part it finished.
 """
 
@@ -57,12 +58,6 @@ def stretch(config: AnyConfig, layers: int = LAYERS, target: int = TARGET_LAYERS
     return simplest(LayerwiseConfig.from_layers([per[j * layers // target] for j in range(target)]))
 
 
-def triton_kernels() -> int:
-    """Compiled kernels in Triton's cache (a count before and after a campaign gives its new ones)."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return sum(1 for _ in root.glob("*/*.cubin")) if root.is_dir() else 0
-
-
 def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: Path, res: dict[str, Any]) -> None:
     import optuna
 
@@ -87,14 +82,14 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
         from dataclasses import replace
 
         campaign_id = find_or_create_campaign(db, replace(spec, n_trials=10))
-    kernels = triton_kernels()
     started = time.perf_counter()
     runner = CampaignRunner(db, db.url, campaign_id, spec, ev, progress=log)
     studies = runner.run()
     wall = time.perf_counter() - started
     part: dict[str, Any] = {"budgets": list(budgets), "trials": trials, "campaign_s": wall,
                             "sensitivity_s": runner.sensitivity_seconds, "sensitivity_tables": len(runner._tables),
-                            "new_triton_kernels": triton_kernels() - kernels, "rows": []}
+                            "kernels_compiled": runner.kernels_compiled, "compile_s": runner.compile_seconds,
+                            "rows": []}
     for budget in budgets:
         study = studies[budget]
         records = [trial_record.read(t) for t in study.trials]
@@ -105,6 +100,7 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
             "budget": budget, "best": summary(best), "proxy": summary(proxy),
             "origins": {o: sum(1 for r in own if r.origin == o) for o in ("allocation", "proposal", "move")},
             "trial_seconds": [r.attrs.get("seconds") for r in own],
+            "trial_compile_s": [(r.attrs.get("timings") or {}).get("kernel_compile") for r in own],
             "scored": sum(1 for r in records if r.has_score)})
     res[name] = part
     log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {len(runner._tables)} tables")
@@ -214,7 +210,8 @@ def report(path: Path) -> None:
         part = res.get(name)
         if part:
             print(f"{name}: campaign {part['campaign_s']:.0f} s (sensitivity {part['sensitivity_s']:.1f} s in "
-                  f"{part['sensitivity_tables']} tables; {part['new_triton_kernels']} new Triton kernels)")
+                  f"{part['sensitivity_tables']} tables; {part.get('kernels_compiled')} kernel specialisations "
+                  f"compiled in {part.get('compile_s', 0):.0f} s)")
     print(f"preparation {res.get('preparation_s', 0):.0f} s; {res.get('env')}")
 
 

@@ -9,6 +9,7 @@
     kernels.decode       decode_attention: the Triton decode kernel, the fallback (and CI's)
     kernels.decode_full  full_decode_attention: the unquantized baseline of the static path
     kernels.append       append_tokens: the static path's per-step cache append (Triton)
+    kernels.compiles     watch(): how many kernel specialisations the process compiled, in what time
 
 Importing this package imports nothing heavy: the names below resolve lazily, so a CPU-only
 machine (or one without a Triton GPU backend) can import `kernels` and `pnmix` freely. The torch

@@ -292,16 +292,18 @@ def _static_attend_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 def _decode_step(decoder: Any, lm_head: Any, ids: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
-                 cache_kw: dict) -> None:
+                 cache_kw: dict, bias: torch.Tensor) -> None:
     """One decode step through the model's own modules: tokens ids [B, 1] at positions pos [B, 1]
-    -> greedy next tokens into `out` [B] and `ids`, positions + 1. What torch.compile compiles."""
+    -> greedy next tokens into `out` [B] and `ids`, positions + 1. `bias` [V] is added to the
+    logits before the argmax (zeros: the plain argmax; -inf: a banned token). What torch.compile
+    compiles."""
     h = decoder.embed_tokens(ids)
     pe = decoder.rotary_emb(h, pos)
     for layer in decoder.layers:
         o = layer(h, attention_mask=None, position_ids=pos, use_cache=True, cache_position=pos[0],
                   position_embeddings=pe, **cache_kw)
         h = o[0] if isinstance(o, tuple) else o
-    nxt = lm_head(decoder.norm(h[:, -1])).argmax(-1)
+    nxt = (lm_head(decoder.norm(h[:, -1])) + bias).argmax(-1)
     out.copy_(nxt)
     ids.copy_(nxt[:, None])
     pos.add_(1)
@@ -387,6 +389,9 @@ class StaticGenerator:
             raise ValueError(f"invalid compile={compile!r}: not a torch.compile backend; allowed True, False, None "
                              f"or one of {', '.join(torch._dynamo.list_backends())}") from exc
         self.decoder = model.get_decoder()
+        # Added to the logits before each step's argmax (`ban`); zeros leave every logit as it is.
+        head = model.lm_head.weight
+        self.bias = torch.zeros(head.shape[0], dtype=head.dtype, device=head.device)
         # Compiled, the q/k/v and gate/up projections run as one GEMM each (pnmix/projections.py).
         self._swaps = fuse_siblings(self.decoder) if compile else []
         self.cache: StaticCache | None = None
@@ -428,6 +433,11 @@ class StaticGenerator:
         del cache, out
         self._begin(layers, first, n_real)
         return first
+
+    def ban(self, token_ids: list[int]) -> None:
+        """Never picks these tokens from now on (as `generate` with min_new_tokens keeps the end of
+        sequence out): their logits get -inf before the argmax, inside the replayed graph too."""
+        self.bias[torch.tensor(token_ids, dtype=torch.long, device=self.bias.device)] = float("-inf")
 
     @torch.inference_mode()
     def start(self, cache: Any, first: torch.Tensor) -> None:
@@ -507,7 +517,8 @@ class StaticGenerator:
         _STEPPING[:] = self.layers
         try:
             with swapped(self._swaps):
-                self._step_fn(self.decoder, self.model.lm_head, self.ids, self.pos, self.out, self._cache_kw)
+                self._step_fn(self.decoder, self.model.lm_head, self.ids, self.pos, self.out, self._cache_kw,
+                              self.bias)
         finally:
             _STEPPING[:] = outer
 

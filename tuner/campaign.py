@@ -295,6 +295,9 @@ class CampaignRunner:
         self._layer_kl_cache: dict[PNMixConfig, list[float]] = {}
         self._tables: dict[PNMixConfig, dict[PNMixConfig, list[float]]] = {}  # pnmix-alloc, by shared fields
         self.sensitivity_seconds = 0.0  # what this runner spent on sensitivity tables
+        # Kernel specialisations its trials compiled (CUDA), and the compiler's seconds on them.
+        self.kernels_compiled = 0
+        self.compile_seconds = 0.0
 
     # -- the study of one budget ---------------------------------------------------------------
 
@@ -532,6 +535,8 @@ class CampaignRunner:
             record.mark_failed(trial, reason)
             raise
         record.write_score(trial, score)
+        self.kernels_compiled += int(score.timings.get("kernels_compiled", 0))
+        self.compile_seconds += score.timings.get("kernel_compile", 0.0)
         return self._values(score.accuracy, bits, score)
 
     # -- pnmix-alloc: the allocator's configs ---------------------------------------------------

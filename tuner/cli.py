@@ -274,6 +274,9 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
 
         studies = runner.run(on_trial=on_trial)
         bar.update(status, description="done")
+    if runner.sensitivity_seconds or runner.kernels_compiled:  # a campaign's fixed costs besides preparation
+        console.print(f"[dim]sensitivity tables {runner.sensitivity_seconds:.1f} s; kernel specialisations "
+                      f"compiled by its trials: {runner.kernels_compiled} in {runner.compile_seconds:.1f} s[/dim]")
     return studies
 
 

@@ -283,10 +283,12 @@ class ScoringEngine:
         if not stop:
             logits0[:, eos] = float("-inf")
         first = logits0.argmax(-1)
-        method = static_method(config, self.device, head_dim) if self.device.type == "cuda" and stop else None
+        method = static_method(config, self.device, head_dim) if self.device.type == "cuda" else None
         cache = build_cache(self.model, config, states)
         if method is not None:
             gen = StaticGenerator(self.model, method, max_len=max(s.length for s in states) + new_tokens)
+            if not stop and self.eos:
+                gen.ban(self.eos)
             gen.start(cache, first)
             del cache
             steps = [first]
@@ -296,7 +298,7 @@ class ScoringEngine:
                 done |= torch.isin(steps[-1], eos)
                 # Replays run ahead of the host; a look every few steps ends the batch soon after
                 # its last row has, without waiting on every step.
-                if i % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and bool(done.all()):
+                if stop and i % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and bool(done.all()):
                     break
             ended = first.new_full(first.shape, int(eos[0])) if len(self.eos) else first
             steps += [ended] * (new_tokens - len(steps))  # cut off by the end of sequence anyway

@@ -37,7 +37,7 @@ Progress = Callable[[str], None]
 TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
-PREPARATION_VERSION = 3
+PREPARATION_VERSION = 4
 
 
 @dataclass
@@ -61,7 +61,9 @@ class Score:
     parts_se: dict[str, float | None] = field(default_factory=dict)
     # Per-unit outcomes: each item's 1/0, each trajectory's mean KL (what SEs and paired differences use).
     units: dict[str, list[float]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds by part, and "cost"
+    # Seconds by part and "cost"; on CUDA also "kernel_compile", the compiler's share of those seconds,
+    # and "kernels_compiled", the kernel specialisations this score compiled (first uses).
+    timings: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_units(cls, units: dict[str, list[float]], agreements: list[float], timings: dict[str, float],
@@ -393,8 +395,12 @@ class Evaluator:
         have: the units a race already scored (`rung`); only the rest are scored now, and the
         score is the same as a full evaluation's (seconds: the rungs' and this call's).
         """
+        from kernels.compiles import watch
+
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()
+        log = watch() if self.model.device.type == "cuda" else None
+        before = log.copy() if log else None
         units, agreements, timings = self._units(config, reference, have=have)
         cost: tuple[int, float, int | None] = (0, float("nan"), None)
         if measure and units:
@@ -402,6 +408,10 @@ class Evaluator:
             t0 = time.perf_counter()
             cost = self.measure_cost(config)
             timings["cost"] = time.perf_counter() - t0
+        if log and before:  # the first use of a kernel specialisation compiles it, within the parts' seconds
+            new = log.since(before)
+            timings["kernel_compile"] = new.seconds
+            timings["kernels_compiled"] = new.compiled
         return Score.from_units(
             units, agreements, timings, cost,
             config=config.to_dict(),
