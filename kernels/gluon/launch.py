@@ -192,10 +192,13 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
                      value_bits: int, value_group: int) -> dict:
     """The kernel's compile-time constants besides its layouts. The salient channel count is not
-    one (it is the kernel's run-time `n_sc`): only its size class NSC_P and whether there are any
-    (SAL) are, so configs that differ only in their salient ratio share a compiled kernel."""
+    one (it is the kernel's run-time `n_sc`): only its size class NSC_P, whether there are any (SAL)
+    and whether they fill the class (FULL: then the count is NSC_P itself, and the kernel compiles
+    as with the count a constant) are. So configs that differ only in their salient ratio mostly
+    share a compiled kernel."""
+    nsc_p = next_pow2(max(n_salient, 16))
     return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, SAL=n_salient > 0,
-                NSC_P=next_pow2(max(n_salient, 16)), BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
+                FULL=n_salient == nsc_p, NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
                 **kernel_module(group_size).CONSTANTS)
 

@@ -228,7 +228,7 @@ def _words_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
     qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, NSC_P: gl.constexpr,
+    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, NSC_P: gl.constexpr,
     BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
@@ -250,6 +250,8 @@ def _words_kernel(
     Bound like the block kernel by instruction issue and a warp's latency, with more instructions
     per token: 16-27% slower than it on the benchmark shapes (docs/kernels.md).
     """
+    if FULL:  # the count fills its size class: a constant, as the compiler folds it into masks and offsets
+        n_sc = NSC_P
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // HKV
