@@ -141,3 +141,34 @@ def test_decode_kernel_switch(monkeypatch):
     monkeypatch.setenv("PNMIX_DECODE_KERNEL", "gluon")
     with pytest.raises(ValueError, match="invalid PNMIX_DECODE_KERNEL='gluon': allowed one of auto, triton, mma"):
         backend.fused_decode(q, cache, 0.125)
+
+
+def test_salient_counts_of_one_size_class_share_a_compiled_kernel():
+    # The salient count is a run-time argument: counts inside one size class give the same
+    # compile-time constants (one specialisation), a count that fills its class compiles as a
+    # constant (its own), and no salient channels at all is its own as well.
+    from kernels.gluon.launch import kernel_constants
+
+    def const(n_sc: int) -> dict:
+        return kernel_constants(3, 3, 64, 128, 1, 3, n_sc, 2, 32)
+
+    assert const(38) == const(44) == const(58)  # 64-channel class, not full
+    assert const(20) == const(26)  # 32-channel class
+    assert len({repr(const(n)) for n in (0, 6, 12, 20, 32, 38, 64)}) == 7 - 1  # 6 and 12 share the 16 class
+    assert const(64)["FULL"] and not const(58)["FULL"] and not const(0)["SAL"]
+
+
+def test_compile_counter_counts_compiles_and_disk_cache_reads():
+    from types import SimpleNamespace
+
+    from kernels.compiles import Compiles, watch
+
+    log = Compiles()
+    before = log.copy()
+    log(times=SimpleNamespace(total=1_500_000), cache_hit=False)  # Triton's CompileTimes: microseconds
+    log(times=SimpleNamespace(total=250_000), cache_hit=False)
+    log(times=SimpleNamespace(total=10_000), cache_hit=True)
+    new = log.since(before)
+    assert (new.compiled, new.loaded) == (2, 1)
+    assert new.seconds == pytest.approx(1.75)
+    assert watch() is watch()  # one listener per process

@@ -251,3 +251,22 @@ def test_cli_generate_static_prints_the_same_text(embedded):
     bad = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "hi", "--device", "tpu"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: invalid --device 'tpu': allowed one of cpu, cuda"
+
+
+def test_banned_tokens_are_never_picked_and_the_rest_is_unchanged():
+    # `ban` adds -inf to a token's logit inside the step (what exact-length trajectories use): a
+    # banned token never comes out, and each row follows the unbanned run up to the step where that
+    # run picked a banned token.
+    model = tiny_model("llama")
+    ids, mask = batch_of_three(model.config.vocab_size, seed=5)
+    free = StaticGenerator(model, SMALL, max_len=120).generate(ids, mask, max_new_tokens=30)
+    banned = sorted({int(t) for t in free[:, 3]})  # what each row picked at step 3, and so at least that
+    gen = StaticGenerator(model, SMALL, max_len=120)
+    gen.ban(banned)
+    got = gen.generate(ids, mask, max_new_tokens=30)
+    assert not torch.isin(got, torch.tensor(banned)).any()
+    for row in range(3):
+        first = next(i for i, t in enumerate(free[row].tolist()) if t in banned)
+        assert first <= 3
+        assert got[row, :first].tolist() == free[row, :first].tolist()
+        assert got[row, first] != free[row, first]
