@@ -86,8 +86,9 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
     runner = CampaignRunner(db, db.url, campaign_id, spec, ev, progress=log)
     studies = runner.run()
     wall = time.perf_counter() - started
+    tables = len(runner.allocator.tables) if runner.allocator else 0
     part: dict[str, Any] = {"budgets": list(budgets), "trials": trials, "campaign_s": wall,
-                            "sensitivity_s": runner.sensitivity_seconds, "sensitivity_tables": len(runner._tables),
+                            "sensitivity_s": runner.sensitivity_seconds, "sensitivity_tables": tables,
                             "kernels_compiled": runner.kernels_compiled, "compile_s": runner.compile_seconds,
                             "rows": []}
     for budget in budgets:
@@ -103,7 +104,7 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
             "trial_compile_s": [(r.attrs.get("timings") or {}).get("kernel_compile") for r in own],
             "scored": sum(1 for r in records if r.has_score)})
     res[name] = part
-    log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {len(runner._tables)} tables")
+    log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {tables} tables")
 
 
 def summary(r: Any) -> dict[str, Any]:

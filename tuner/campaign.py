@@ -65,12 +65,14 @@ from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.errors import PNMixError
 from pnmix.inputs import SEED, TRIALS, env_value, shorten
-from pnmix.layerwise import AnyConfig, as_layerwise, config_from_dict
+from pnmix.layerwise import AnyConfig
 from pnmix.names import BACKENDS
 from storage.errors import StorageError
 from storage.write import OBJECTIVES, check_budgets, check_objectives
 from tuner import profiles, queue, record
+from tuner.allocation import AllocatorLoop
 from tuner.profiles import EvalError
+from tuner.record import config_key, scored_configs
 from tuner.space import SearchSpace
 
 warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats and metric names are stable enough
@@ -293,13 +295,22 @@ class CampaignRunner:
         self._own: set[float] = set()
         self._pair_cache: dict[float, list[str]] = {}
         self._layer_kl_cache: dict[PNMixConfig, list[float]] = {}
-        self._tables: dict[PNMixConfig, dict[PNMixConfig, list[float]]] = {}  # pnmix-alloc, by shared fields
-        self.sensitivity_seconds = 0.0  # what this runner spent on sensitivity tables
+        self.allocator: AllocatorLoop | None = None  # pnmix-alloc, once the space has one group per layer
         # Kernel specialisations its trials compiled (CUDA), and the compiler's seconds on them.
         self.kernels_compiled = 0
         self.compile_seconds = 0.0
 
     # -- the study of one budget ---------------------------------------------------------------
+
+    def _alloc(self) -> AllocatorLoop:
+        if self.allocator is None:  # set with the space's layers (`_layer_groups`), before any trial
+            raise RuntimeError("the allocator runs only in pnmix-alloc campaigns")
+        return self.allocator
+
+    @property
+    def sensitivity_seconds(self) -> float:
+        """What this runner spent on the allocator's sensitivity tables."""
+        return self.allocator.sensitivity_seconds if self.allocator else 0.0
 
     def study(self, budget: float) -> optuna.Study:
         """The budget's study, created with its warm start on first use; one Study object per budget
@@ -373,7 +384,8 @@ class CampaignRunner:
         candidates += self._stored_fronts(budget)
         candidates += space.fullest_within(budget, self.head_dim)
         if space.allocated:
-            self._warm_start_allocated(study, budget, candidates)
+            for params, attrs in self._alloc().warm_starts(budget, candidates, max(1, self.spec.n_trials // 2)):
+                study.enqueue_trial(params, user_attrs=attrs)
             return
         candidates = [space.recast(c) for c in candidates if space.layered or isinstance(c, PNMixConfig)]
         if space.layered:
@@ -388,38 +400,6 @@ class CampaignRunner:
                 seen.add(frozen)
                 study.enqueue_trial(params, user_attrs={"warm_start": True})
             if len(seen) >= max(1, self.spec.n_trials // 2):  # the sampler keeps at least half the slots
-                return
-
-    def _warm_start_allocated(self, study: optuna.Study, budget: float, uniform: list[AnyConfig]) -> None:
-        """pnmix-alloc warm starts: first the allocator's config at the shared fields of the paper's
-        config (G128, 32 sinks; it fills the budget), then each uniform candidate that fits (the
-        presets, the model's stored fronts, `fullest_within`; each an allocation whose layers are
-        all alike, so the front is never worse than the uniform search's warm starts), then the
-        allocation at the shared fields of the best of those (64 sinks where that is the paper's).
-        Queued as trials whose parameters are the shared fields and whose `proposal` attribute
-        holds the config; at most half the budget's trials."""
-        space = self.space
-        fits = []
-        for c in uniform:
-            cfg = space.recast(c)
-            if space.contains(cfg) and space.cost(cfg, self.head_dim) <= budget and cfg not in fits:
-                fits.append(cfg)
-        paper = space.shared_base(space.recast(preset("pnmix-paper")))
-        queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(paper, None)]
-        queue += [(space.shared_base(c), c) for c in fits]
-        queue.append((paper.with_(n_sink=64), None))
-        seen: set[str] = set()
-        for base, proposal in queue:
-            params = space.params_of(base)
-            attrs: dict[str, Any] = {"warm_start": True}
-            if proposal is not None:
-                attrs["proposal"] = proposal.to_dict()
-            frozen = json.dumps([params, attrs.get("proposal")], sort_keys=True)
-            if frozen in seen:
-                continue
-            seen.add(frozen)
-            study.enqueue_trial(params, user_attrs=attrs)
-            if len(seen) >= max(1, self.spec.n_trials // 2):
                 return
 
     def _stored_fronts(self, budget: float) -> list[PNMixConfig]:
@@ -468,6 +448,7 @@ class CampaignRunner:
             return
         if self.space.allocated:  # one layer a group: nothing to form or store
             self.space = self.space.with_layers(self.num_layers)
+            self.allocator = AllocatorLoop(self.space, self.evaluator, self.head_dim, self.num_layers, self.progress)
             return
         from storage import Campaign, get_campaign, update_campaign_progress
         from tuner.layers import group_layers
@@ -498,7 +479,7 @@ class CampaignRunner:
             raise optuna.TrialPruned("trial cap reached by other workers")
         origin = None
         if self.space.allocated:
-            config, origin = self._allocated_config(trial, budget)
+            config, origin = self._alloc().config(trial, budget, self._campaign_studies(trial.study))
         else:
             config = self.space.suggest(trial, self._pairs(budget), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
@@ -538,87 +519,6 @@ class CampaignRunner:
         self.kernels_compiled += int(score.timings.get("kernels_compiled", 0))
         self.compile_seconds += score.timings.get("kernel_compile", 0.0)
         return self._values(score.accuracy, bits, score)
-
-    # -- pnmix-alloc: the allocator's configs ---------------------------------------------------
-
-    def _allocated_config(self, trial: optuna.Trial, budget: float) -> tuple[AnyConfig, str]:
-        """The config of a pnmix-alloc trial, whose parameters are the shared fields: the queued
-        `proposal` (a warm start) where it has these shared fields; else the allocator's config for
-        the budget at them; or, when the campaign has already scored that, the next local move from
-        the best config scored at these shared fields within the budget (`tuner.layers.moves`:
-        real scores decide what the proxy cannot tell apart). Returns it with its origin:
-        proposal, allocation or move."""
-        from pnmix.layerwise import LayerwiseConfig, simplest
-        from tuner.layers import allocate, moves
-
-        space = self.space
-        base = space.suggest_shared(trial, self.head_dim)
-        proposal = trial.user_attrs.get("proposal")
-        if proposal is not None:
-            cfg = config_from_dict(proposal)
-            if space.contains(cfg) and space.shared_base(cfg) == base:
-                return cfg, "proposal"
-        table = self._sensitivity(base, trial)
-
-        def cost(c: PNMixConfig) -> float:
-            return space.cost(c, self.head_dim)
-
-        try:
-            allocation = simplest(LayerwiseConfig.from_layers(allocate(table, budget, self.head_dim, cost=cost)))
-        except EvalError:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
-            return min(table, key=cost), "allocation"
-        taken = self._taken_configs(trial.study)
-        if config_key(allocation.to_dict()) not in taken:
-            return allocation, "allocation"
-        best = self._best_scored(trial.study, base, budget)
-        start = best if best is not None else allocation
-        for changed in moves(as_layerwise(start).per_layer(self.num_layers), table, budget, cost):
-            cfg = simplest(LayerwiseConfig.from_layers(changed))
-            if config_key(cfg.to_dict()) not in taken:
-                return cfg, "move"
-        return allocation, "allocation"  # no move left: the allocation's score is reused
-
-    def _sensitivity(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
-        """The per-layer sensitivity table at `base`'s shared fields: each candidate's proxy KL per
-        layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), computed once per
-        runner; the seconds it took are recorded on the trial that needed it (`sensitivity_s`)."""
-        from tuner.layers import candidates_like
-
-        # The proxy sees keys only: one table per key-side shared fields, whatever the value format.
-        keys = base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
-        if keys not in self._tables:
-            started = time.perf_counter()
-            candidates = candidates_like(keys, self.space)
-            self.progress(f"layer sensitivity at {keys.label}: {len(candidates)} candidates")
-            self._tables[keys] = self.evaluator.sensitivity(candidates)
-            seconds = time.perf_counter() - started
-            self.sensitivity_seconds += seconds
-            if trial is not None:
-                trial.set_user_attr("sensitivity_s", seconds)
-        values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
-        return {c.with_(**values): row for c, row in self._tables[keys].items()}
-
-    def _taken_configs(self, study: optuna.Study) -> set[str]:
-        """Configs the campaign has scored, or that a running trial is scoring now."""
-        taken: set[str] = set()
-        for st in self._campaign_studies(study):
-            taken |= scored_configs(st)
-            taken |= {config_key(t.user_attrs["config"]) for t in running_trials(st) if "config" in t.user_attrs}
-        return taken
-
-    def _best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
-        """The most accurate config scored in `study` (shared scores included) within `budget` whose
-        shared fields are `base`'s."""
-        best: tuple[float, AnyConfig] | None = None
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            r = record.read(t)
-            if not r.has_score or r.bits is None or r.bits > budget or r.accuracy is None:
-                continue
-            cfg = r.config
-            if cfg is not None and self.space.contains(cfg) and self.space.shared_base(cfg) == base:
-                if best is None or r.accuracy > best[0]:
-                    best = (r.accuracy, cfg)
-        return best[1] if best is not None else None
 
     def _race(self, trial: optuna.Trial, config: AnyConfig, bits: float) -> Any:
         """Scores `config` rung by rung (tuner/racing.py) against this study's front of no more bits;
@@ -1002,16 +902,6 @@ def counts(trial: optuna.trial.FrozenTrial) -> bool:
 def scored_here(trial: optuna.trial.FrozenTrial) -> bool:
     """A COMPLETE trial whose config was evaluated in its own study (not a reused or shared score)."""
     return record.kind_of(trial) == record.Kind.SCORED and "accuracy" in trial.user_attrs
-
-
-def config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True)
-
-
-def scored_configs(study: optuna.Study) -> set[str]:
-    """Keys of the configs with a score in `study` (its own evaluations, reused and shared ones)."""
-    return {config_key(t.user_attrs["config"]) for t in study.get_trials(
-        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "accuracy" in t.user_attrs}
 
 
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -182,3 +182,17 @@ def shared_attrs(trial: optuna.trial.FrozenTrial, source: str) -> dict[str, Any]
     attrs = {name: trial.user_attrs[name] for name in (*SCORE_ATTRS, *BITS_ATTRS, "label", "origin")
              if name in trial.user_attrs}
     return {**attrs, "score_from": f"{source}#{trial.number}", "shared": True}
+
+
+def config_key(config: AnyConfig | dict[str, Any]) -> str:
+    """A config (or its dict) as one comparable string: what identifies a config across trials,
+    studies and sweep files."""
+    import json
+
+    return json.dumps(config if isinstance(config, dict) else config.to_dict(), sort_keys=True)
+
+
+def scored_configs(study: optuna.Study) -> set[str]:
+    """Keys of the configs with a score in `study` (its own evaluations, reused and shared ones)."""
+    return {config_key(t.user_attrs["config"]) for t in study.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "accuracy" in t.user_attrs}

@@ -24,6 +24,7 @@ from typing import Any
 from pnmix.config import PNMixConfig
 from pnmix.inputs import InputError, Shard, shorten
 from tuner.profiles import EvalError
+from tuner.record import config_key
 from tuner.space import SearchSpace
 
 SWEEP_FORMAT = 1
@@ -36,11 +37,6 @@ class Sweep:
     header: dict[str, Any]
     records: list[dict[str, Any]]  # one per config (the last line wins where a config appears twice)
     skipped_lines: int = 0
-
-
-def config_key(config: PNMixConfig | dict[str, Any]) -> str:
-    d = config.to_dict() if isinstance(config, PNMixConfig) else config
-    return json.dumps(d, sort_keys=True)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

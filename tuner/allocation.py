@@ -1,0 +1,160 @@
+"""The allocator in the loop: what a `pnmix-alloc` campaign asks of it (docs/layerwise.md).
+
+A trial of this method samples only the fields every layer shares (G, sinks, the value format
+when values are searched: `SearchSpace.suggest_shared`); `AllocatorLoop.config` turns them into
+the trial's layer-wise config, one of three kinds (its `origin`):
+
+- allocation: the knapsack's config for the budget (`tuner.layers.allocate`) over the
+  sensitivity table at those shared fields;
+- move: when the campaign has already scored that allocation, the next local move
+  (`tuner.layers.moves`) from the most accurate config scored at those shared fields;
+- proposal: a warm start's config (`warm_starts`), queued with the trial.
+
+Sensitivity tables are computed once per key-side shared fields (the proxy sees keys only) and
+cached on disk by the evaluator; `sensitivity_seconds` is what this loop spent on them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optuna
+
+from pnmix.config import PNMixConfig, preset
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_from_dict, simplest
+from tuner import record
+from tuner.layers import allocate, candidates_like, moves
+from tuner.profiles import EvalError
+from tuner.record import config_key, scored_configs
+from tuner.space import SearchSpace
+
+Table = dict[PNMixConfig, list[float]]  # candidate -> its proxy KL in every layer
+
+
+class AllocatorLoop:
+    """The allocator's side of one campaign runner: its warm starts, each trial's config and the
+    sensitivity tables, for a space of one group per layer (`SearchSpace.with_layers`)."""
+
+    def __init__(self, space: SearchSpace, evaluator: Any, head_dim: int, num_layers: int,
+                 progress: Callable[[str], None]) -> None:
+        self.space = space
+        self.evaluator = evaluator
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.progress = progress
+        self.tables: dict[PNMixConfig, Table] = {}  # by key-side shared fields
+        self.sensitivity_seconds = 0.0
+
+    def cost(self, config: AnyConfig) -> float:
+        """A config's bits under the campaign's budget kind (key or KV bits)."""
+        return self.space.cost(config, self.head_dim)
+
+    # -- warm starts -----------------------------------------------------------------------------
+
+    def warm_starts(self, budget: float, uniform: Sequence[AnyConfig], limit: int) -> list[tuple[dict, dict]]:
+        """(parameters, user attributes) of the trials to queue, at most `limit`: first the
+        allocator's config at the shared fields of the paper's config (G128, 32 sinks; it fills the
+        budget), then each uniform candidate that fits (the presets, the model's stored fronts,
+        `fullest_within`; each an allocation whose layers are all alike, so the front is never
+        worse than the uniform search's warm starts), then the allocation at 64 sinks. A trial's
+        parameters are the shared fields; a uniform candidate rides along as its `proposal`."""
+        space = self.space
+        fits: list[AnyConfig] = []
+        for c in uniform:
+            cfg = space.recast(c)
+            if space.contains(cfg) and self.cost(cfg) <= budget and cfg not in fits:
+                fits.append(cfg)
+        paper = space.shared_base(space.recast(preset("pnmix-paper")))
+        queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(paper, None)]
+        queue += [(space.shared_base(c), c) for c in fits]
+        queue.append((paper.with_(n_sink=64), None))
+        out: list[tuple[dict, dict]] = []
+        seen: set[str] = set()
+        for base, proposal in queue:
+            params = space.params_of(base)
+            attrs: dict[str, Any] = {"warm_start": True}
+            if proposal is not None:
+                attrs["proposal"] = proposal.to_dict()
+            frozen = config_key({"params": params, "proposal": attrs.get("proposal")})
+            if frozen in seen:
+                continue
+            seen.add(frozen)
+            out.append((params, attrs))
+            if len(out) >= limit:
+                break
+        return out
+
+    # -- a trial's config ------------------------------------------------------------------------
+
+    def config(self, trial: optuna.Trial, budget: float, studies: Sequence[optuna.Study]) -> tuple[AnyConfig, str]:
+        """The config of a trial whose parameters are the shared fields, and its origin: the queued
+        `proposal` (a warm start) where it has these shared fields; else the allocator's config for
+        the budget at them; or, when the campaign (`studies`: this budget's first, then the others)
+        has already scored or is scoring that, the next local move from the best config scored at
+        these shared fields within the budget (real scores decide what the proxy cannot tell apart)."""
+        space = self.space
+        base = space.suggest_shared(trial, self.head_dim)
+        proposal = trial.user_attrs.get("proposal")
+        if proposal is not None:
+            cfg = config_from_dict(proposal)
+            if space.contains(cfg) and space.shared_base(cfg) == base:
+                return cfg, "proposal"
+        table = self.table(base, trial)
+        try:
+            allocation = simplest(LayerwiseConfig.from_layers(allocate(table, budget, self.head_dim, cost=self.cost)))
+        except EvalError:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
+            return min(table, key=self.cost), "allocation"
+        taken = taken_configs(studies)
+        if config_key(allocation.to_dict()) not in taken:
+            return allocation, "allocation"
+        best = self.best_scored(studies[0], base, budget)
+        start = best if best is not None else allocation
+        for changed in moves(as_layerwise(start).per_layer(self.num_layers), table, budget, self.cost):
+            cfg = simplest(LayerwiseConfig.from_layers(changed))
+            if config_key(cfg.to_dict()) not in taken:
+                return cfg, "move"
+        return allocation, "allocation"  # no move left: the allocation's score is reused
+
+    def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> Table:
+        """The per-layer sensitivity table at `base`'s shared fields: each candidate's proxy KL per
+        layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), computed once per
+        loop; the seconds it took are recorded on the trial that needed it (`sensitivity_s`)."""
+        # The proxy sees keys only: one table per key-side shared fields, whatever the value format.
+        keys = base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
+        if keys not in self.tables:
+            started = time.perf_counter()
+            candidates = candidates_like(keys, self.space)
+            self.progress(f"layer sensitivity at {keys.label}: {len(candidates)} candidates")
+            self.tables[keys] = self.evaluator.sensitivity(candidates)
+            seconds = time.perf_counter() - started
+            self.sensitivity_seconds += seconds
+            if trial is not None:
+                trial.set_user_attr("sensitivity_s", seconds)
+        values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
+        return {c.with_(**values): row for c, row in self.tables[keys].items()}
+
+    def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
+        """The most accurate config scored in `study` (shared scores included) within `budget` whose
+        shared fields are `base`'s."""
+        best: tuple[float, AnyConfig] | None = None
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            r = record.read(t)
+            if not r.has_score or r.bits is None or r.bits > budget or r.accuracy is None:
+                continue
+            cfg = r.config
+            if cfg is not None and self.space.contains(cfg) and self.space.shared_base(cfg) == base:
+                if best is None or r.accuracy > best[0]:
+                    best = (r.accuracy, cfg)
+        return best[1] if best is not None else None
+
+
+def taken_configs(studies: Sequence[optuna.Study]) -> set[str]:
+    """Configs the campaign's studies have scored, or that a running trial is scoring now."""
+    taken: set[str] = set()
+    for st in studies:
+        taken |= scored_configs(st)
+        taken |= {config_key(t.user_attrs["config"]) for t in st.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)) if "config" in t.user_attrs}
+    return taken
