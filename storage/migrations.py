@@ -109,18 +109,16 @@ def check_schema(db: Database) -> str:
 
 
 @lru_cache(maxsize=1)
-def revision_order() -> list[str]:
-    """Every revision in alembic/versions, oldest first."""
+def revision_order() -> tuple[str, ...]:
+    """Every revision in alembic/versions, oldest first (read once per process)."""
     from alembic.script import ScriptDirectory
 
-    return [rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()][::-1]
+    return tuple(rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions())[::-1]
 
 
 def known_revisions() -> frozenset[str]:
     """Every revision in alembic/versions."""
-    from alembic.script import ScriptDirectory
-
-    return frozenset(rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions())
+    return frozenset(revision_order())
 
 
 def _newer_message(where: str, current: str) -> str:
