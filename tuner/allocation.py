@@ -27,7 +27,7 @@ from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_fro
 from tuner import record
 from tuner.layers import allocate, candidates_like, moves
 from tuner.profiles import EvalError
-from tuner.record import config_key, scored_configs
+from tuner.record import config_key, running_trials, scored_configs
 from tuner.space import SearchSpace
 
 Table = dict[PNMixConfig, list[float]]  # candidate -> its proxy KL in every layer
@@ -155,6 +155,5 @@ def taken_configs(studies: Sequence[optuna.Study]) -> set[str]:
     taken: set[str] = set()
     for st in studies:
         taken |= scored_configs(st)
-        taken |= {config_key(t.user_attrs["config"]) for t in st.get_trials(
-            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)) if "config" in t.user_attrs}
+        taken |= {config_key(t.user_attrs["config"]) for t in running_trials(st) if "config" in t.user_attrs}
     return taken

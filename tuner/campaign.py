@@ -72,7 +72,7 @@ from storage.write import OBJECTIVES, check_budgets, check_objectives
 from tuner import profiles, queue, record
 from tuner.allocation import AllocatorLoop
 from tuner.profiles import EvalError
-from tuner.record import config_key, scored_configs
+from tuner.record import config_key, running_trials, scored_configs
 from tuner.space import SearchSpace
 
 warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats and metric names are stable enough
@@ -885,10 +885,6 @@ def budget_bits(trial: optuna.trial.FrozenTrial) -> float:
     trials recorded before KV budgets hold it as their key bits."""
     attrs = trial.user_attrs
     return float(attrs["bits"] if "bits" in attrs else attrs["key_bits"])
-
-
-def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
 
 
 def counts(trial: optuna.trial.FrozenTrial) -> bool:

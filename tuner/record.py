@@ -19,6 +19,7 @@ Kinds:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -187,8 +188,6 @@ def shared_attrs(trial: optuna.trial.FrozenTrial, source: str) -> dict[str, Any]
 def config_key(config: AnyConfig | dict[str, Any]) -> str:
     """A config (or its dict) as one comparable string: what identifies a config across trials,
     studies and sweep files."""
-    import json
-
     return json.dumps(config if isinstance(config, dict) else config.to_dict(), sort_keys=True)
 
 
@@ -196,3 +195,7 @@ def scored_configs(study: optuna.Study) -> set[str]:
     """Keys of the configs with a score in `study` (its own evaluations, reused and shared ones)."""
     return {config_key(t.user_attrs["config"]) for t in study.get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "accuracy" in t.user_attrs}
+
+
+def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
