@@ -41,6 +41,7 @@ class Trace:
     keys: list[torch.Tensor]  # per layer [Hkv, T, d], post-RoPE
     prefill_len: int
     scaling: float
+    values: list[torch.Tensor] | None = None  # per layer [Hkv, T, d]; what the value proxy weighs
 
 
 class _Counter:
@@ -66,7 +67,7 @@ class _Counter:
 @torch.inference_mode()
 def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int,
                  progress: Callable[[str], None] | None = None) -> Trace:
-    """Greedy-generates `new_tokens` after `input_ids` [1, P], then records post-RoPE Q/K of all of it.
+    """Greedy-generates `new_tokens` after `input_ids` [1, P], then records post-RoPE Q/K (and V) of all of it.
     `progress` hears how far the generation is, every few seconds."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -80,12 +81,14 @@ def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int,
                           pad_token_id=model.config.eos_token_id, streamer=streamer)
     queries: dict[int, torch.Tensor] = {}
     keys: dict[int, torch.Tensor] = {}
+    values: dict[int, torch.Tensor] = {}
     scale: list[float] = []
 
     def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                   **kwargs: Any) -> Any:
         queries[module.layer_idx] = query[0].float().clone()
         keys[module.layer_idx] = key[0].float().clone()
+        values[module.layer_idx] = value[0].float().clone()
         scale.append(kwargs.get("scaling") or query.shape[-1] ** -0.5)
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
@@ -98,7 +101,8 @@ def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int,
     finally:
         model.set_attn_implementation(previous)
     n = len(queries)
-    return Trace([queries[i] for i in range(n)], [keys[i] for i in range(n)], prefill, scale[0])
+    return Trace([queries[i] for i in range(n)], [keys[i] for i in range(n)], prefill, scale[0],
+                 [values[i] for i in range(n)])
 
 
 def _importance(q: torch.Tensor, k: torch.Tensor, prefill: int, pairing: Pairing) -> torch.Tensor:

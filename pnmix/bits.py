@@ -101,10 +101,17 @@ def value_bits(config: PNMixConfig) -> float:
 
 
 def value_bits_total(config: PNMixConfig | LayerwiseConfig,
-                     quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+                     quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS, num_layers: int | None = None) -> float:
     """Value bits per element as keys are counted: codes and per-group scales over T_q tokens plus
-    the fp16 sink tokens (every layer shares the value format, so one figure serves the model)."""
-    c = as_layerwise(config).default
+    the fp16 sink tokens. A layer-wise config whose layers differ in value format gives the mean
+    over its `num_layers` layers (every layer holds as many value elements); otherwise one
+    figure serves the model."""
+    lw = as_layerwise(config)
+    if lw.values_per_layer:
+        if num_layers is None:
+            raise ValueError("value_bits_total of a config with per-layer value formats needs num_layers")
+        return math.fsum(value_bits_total(c, quantized_tokens) for c in lw.per_layer(num_layers)) / num_layers
+    c = lw.default
     if not c.values_quantized:
         return float(UNQUANTIZED_BITS)
     t_q = quantized_tokens
@@ -116,7 +123,7 @@ def kv_bits(config: PNMixConfig | LayerwiseConfig, num_layers: int, head_dim: in
     """Bits per cached element over keys and values together: the mean of `mean_key_bits` and
     `value_bits_total` (a token holds as many key elements as value elements)."""
     keys = mean_key_bits(config, num_layers, head_dim, quantized_tokens)
-    return (keys + value_bits_total(config, quantized_tokens)) / 2
+    return (keys + value_bits_total(config, quantized_tokens, num_layers)) / 2
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Layer-wise PN-Mix: one `PNMixConfig` per decoder layer, written as a default plus overrides.
 
-Layers are not equally sensitive to key quantization, so a cache may give each layer its own
-bit pair and salient ratio. What may differ between layers is `LAYER_FIELDS` (b_high, b_low,
-salient_ratio); everything else is shared by every layer: the token group G, the residual
-length and the sink count fix when a token leaves the fp16 residual and is packed, and the static
-CUDA-graph path runs one flush schedule for all layers; the value format and the saliency
-criterion are one per cache as well.
+Layers are not equally sensitive to quantization, so a cache may give each layer its own
+bit pair, salient ratio and value format. What may differ between layers is `LAYER_FIELDS`
+(b_high, b_low, salient_ratio, value_bits, value_group_size); everything else is shared by every
+layer: the token group G, the residual length and the sink count fix when a token leaves the fp16
+residual and is packed, and the static CUDA-graph path runs one flush schedule for all layers;
+the saliency criterion is one per cache as well, and values are quantized in every layer or in
+none.
 
 JSON form (`LayerwiseConfig.from_json`), ranges inclusive and counted from 0:
 
@@ -25,7 +26,8 @@ from typing import Any
 
 from pnmix.config import ConfigError, PNMixConfig, unique_keys, utf8_text
 
-LAYER_FIELDS = ("b_high", "b_low", "salient_ratio")
+LAYER_FIELDS = ("b_high", "b_low", "salient_ratio", "value_bits", "value_group_size")
+VALUE_FIELDS = ("value_bits", "value_group_size")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class LayerRange:
             if name not in LAYER_FIELDS:
                 raise ConfigError(f"layers {text}: {name}", changes[name],
                                   f"the same value in every layer (per layer: {', '.join(LAYER_FIELDS)}; "
-                                  "G, residual, sinks, values and criterion are shared)")
+                                  "G, residual, sinks and criterion are shared)")
         return cls(first, last, tuple(sorted(changes.items())))
 
 
@@ -78,7 +80,11 @@ class LayerwiseConfig:
                 raise ConfigError(f"layers {b.name}", f"overlaps layers {a.name}",
                                   "ranges that name each layer at most once")
         for r in self.ranges:  # each range's layers must form a valid config on their own
-            self._layer_config(r)
+            cfg = self._layer_config(r)
+            if cfg.values_quantized != self.default.values_quantized:
+                raise ConfigError(f"layers {r.name}: value_bits", cfg.value_bits,
+                                  "quantized values in every layer or in none (the default's value_bits="
+                                  f"{self.default.value_bits})")
 
     def _layer_config(self, r: LayerRange) -> PNMixConfig:
         try:
@@ -125,12 +131,9 @@ class LayerwiseConfig:
         return self.default.residual_len
 
     @property
-    def value_bits(self) -> int:
-        return self.default.value_bits
-
-    @property
-    def value_group_size(self) -> int:
-        return self.default.value_group_size
+    def values_per_layer(self) -> bool:
+        """Whether some layer's value format differs from the default's."""
+        return any(name in VALUE_FIELDS for r in self.ranges for name, _ in r.changes)
 
     @property
     def criterion(self) -> str:
@@ -146,9 +149,10 @@ class LayerwiseConfig:
 
     @property
     def label(self) -> str:
-        """The default, then each other layer config's bits and ratio with where it applies: its range
-        when it has one ("3/1 G128 r0.5 s32; 0-3: 4/2 r0.3"), else its layer count ("...; 9 layers
-        1/1 r0"; the JSON form lists the layers)."""
+        """The default, then each other layer config's bits and ratio (and value format where it
+        differs from the default's) with where it applies: its range when it has one ("3/1 G128 r0.5
+        s32; 0-3: 4/2 r0.3 V4/32"), else its layer count ("...; 9 layers 1/1 r0"; the JSON form
+        lists the layers)."""
         where: dict[PNMixConfig, list[str]] = {}
         count: dict[PNMixConfig, int] = {}
         for r in sorted(self.ranges, key=lambda r: r.first):
@@ -158,7 +162,9 @@ class LayerwiseConfig:
         parts = [self.default.label]
         for c, names in where.items():
             at = f"{names[0]}:" if len(names) == 1 else f"{count[c]} layers"
-            parts.append(f"{at} {c.b_high}/{c.b_low} r{c.salient_ratio:g}")
+            same = (c.value_bits, c.value_group_size) == (self.default.value_bits, self.default.value_group_size)
+            values = "" if same else f" V{c.value_bits}/{c.value_group_size}"
+            parts.append(f"{at} {c.b_high}/{c.b_low} r{c.salient_ratio:g}{values}")
         return "; ".join(parts)
 
     @classmethod
@@ -179,7 +185,7 @@ class LayerwiseConfig:
                 changes = {f: getattr(cfg, f) for f in LAYER_FIELDS if getattr(cfg, f) != getattr(default, f)}
                 if cfg != default.with_(**changes):
                     raise ConfigError(f"layer {start}", cfg.label, "the default's shared fields (G, residual, "
-                                                                    "sinks, values, criterion)")
+                                                                    "sinks, criterion)")
                 ranges.append(LayerRange(start, i - 1, tuple(sorted(changes.items()))))
             start = i
         return cls(default, tuple(ranges))

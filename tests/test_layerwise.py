@@ -14,10 +14,11 @@ from pnmix.generation import cache_kwargs, generate, new_cache
 from pnmix.layerwise import LayerRange, LayerwiseConfig, load_config
 from pnmix.static import StaticGenerator
 
-# Layer 0 keeps more salient channels at 4/2 bits, layer 1 fewer at 2/1: the two layers' packed
-# regions differ in size and content.
+# Layer 0 keeps more salient channels at 4/2 bits, layer 1 fewer at 2/1 and its values at 4 bits in
+# groups of 8: the two layers' packed regions differ in size and content, keys and values.
 MIXED = LayerwiseConfig(SMALL, (LayerRange.parse("0", {"b_high": 4, "b_low": 2, "salient_ratio": 0.25}),
-                                LayerRange.parse("1", {"b_high": 2, "b_low": 1, "salient_ratio": 0.75})))
+                                LayerRange.parse("1", {"b_high": 2, "b_low": 1, "salient_ratio": 0.75,
+                                                       "value_bits": 4, "value_group_size": 8})))
 
 
 def test_every_layer_equal_gives_the_single_configs_tokens_and_bytes():
@@ -49,10 +50,22 @@ def test_per_layer_bytes_match_the_formula():
         want = kv_cache_bytes(MIXED.for_layer(i), one, batch=2, seq_len=t).as_dict()
         assert {k: layer[k] for k in compared} == {k: want[k] for k in compared}, i
     assert held[0]["packed_keys"] != held[1]["packed_keys"]
+    assert held[1]["packed_values"] == 2 * held[0]["packed_values"]  # 4 value bits against 2
     # The whole-model figure is the sum of the layers'.
     shape = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     total = kv_cache_bytes(MIXED, shape, batch=2, seq_len=t)
     assert total.packed_keys == sum(layer["packed_keys"] for layer in held)
+
+
+def test_value_and_kv_bits_are_the_mean_of_the_layers():
+    from pnmix.bits import kv_bits, value_bits_total
+
+    values = [value_bits_total(MIXED.for_layer(i)) for i in range(2)]
+    assert values[1] > values[0]  # 4 bits in groups of 8 against 2 in groups of 16
+    assert value_bits_total(MIXED, num_layers=2) == pytest.approx(sum(values) / 2)
+    assert kv_bits(MIXED, 2, 16) == pytest.approx((mean_key_bits(MIXED, 2, 16) + sum(values) / 2) / 2)
+    with pytest.raises(ValueError, match="num_layers"):
+        value_bits_total(MIXED)
 
 
 def test_key_bits_per_layer_and_the_model_average():
@@ -96,7 +109,8 @@ def test_json_round_trip_and_either_form_loads():
     assert LayerwiseConfig.from_json(MIXED.to_json()) == MIXED
     assert load_config(MIXED.to_json()) == MIXED
     assert load_config(SMALL.to_json()) == SMALL
-    assert MIXED.label == "3/1 G32 r0.5 s4 V2/16; 0: 4/2 r0.25; 1: 2/1 r0.75"
+    assert MIXED.label == "3/1 G32 r0.5 s4 V2/16; 0: 4/2 r0.25; 1: 2/1 r0.75 V4/8"
+    assert MIXED.values_per_layer and not LayerwiseConfig(SMALL, MIXED.ranges[:1]).values_per_layer
     # A range written "A-B" covers both ends; a layer no range names takes the default.
     lw = load_config('{"default": {}, "layers": {"2-4": {"b_low": 2}}}')
     assert isinstance(lw, LayerwiseConfig)
@@ -111,6 +125,8 @@ def test_json_round_trip_and_either_form_loads():
     ('{"default": {}, "layers": {"5": {"b_low": 4}}}', "invalid layers 5: b_low=4: allowed at most b_high=3"),
     ('{"default": {}, "layers": {"0-3": {"b_low": 2}, "3-5": {"b_high": 4}}}', "invalid layers 3-5="),
     ('{"default": {}, "layers": {"1": {}}}', "invalid layers 1={}"),
+    ('{"default": {}, "layers": {"1": {"value_bits": 16}}}', "invalid layers 1: value_bits=16: allowed quantized "
+                                                             "values in every layer or in none"),
     ('{"default": {}, "extra": 1}', "invalid extra=1: allowed default, layers"),
     ('{"default": {"b_low": 9}}', "invalid b_low=9"),
 ])

@@ -10,8 +10,13 @@ the trial's layer-wise config, one of three kinds (its `origin`):
   (`tuner.layers.moves`) from the most accurate config scored at those shared fields;
 - proposal: a warm start's config (`warm_starts`), queued with the trial.
 
-Sensitivity tables are computed once per key-side shared fields (the proxy sees keys only) and
+Sensitivity tables are computed once per key-side shared fields (the KL proxy sees keys only) and
 cached on disk by the evaluator; `sensitivity_seconds` is what this loop spent on them.
+
+With values searched (`SearchSpace.values_per_layer`: a KV budget), the knapsack's items are each
+layer's keys and each layer's values (`tuner.layers.joint_table`), both scored by the proxy's
+relative attention-output error, so a layer's value format is chosen against the other layers'
+keys and values within the total KV bits; moves may then trade a key step for a value step.
 """
 
 from __future__ import annotations
@@ -22,15 +27,25 @@ from typing import Any
 
 import optuna
 
+from pnmix.bits import mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_from_dict, simplest
 from tuner import record
-from tuner.layers import allocate, candidates_like, moves
+from tuner.layers import (
+    Candidate,
+    ValueFormat,
+    allocate,
+    candidates_like,
+    joint_items,
+    joint_layers,
+    joint_table,
+    moves,
+)
 from tuner.profiles import EvalError
 from tuner.record import config_key, running_trials, scored_configs
 from tuner.space import SearchSpace
 
-Table = dict[PNMixConfig, list[float]]  # candidate -> its proxy KL in every layer
+Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
 
 
 class AllocatorLoop:
@@ -46,10 +61,31 @@ class AllocatorLoop:
         self.progress = progress
         self.tables: dict[PNMixConfig, Table] = {}  # by key-side shared fields
         self.sensitivity_seconds = 0.0
+        self.joint = space.values_per_layer  # items: each layer's keys, then each layer's values
 
     def cost(self, config: AnyConfig) -> float:
         """A config's bits under the campaign's budget kind (key or KV bits)."""
         return self.space.cost(config, self.head_dim)
+
+    def item_cost(self, item: Candidate, base: PNMixConfig) -> float:
+        """An item's bits: a layer's config under the budget kind; in the joint KV knapsack, a key
+        candidate's key bits or a value format's value bits (`base`'s sinks), whose mean over the
+        2L items is the KV bits."""
+        if isinstance(item, ValueFormat):
+            return value_bits_total(item.on(base))
+        return mean_key_bits(item, 1, self.head_dim) if self.joint else self.cost(item)
+
+    def _items(self, config: AnyConfig) -> list[Candidate]:
+        """A config as the knapsack's items (`_config`'s inverse)."""
+        layers = as_layerwise(config).per_layer(self.num_layers)
+        if not self.joint:
+            return list(layers)
+        return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size))
+
+    def _config(self, items: Sequence[Candidate]) -> AnyConfig:
+        """The config of the knapsack's items, in its simplest form."""
+        layers = joint_layers(items) if self.joint else list(items)
+        return simplest(LayerwiseConfig.from_layers(layers))  # type: ignore[arg-type]
 
     # -- warm starts -----------------------------------------------------------------------------
 
@@ -102,38 +138,52 @@ class AllocatorLoop:
             if space.contains(cfg) and space.shared_base(cfg) == base:
                 return cfg, "proposal"
         table = self.table(base, trial)
+        cost = lambda item: self.item_cost(item, base)  # noqa: E731
         try:
-            allocation = simplest(LayerwiseConfig.from_layers(allocate(table, budget, self.head_dim, cost=self.cost)))
+            allocation = self._config(allocate(table, budget, self.head_dim, cost=cost))
         except EvalError:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
-            return min(table, key=self.cost), "allocation"
+            items = range(len(next(iter(table.values()))))
+            return self._config([min((c for c in table if table[c][i] < float("inf")), key=cost)
+                                 for i in items]), "allocation"
         taken = taken_configs(studies)
         if config_key(allocation.to_dict()) not in taken:
             return allocation, "allocation"
         best = self.best_scored(studies[0], base, budget)
         start = best if best is not None else allocation
-        for changed in moves(as_layerwise(start).per_layer(self.num_layers), table, budget, self.cost):
-            cfg = simplest(LayerwiseConfig.from_layers(changed))
+        for changed in moves(self._items(start), table, budget, cost):
+            cfg = self._config(changed)
             if config_key(cfg.to_dict()) not in taken:
                 return cfg, "move"
         return allocation, "allocation"  # no move left: the allocation's score is reused
 
     def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> Table:
-        """The per-layer sensitivity table at `base`'s shared fields: each candidate's proxy KL per
-        layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), computed once per
-        loop; the seconds it took are recorded on the trial that needed it (`sensitivity_s`)."""
-        # The proxy sees keys only: one table per key-side shared fields, whatever the value format.
+        """The sensitivity table at `base`'s shared fields (`Evaluator.sensitivity`, cached on disk per
+        model, profile and seed), computed once per loop; the seconds it took are recorded on the
+        trial that needed it (`sensitivity_s`). Keys only: each candidate's proxy KL per layer. With
+        per-layer values: the joint table of each key candidate's and each value format's relative
+        output error (`tuner.layers.joint_table`)."""
+        # The key proxy sees keys only: one table per key-side shared fields, whatever the value format.
         keys = base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
         if keys not in self.tables:
             started = time.perf_counter()
             candidates = candidates_like(keys, self.space)
             self.progress(f"layer sensitivity at {keys.label}: {len(candidates)} candidates")
-            self.tables[keys] = self.evaluator.sensitivity(candidates)
+            if self.joint:
+                formats = self.space.value_choices(self.head_dim)
+                values = self.evaluator.value_sensitivity(formats, keys)
+                table = joint_table(self.evaluator.sensitivity(candidates, measure="output"),
+                                    {ValueFormat(*f): row for f, row in values.items()})
+            else:
+                table = dict(self.evaluator.sensitivity(candidates))
+            self.tables[keys] = table
             seconds = time.perf_counter() - started
             self.sensitivity_seconds += seconds
             if trial is not None:
                 trial.set_user_attr("sensitivity_s", seconds)
+        if self.joint:
+            return self.tables[keys]
         values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
-        return {c.with_(**values): row for c, row in self.tables[keys].items()}
+        return {c.with_(**values): row for c, row in self.tables[keys].items()}  # type: ignore[union-attr]
 
     def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
         """The most accurate config scored in `study` (shared scores included) within `budget` whose

@@ -264,17 +264,17 @@ class Evaluator:
     # -- the proxy -----------------------------------------------------------------------------
 
     def trace(self) -> Any:
-        """The proxy's recorded Q/K trace of this model (recorded once, cached on disk)."""
+        """The proxy's recorded Q/K/V trace of this model (recorded once, cached on disk)."""
         from pnmix.analysis import record_trace
 
         if self._trace is None:
-            path = self._cache_file().with_name(f"trace-{self.profile.proxy_tokens}.pt")
+            path = self._cache_file().with_name(f"trace-qkv-{self.profile.proxy_tokens}.pt")
             if path.is_file():
                 self._trace = torch.load(path, weights_only=False)
             else:
                 from pnmix.models import chat_ids
 
-                self.progress("recording the proxy's Q/K trace")
+                self.progress("recording the proxy's Q/K/V trace")
                 ids = chat_ids(self.tokenizer, fidelity.FIDELITY_PROMPTS[-1])["input_ids"]
                 self._trace = record_trace(self.model, ids, self.profile.proxy_tokens)
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,24 +293,43 @@ class Evaluator:
 
         return proxy_kl_by_layer(self.trace(), config, self.pairing)
 
-    def sensitivity(self, candidates: list[PNMixConfig]) -> dict[PNMixConfig, list[float]]:
+    def sensitivity(self, candidates: list[PNMixConfig], measure: str = "kl") -> dict[PNMixConfig, list[float]]:
         """The allocator's table: each candidate's proxy KL per layer (`tuner.proxy.proxy_kl_table`;
-        the candidates share G, sinks, residual and criterion). Cached on disk beside the
-        preparation, per model, profile, seed and candidate set, so a campaign's later workers and
-        later campaigns of the model read it instead of computing it again."""
-        import hashlib
-
+        the candidates share G, sinks, residual and criterion), or with `measure="output"` its
+        relative attention-output error, the unit `value_sensitivity` shares. Cached on disk beside
+        the preparation, per model, profile, seed, measure and candidate set, so a campaign's later
+        workers and later campaigns of the model read it instead of computing it again."""
         from tuner.proxy import proxy_kl_table
 
-        key = hashlib.sha256(json.dumps([c.to_dict() for c in candidates], sort_keys=True).encode()).hexdigest()[:16]
+        rows = self._cached_table(["keys", measure, [c.to_dict() for c in candidates]], len(candidates),
+                                  lambda: proxy_kl_table(self.trace(), candidates, self.pairing, measure=measure))
+        return dict(zip(candidates, rows, strict=True))
+
+    def value_sensitivity(self, formats: list[tuple[int, int]],
+                          shared: PNMixConfig) -> dict[tuple[int, int], list[float]]:
+        """Each value format's (bits, group size) relative attention-output error per layer under
+        `shared`'s token schedule (`tuner.proxy.proxy_value_table`), cached like `sensitivity`."""
+        from tuner.proxy import proxy_value_table
+
+        schedule = {f: getattr(shared, f) for f in ("n_sink", "group_size", "residual_len")}
+        rows = self._cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
+                                  lambda: proxy_value_table(self.trace(), formats, shared))
+        return dict(zip(formats, rows, strict=True))
+
+    def _cached_table(self, what: Any, n_rows: int, compute: Any) -> list[list[float]]:
+        """A proxy table (`n_rows` rows of one figure per layer) read from the disk cache under the
+        hash of `what`, or computed and written there."""
+        import hashlib
+
+        key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
         path = self._cache_file().with_name(f"sensitivity-{self._cache_file().stem}-{key}.json")
         try:
             rows = json.loads(path.read_text())
-            if len(rows) == len(candidates) and all(len(r) == self.num_layers for r in rows):
-                return {c: [float(x) for x in r] for c, r in zip(candidates, rows, strict=True)}
+            if len(rows) == n_rows and all(len(r) == self.num_layers for r in rows):
+                return [[float(x) for x in r] for r in rows]
         except (OSError, ValueError, TypeError):
             pass  # absent or unreadable: computed again and rewritten
-        rows = proxy_kl_table(self.trace(), candidates, self.pairing)
+        rows = compute()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -318,7 +337,7 @@ class Evaluator:
             tmp.replace(path)
         except OSError as exc:  # a read-only or full cache folder costs the next run the seconds, nothing more
             print(f"warning: sensitivity table not cached at {path}: {exc.strerror or exc}", file=sys.stderr)
-        return dict(zip(candidates, rows, strict=True))
+        return rows
 
     # -- full evaluation -----------------------------------------------------------------------
 

@@ -10,20 +10,70 @@ with the best KL saved per bit. The result never has a larger summed proxy KL th
 uniform candidate that fits, since uniform choices are among those it weighs. The table's
 rows are also the model's layer-sensitivity profile: how much attention KL each layer takes
 under a given config.
+
+Under a KV budget whose layers each choose a value format, keys and values are separate items of
+the same knapsack: item i < L is layer i's keys (a key candidate), item L + i its values (a
+`ValueFormat`), both scored in one unit (the proxy's relative attention-output error) and both
+costed in bits per element, so the mean over the 2L items is the KV bits (`joint_table`). A
+candidate does not apply to the other kind's items: its row holds inf there, which neither the
+relaxation nor the slack step ever picks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig
 from tuner.profiles import EvalError
-from tuner.space import RATIOS, SearchSpace
+from tuner.space import RATIOS, VALUE_BITS, VALUE_GROUPS, SearchSpace
 
 BISECTION_STEPS = 60
+
+
+@dataclass(frozen=True)
+class ValueFormat:
+    """A layer's value format as an item of the KV knapsack (`joint_table`)."""
+
+    bits: int
+    group_size: int
+
+    def on(self, config: PNMixConfig) -> PNMixConfig:
+        """`config` with this value format."""
+        return config.with_(value_bits=self.bits, value_group_size=self.group_size)
+
+
+Candidate = PNMixConfig | ValueFormat
+
+
+def joint_table(keys: Mapping[PNMixConfig, Sequence[float]],
+                values: Mapping[ValueFormat, Sequence[float]]) -> dict[Candidate, list[float]]:
+    """The KV knapsack's table over 2L items: layer i's keys are item i, its values item L + i
+    (each candidate inf on the other kind's items). `keys` and `values` in one unit."""
+    n = len(next(iter(keys.values())))
+    table: dict[Candidate, list[float]] = {c: list(row) + [math.inf] * n for c, row in keys.items()}
+    table.update({f: [math.inf] * n + list(row) for f, row in values.items()})
+    return table
+
+
+def joint_layers(items: Sequence[Candidate]) -> list[PNMixConfig]:
+    """Each layer's config from the 2L items of `joint_table`: its key candidate with its value format."""
+    n = len(items) // 2
+    out = []
+    for key, value in zip(items[:n], items[n:], strict=True):
+        assert isinstance(key, PNMixConfig) and isinstance(value, ValueFormat)
+        out.append(value.on(key))
+    return out
+
+
+def joint_items(layers: Sequence[PNMixConfig], key_values: ValueFormat) -> list[Candidate]:
+    """The 2L items of per-layer configs (the inverse of `joint_layers`): each layer's keys as the
+    key candidate with `key_values` (the value format the key candidates carry), then its values."""
+    return [key_values.on(c) for c in layers] + [ValueFormat(c.value_bits, c.value_group_size) for c in layers]
 
 
 def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
@@ -39,9 +89,9 @@ def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
     return out
 
 
-def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim: int,
+def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
              weights: Sequence[float] | None = None,
-             cost: Callable[[PNMixConfig], float] | None = None) -> list[PNMixConfig]:
+             cost: Callable[[Any], float] | None = None) -> list[Any]:
     """One config per item (a layer, or a group of layers) minimising the summed KL with the
     weighted mean bits <= budget.
 
@@ -55,10 +105,10 @@ def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim:
     bits = {c: (cost(c) if cost else key_bits(c, head_dim).total) for c in cands}
     limit = budget * sum(w) + 1e-9
 
-    def choose(lam: float) -> list[PNMixConfig]:
+    def choose(lam: float) -> list[Any]:
         return [min(cands, key=lambda c: (kl[c][i] + lam * w[i] * bits[c], bits[c])) for i in range(n)]
 
-    def total(choice: list[PNMixConfig]) -> float:
+    def total(choice: list[Any]) -> float:
         return sum(wi * bits[c] for wi, c in zip(w, choice, strict=True))
 
     if total(choice := choose(0.0)) > limit:
@@ -75,7 +125,7 @@ def allocate(kl: Mapping[PNMixConfig, Sequence[float]], budget: float, head_dim:
     # Spend the slack: the upgrade with the most KL saved per added bit, while it fits.
     while True:
         spare = limit - total(choice)
-        best: tuple[float, int, PNMixConfig] | None = None
+        best: tuple[float, int, Any] | None = None
         for i, cur in enumerate(choice):
             for c in cands:
                 extra = w[i] * (bits[c] - bits[cur])
@@ -123,16 +173,23 @@ def grouped_for_budget(space: Any, kl_of: Mapping[PNMixConfig, Sequence[float]],
     return space.layerwise(chosen)
 
 
-def _step_apart(a: PNMixConfig, b: PNMixConfig) -> bool:
+def _step_apart(a: Candidate, b: Candidate) -> bool:
     """Whether `b` is one step from `a`: one bit of b_high or b_low, or one salient-ratio step
-    (0.1), with the other knobs kept (a uniform pair's ratio counts as 0)."""
-    bits = abs(a.b_high - b.b_high) + abs(a.b_low - b.b_low)
+    (0.1), with the other knobs kept (a uniform pair's ratio counts as 0); between value formats,
+    the next value bits or the next value group size, the other kept."""
+    if isinstance(a, ValueFormat) or isinstance(b, ValueFormat):
+        if not (isinstance(a, ValueFormat) and isinstance(b, ValueFormat)):
+            return False
+        bits = a.group_size == b.group_size and abs(VALUE_BITS.index(a.bits) - VALUE_BITS.index(b.bits)) == 1
+        groups = a.bits == b.bits and abs(VALUE_GROUPS.index(a.group_size) - VALUE_GROUPS.index(b.group_size)) == 1
+        return bits or groups
+    n_bits = abs(a.b_high - b.b_high) + abs(a.b_low - b.b_low)
     ratio = abs(a.salient_ratio - b.salient_ratio)
-    return (bits == 1 and ratio < 0.1 + 1e-9) or (bits == 0 and abs(ratio - 0.1) < 1e-9)
+    return (n_bits == 1 and ratio < 0.1 + 1e-9) or (n_bits == 0 and abs(ratio - 0.1) < 1e-9)
 
 
-def moves(choice: Sequence[PNMixConfig], kl: Mapping[PNMixConfig, Sequence[float]], budget: float,
-          cost: Callable[[PNMixConfig], float]) -> list[list[PNMixConfig]]:
+def moves(choice: Sequence[Any], kl: Mapping[Any, Sequence[float]], budget: float,
+          cost: Callable[[Any], float]) -> list[list[Any]]:
     """Local moves from an allocation that keep its mean cost within `budget`: one layer one step up
     (a bit or a ratio step, `_step_apart`) and another one step down, or one layer one step up where
     the slack allows it. Ranked by the proxy's change in summed KL, least harm first: the moves the
@@ -141,8 +198,8 @@ def moves(choice: Sequence[PNMixConfig], kl: Mapping[PNMixConfig, Sequence[float
     limit = budget * n + 1e-9
     spent = sum(cost(c) for c in choice)
     cands = list(kl)
-    ups: list[tuple[float, float, int, PNMixConfig]] = []  # (delta KL, delta cost, layer, new config)
-    downs: list[tuple[float, float, int, PNMixConfig]] = []
+    ups: list[tuple[float, float, int, Any]] = []  # (delta KL, delta cost, item, new candidate)
+    downs: list[tuple[float, float, int, Any]] = []
     for i, cur in enumerate(choice):
         for c in cands:
             if c == cur or not _step_apart(cur, c):
@@ -150,7 +207,7 @@ def moves(choice: Sequence[PNMixConfig], kl: Mapping[PNMixConfig, Sequence[float
             extra = cost(c) - cost(cur)
             delta = kl[c][i] - kl[cur][i]
             (ups if extra > 0 else downs).append((delta, extra, i, c))
-    ranked: list[tuple[float, int, list[PNMixConfig]]] = []
+    ranked: list[tuple[float, int, list[Any]]] = []
     for d_up, extra, i, c in ups:
         if spent + extra <= limit:
             changed = list(choice)

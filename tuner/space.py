@@ -14,7 +14,9 @@ Kitty-like method compare on one model:
                   fields only (G, sinks, values when searched), and its per-layer pairs and ratios
                   are the knapsack's over the per-layer sensitivity at those shared fields, or a
                   local move from the best allocation scored so far, or a uniform config (one
-                  allocation whose layers are all alike); `groups` holds one layer per group
+                  allocation whose layers are all alike); `groups` holds one layer per group.
+                  With values searched (a KV budget), each layer's value format is the
+                  allocator's too, not a trial parameter (`values_per_layer`)
     pnmix-layers: PN-Mix with the model's layers in `layer_groups` groups (`groups`, formed by the
                   campaign from layer sensitivity), each group its own bit pair and r; G, sinks and
                   values shared by every layer (pnmix/layerwise.py says why)
@@ -85,6 +87,11 @@ class SearchSpace:
     def allocated(self) -> bool:
         """Whether each layer's pair and ratio come from the allocator, not from trial parameters."""
         return self.method == ALLOCATED
+
+    @property
+    def values_per_layer(self) -> bool:
+        """Whether each layer's value format comes from the allocator (pnmix-alloc with values searched)."""
+        return self.allocated and self.search_values
 
     def with_layers(self, num_layers: int) -> SearchSpace:
         """pnmix-alloc: this space on a model of `num_layers` layers (one group per layer)."""
@@ -175,13 +182,14 @@ class SearchSpace:
         return self.layerwise(per_group)
 
     def suggest_shared(self, trial: Any, head_dim: int = 128) -> PNMixConfig:
-        """pnmix-alloc: the shared fields a trial samples (G, sinks, values when searched), as the
-        base config whose bits and ratio the allocator then sets layer by layer (the base holds the
-        paper's 3/1 r0.5, which `tuner.layers.candidates_like` replaces)."""
+        """pnmix-alloc: the shared fields a trial samples (G, sinks), as the base config whose bits
+        and ratio (and, with values searched, value format) the allocator then sets layer by layer
+        (the base holds the paper's 3/1 r0.5 and the space's value format, which the allocator's
+        candidates replace)."""
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
         sinks = int(trial.suggest_categorical("n_sink", list(SINKS)))
         values: dict[str, int] = {}
-        if self.search_values:
+        if self.search_values and not self.values_per_layer:
             groups = sorted({g for _, g in self.value_choices(head_dim)})
             values = {"value_bits": int(trial.suggest_categorical("value_bits", list(VALUE_BITS))),
                       "value_group_size": int(trial.suggest_categorical("value_group_size", groups))}
@@ -189,7 +197,10 @@ class SearchSpace:
 
     def shared_base(self, config: AnyConfig) -> PNMixConfig:
         """The base config of `config`'s shared fields (what `suggest_shared` returns for them)."""
-        return as_layerwise(config).default.with_(b_high=3, b_low=1, salient_ratio=0.5)
+        base = as_layerwise(config).default.with_(b_high=3, b_low=1, salient_ratio=0.5)
+        if self.values_per_layer:
+            return base.with_(value_bits=self.value_bits, value_group_size=self.value_group_size)
+        return base
 
     def layerwise(self, per_group: Sequence[PNMixConfig]) -> AnyConfig:
         """The config whose group k's layers take `per_group[k]`, in its simplest form."""
@@ -244,7 +255,7 @@ class SearchSpace:
         params: dict[str, Any] = {"group_size": first.group_size}
         if len(self._sinks()) > 1:
             params["n_sink"] = first.n_sink
-        if self.search_values:
+        if self.search_values and not self.values_per_layer:
             params["value_bits"], params["value_group_size"] = first.value_bits, first.value_group_size
         if self.allocated:
             return params
