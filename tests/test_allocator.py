@@ -17,8 +17,8 @@ from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerwiseConfig, config_from_dict, simplest
 from tuner.campaign import front_trials, study_name
-from tuner.layers import allocate, candidates_like, moves
-from tuner.proxy import proxy_kl_by_layer, proxy_kl_table
+from tuner.layers import ValueFormat, allocate, candidates_like, joint_items, joint_layers, joint_table, moves
+from tuner.proxy import proxy_kl_by_layer, proxy_kl_table, proxy_value_table, quantized_tokens
 from tuner.space import SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -265,3 +265,137 @@ def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
     assert f"{diff:+.3f} +- {se:.3f}" in said and "paired on the same items" in said
     assert ("beyond two standard errors" in said) == (abs(diff) > 2 * se)
     assert _against_paper(study, 0, space) == "is pnmix-paper itself"
+
+
+def test_the_output_measure_of_keys_and_values_equals_a_query_by_query_reference():
+    """`proxy_value_table` and `proxy_kl_table(measure="output")` against the attention output of
+    each decode query computed on its own, with the tokens packed at its time quantized."""
+    from pnmix import packing
+    from pnmix.analysis import quantize_pnmix
+    from pnmix.saliency import saliency_scores, select_salient_pairs
+
+    gen = torch.Generator().manual_seed(4)
+    t, p = 260, 40
+    trace = Trace([torch.randn((4, t, 32), generator=gen) for _ in range(2)],
+                  [torch.randn((2, t, 32), generator=gen) for _ in range(2)], p, 32 ** -0.5,
+                  [torch.randn((2, t, 32), generator=gen) for _ in range(2)])
+    base = PNMixConfig(group_size=32, residual_len=32, n_sink=4, value_group_size=16)
+    keys = [base, base.with_(b_high=4, b_low=2, salient_ratio=0.25), base.with_(b_high=2, b_low=2, salient_ratio=0)]
+    formats = [(1, 16), (2, 16), (4, 32), (8, 16)]
+    got_k = proxy_kl_table(trace, keys, "rotate_half", n_queries=16, measure="output")
+    got_v = proxy_value_table(trace, formats, base, n_queries=16)
+    positions = range(p, t, (t - p) // 16)
+
+    def relative(layer, k_hat, v_hat):
+        q, k, v = trace.queries[layer], trace.keys[layer], trace.values[layer]
+        err = norm = 0.0
+        for h in range(4):
+            for pos in positions:
+                n = quantized_tokens(base, p, pos + 1)
+                kk, vv = k[h // 2, : pos + 1].clone(), v[h // 2, : pos + 1].clone()
+                kk[4 : 4 + n], vv[4 : 4 + n] = k_hat[h // 2, 4 : 4 + n], v_hat[h // 2, 4 : 4 + n]
+                o = (q[h, pos] @ k[h // 2, : pos + 1].T * trace.scaling).softmax(-1) @ v[h // 2, : pos + 1]
+                o_hat = (q[h, pos] @ kk.T * trace.scaling).softmax(-1) @ vv
+                err += float((o_hat - o).square().sum())
+                norm += float(o.square().sum())
+        return err / norm
+
+    for layer in range(2):
+        k, v = trace.keys[layer], trace.values[layer]
+        scores = saliency_scores(base.criterion, trace.queries[layer][None, :, :p], k[None, :, :p],
+                                 torch.ones((1, p), dtype=torch.bool), "rotate_half", base.seed + layer)[0]
+        for c, cfg in enumerate(keys):
+            k_hat = k.clone()
+            pairs = select_salient_pairs(scores, cfg.salient_pairs(32))
+            n_max = quantized_tokens(base, p, t)
+            k_hat[:, 4 : 4 + n_max] = quantize_pnmix(k[:, 4 : 4 + n_max], pairs, cfg.b_high, cfg.b_low, 32,
+                                                     "rotate_half")
+            assert got_k[c][layer] == pytest.approx(relative(layer, k_hat, v), rel=1e-4), (layer, cfg.label)
+        for f, (bits, size) in enumerate(formats):
+            v_hat = packing.dequantize_values(packing.quantize_values(v, bits, size), bits, size)
+            assert got_v[f][layer] == pytest.approx(relative(layer, k, v_hat), rel=1e-4), (layer, bits, size)
+        # More value bits, less error; 8 bits nearly none.
+        assert got_v[0][layer] > got_v[1][layer] > got_v[3][layer] and got_v[3][layer] < 1e-3
+
+
+def test_the_kv_knapsack_gives_value_bits_to_the_layers_whose_values_need_them():
+    """Keys and values as items of one knapsack: the KV bits stay within the budget, the layers whose
+    values matter most get the most value bits, and moves (which may trade keys for values) keep it."""
+    from pnmix.bits import value_bits_total
+
+    space = SearchSpace(method="pnmix-alloc", budget_on="kv", search_values=True).with_layers(8)
+    base = space.config(3, 1, 128, 0.5, 32)
+    gen = torch.Generator().manual_seed(5)
+    key_rows = {c: (torch.rand(8, generator=gen) * 0.01 * 2.0 ** -c.b_low).tolist()
+                for c in candidates_like(base, space)}
+    weight = [1.0, 1.0] + [0.001] * 6  # the first two layers' values matter most
+    formats = [ValueFormat(*f) for f in space.value_choices(D)]
+    value_rows = {f: [w * 4.0 ** -f.bits * (1 + f.group_size / 256) for w in weight] for f in formats}
+    table = joint_table(key_rows, value_rows)
+
+    def cost(item):
+        return value_bits_total(item.on(base)) if isinstance(item, ValueFormat) else mean_key_bits(item, 1, D)
+
+    for budget in (2.25, 2.5, 3.0):
+        items = allocate(table, budget, D, cost=cost)
+        layers = joint_layers(items)
+        whole = LayerwiseConfig.from_layers(layers)
+        assert kv_bits(whole, 8, D) <= budget + 1e-9
+        assert kv_bits(whole, 8, D) == pytest.approx(sum(map(cost, items)) / 16)
+        assert joint_items(layers, ValueFormat(2, 32)) == items  # the inverse (key candidates carry V2/32)
+        assert min(c.value_bits for c in layers[:2]) > max(c.value_bits for c in layers[2:]), budget
+        found = moves(items, table, budget, cost)
+        assert any(isinstance(a, ValueFormat) and a != b for m in found for a, b in zip(m, items, strict=True))
+        for changed in found[:300]:
+            assert kv_bits(LayerwiseConfig.from_layers(joint_layers(changed)), 8, D) <= budget + 1e-9
+
+
+class ValueSkewedEvaluator(LayerFormulaEvaluator):
+    """Accuracy whose value loss weighs the first five layers a hundred times the rest: a KV campaign
+    that allocates values per layer must find that, through `value_sensitivity`."""
+
+    value_weight = [1.0] * 5 + [0.01] * 25
+
+    def layer_loss(self, c: PNMixConfig, i: int) -> float:
+        return self.key_loss(c, i) + self.value_weight[i] * 2.0 ** -c.value_bits
+
+    def key_loss(self, c: PNMixConfig, i: int) -> float:
+        return super().layer_loss(c.with_(value_bits=2), i) - 0.25
+
+    def sensitivity(self, candidates, measure="kl"):
+        return {c: [self.key_loss(c, i) for i in range(30)] for c in candidates}
+
+    def value_sensitivity(self, formats, shared):
+        return {f: [w * 2.0 ** -f[0] for w in self.value_weight] for f in formats}
+
+
+def test_an_allocator_kv_campaign_chooses_each_layers_value_format(db, monkeypatch):  # noqa: F811
+    import test_budgets
+
+    from storage import list_front_points
+
+    monkeypatch.setattr(test_budgets, "LayerFormulaEvaluator", ValueSkewedEvaluator)
+    space = SearchSpace(method="pnmix-alloc", budget_on="kv", search_values=True)
+    runner, campaign_id = run_campaign(db, space, [2.5], 8)
+    study = optuna.load_study(study_name=study_name(campaign_id, 2.5), storage=db.url)
+    own = sorted((t for t in study.trials if "shared" not in t.user_attrs), key=lambda t: t.number)
+    first = config_from_dict(own[0].user_attrs["config"])
+    assert own[0].user_attrs["origin"] == "allocation" and isinstance(first, LayerwiseConfig)
+    assert first.values_per_layer and "value_bits" not in own[0].params  # values are the allocator's
+    assert 2.45 < own[0].user_attrs["bits"] <= 2.5
+    layers = first.per_layer(30)
+    assert min(c.value_bits for c in layers[:5]) > max(c.value_bits for c in layers[5:])
+    scored = [t for t in study.trials if "accuracy" in t.user_attrs]
+    for t in scored:
+        assert t.user_attrs["bits"] == pytest.approx(kv_bits(config_from_dict(t.user_attrs["config"]), 30, D))
+        assert t.user_attrs["bits"] <= 2.5 + 1e-9
+    uniform = [t for t in scored if isinstance(config_from_dict(t.user_attrs["config"]), PNMixConfig)]
+    best = max(front_trials(study), key=lambda t: t.user_attrs["accuracy"])
+    assert uniform and best.user_attrs["accuracy"] > max(t.user_attrs["accuracy"] for t in uniform)
+    best_config = config_from_dict(best.user_attrs["config"])
+    assert isinstance(best_config, LayerwiseConfig) and best_config.values_per_layer
+    with db.session(readonly=True) as s:  # per-layer value formats round-trip through SQL
+        stored = [p for p in list_front_points(s, "smollm2-135m", campaign_id=campaign_id).items
+                  if p.trial_number == best.number]
+        assert len(stored) == 1 and stored[0].config == best_config
+        assert stored[0].kv_bits == pytest.approx(kv_bits(best_config, 30, D))
