@@ -82,9 +82,9 @@ class _RecordingLayer(SeenTokensLayer):
 
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, token_mask: torch.Tensor) -> None:
         # Called by the "pnmix" attention function after its exact prefill attention, as for
-        # PNMixLayer; the scores are PNMixLayer.prefill's, computed on the same one-sequence tensors.
-        self.scores = {c: saliency_scores(c, query, key, token_mask, self.pairing)[0] for c in RECORDED_CRITERIA}
-        self.recorded = (key[0].clone(), value[0].clone())
+        # PNMixLayer; the scores are PNMixLayer.prefill's, each row's over its own real tokens.
+        self.scores = {c: saliency_scores(c, query, key, token_mask, self.pairing) for c in RECORDED_CRITERIA}
+        self.recorded = (key, value)
         self.prefilled = True
 
 
@@ -101,17 +101,63 @@ def record_prefill(model: Any, input_ids: torch.Tensor) -> PrefillState:
     """The exact prefill of one prompt, input_ids [1, T] (no padding), kept on the model's device."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: allowed [1, tokens] with tokens >= 1")
+    return _record_batch(model, [input_ids[0]])[0]
+
+
+@torch.inference_mode()
+def record_prefills(model: Any, prompts: list[torch.Tensor], batch_tokens: int,
+                    batch_rows: int = 32) -> list[PrefillState]:
+    """`record_prefill` of each prompt (ids [1, T_i]), several in one forward pass: the prompts
+    right-padded to the longest of a batch of at most `batch_tokens` padded tokens and
+    `batch_rows` prompts (the kept logits grow with rows times distinct lengths). A causal
+    prompt's real tokens never attend to the padding after them, so each state is its prompt's
+    prefill (the same up to the batched matrix products' rounding); saliency scores are taken
+    over each row's real tokens. One forward pass for many prompts is what makes this pay on a
+    GPU, where a prefill of a short prompt costs mostly launches. batch_tokens <= 0: one at a time."""
+    for ids in prompts:
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids of shape {tuple(ids.shape)}: allowed [1, tokens] with tokens >= 1")
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].shape[1])  # like lengths together
+    out: list[PrefillState | None] = [None] * len(prompts)
+    start = 0
+    while start < len(order):
+        longest = prompts[order[start]].shape[1]
+        size = max(1, min(len(order) - start, batch_rows, batch_tokens // longest)) if batch_tokens > 0 else 1
+        rows = order[start : start + size]
+        for i, state in zip(rows, _record_batch(model, [prompts[i][0] for i in rows]), strict=True):
+            out[i] = state
+        start += size
+    return [s for s in out if s is not None]
+
+
+def _record_batch(model: Any, prompts: list[torch.Tensor]) -> list[PrefillState]:
+    """One forward pass over `prompts` (1-D ids), right-padded; one state per prompt."""
     use_pnmix_attention(model)
     cache = _RecordingCache(model.config)
-    ids = input_ids.to(model.device)
-    # As `generate` runs a prefill: mask of ones, only the last position's logits.
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **cache_kwargs(model, cache),
-                **keep)
+    lengths = [int(p.shape[0]) for p in prompts]
+    longest = max(lengths)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : lengths[b]] = p.cpu()
+        mask[b, : lengths[b]] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    # As `generate` runs a prefill, keeping only the logits at each row's last real token.
+    last = sorted({n - 1 for n in lengths})
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        keep: dict[str, Any] = {"logits_to_keep": 1 if len(prompts) == 1 else torch.tensor(last, device=model.device)}
+        column = [-1] if len(prompts) == 1 else [last.index(n - 1) for n in lengths]
+    else:
+        keep, column = {}, [n - 1 for n in lengths]
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache), **keep)
     layers = [layer for layer in cache.layers if isinstance(layer, _RecordingLayer)]
-    scores = {c: [la.scores[c] for la in layers] for c in RECORDED_CRITERIA}
-    return PrefillState([la.recorded[0] for la in layers], [la.recorded[1] for la in layers], scores,
-                        out.logits[0, -1].float())
+    states = []
+    for b, n in enumerate(lengths):
+        states.append(PrefillState([la.recorded[0][b, :, :n].clone() for la in layers],
+                                   [la.recorded[1][b, :, :n].clone() for la in layers],
+                                   {c: [la.scores[c][b] for la in layers] for c in RECORDED_CRITERIA},
+                                   out.logits[b, column[b]].float()))
+    return states
 
 
 def build_cache(model: Any, config: AnyConfig, states: list[PrefillState], multi_token: bool = False) -> PNMixCache:

@@ -11,7 +11,7 @@ from tiny import tiny_model
 from pnmix.cache import PNMixLayer
 from pnmix.config import PNMixConfig, preset
 from pnmix.generation import cache_kwargs, generate, new_cache
-from pnmix.prefill import build_cache, record_prefill
+from pnmix.prefill import RECORDED_CRITERIA, build_cache, record_prefill, record_prefills
 from pnmix.static import StaticGenerator
 from tuner import stats, tasks
 from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory
@@ -55,6 +55,27 @@ def test_cache_built_from_a_recorded_prefill_holds_the_live_prefills_bytes(famil
             assert torch.equal(got.k_sink[b], want.k_sink[0])
             r = want.res_len[0]
             assert torch.equal(got.k_res[b, :, :r], want.k_res[0, :, :r])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_prefills_recorded_together_equal_those_recorded_alone(family):
+    """Right-padded batches (here of at most 200 padded tokens: rows of unlike lengths together, and
+    a batch of one) give each prompt's own states, in the prompts' order; in float64 the batched
+    products' rounding stays far below anything a quantizer or an argmax could see."""
+    model = tiny_model(family, seed=4, dtype=torch.float64)
+    prompts = _prompts((37, 70, 101, 64, 12, 70), seed=6)
+    alone = [record_prefill(model, p) for p in prompts]
+    together = record_prefills(model, prompts, batch_tokens=200)
+    assert [s.length for s in together] == [p.shape[1] for p in prompts]
+    for a, b in zip(alone, together, strict=True):
+        for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-12)
+        for c in RECORDED_CRITERIA:
+            for x, y in zip(a.scores[c], b.scores[c], strict=True):
+                torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-10, atol=1e-10)
+    engine = ScoringEngine(model, tokenizer=None)
+    assert torch.equal(engine.greedy(SMALL, together, 30), engine.greedy(SMALL, alone, 30))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -1,12 +1,13 @@
 """The scoring engine: a trial pays only for decode, in batches, from prefills recorded once.
 
 Preparation (once per evaluator): every item's chat prompt and every fidelity trajectory's prompt
-is prefilled once, unquantized (`pnmix.prefill.record_prefill`: exact, so the same for every
-config). A trial then builds its config's caches from those states (saliency, quantize, pack: the
-live prefill's code) and decodes:
+is prefilled once, unquantized (`pnmix.prefill.record_prefills`: exact attention, so the same for
+every config; on CUDA many prompts in one right-padded forward pass). A trial then builds its
+config's caches from those states (saliency, quantize, pack: the live prefill's code) and decodes:
 - item tasks: all items of a task answer greedily in one batch, split only where memory needs
-  it. On CUDA the decode runs on the static CUDA-graph path (`pnmix.static.StaticGenerator.start`)
-  for the configs it covers (fp16, and keys and values both quantized), else on the batched
+  it. On CUDA the decode runs on the static CUDA-graph path (`pnmix.static.StaticGenerator.start`,
+  graphs without torch.compile) for the configs it covers (fp16, and keys and values both
+  quantized), else on the batched
   dynamic cache, which is also the CPU path. Rows stop at the end-of-sequence token, as `generate`
   does for one item.
 - fidelity: all trajectories are teacher-forced together, the whole trajectory in one forward
@@ -36,7 +37,7 @@ import torch
 
 from pnmix.generation import cache_kwargs
 from pnmix.layerwise import AnyConfig, as_layerwise
-from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill
+from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill, record_prefills
 from pnmix.static import StaticGenerator, static_method
 from tuner.profiles import EvalError
 from tuner.tasks import Item
@@ -52,6 +53,9 @@ BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decod
 DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
 EOS_CHECK_EVERY = 4  # static decode steps between looks at whether every row has ended
 LOGIT_COPIES = 4  # a replay's logits are held about this many times (float32, log-softmax, KL terms)
+# Prompts prefilled together (right-padded) on CUDA, where a short prompt's prefill costs mostly
+# launches; on the CPU one at a time, where batching buys nothing and each state stays bit-exact.
+PREFILL_BATCH_TOKENS = {"cuda": 32768, "cpu": 0}
 
 Progress = Callable[[str], None]
 
@@ -141,13 +145,17 @@ class ScoringEngine:
             raise EvalError(f"{what} needs {need / 2**20:.0f} MiB to decode, more than the "
                             f"{self._budget * BATCH_MEMORY_SHARE / 2**20:.0f} MiB available: use a smaller profile")
 
-    def _record(self, ids: torch.Tensor) -> PrefillState:
-        state = record_prefill(self.model, ids)
-        if self.device.type == "cuda":  # keep states on the GPU while they take little of it
-            used = self.state_bytes() + state.nbytes()
-            if used > STATE_DEVICE_SHARE * self._budget:
-                return state.to("cpu")
-        return state
+    def _record(self, prompts: list[torch.Tensor]) -> list[PrefillState]:
+        """The prompts' prefill states (`record_prefills`), each kept on the GPU while the states take
+        little of it, else on the host."""
+        states = record_prefills(self.model, prompts, PREFILL_BATCH_TOKENS.get(self.device.type, 0))
+        if self.device.type == "cuda":
+            used = self.state_bytes()
+            for i, state in enumerate(states):
+                used += state.nbytes()
+                if used > STATE_DEVICE_SHARE * self._budget:
+                    states[i] = state.to("cpu")
+        return states
 
     def add_items(self, task: str, items: list[Item], prompt_ids: list[list[int]] | None = None) -> None:
         """Prefills every item's chat prompt once (exactly, unquantized) and adds it to `task`'s items.
@@ -165,7 +173,7 @@ class ScoringEngine:
         for i, (item, ids) in enumerate(zip(items, prompts, strict=True)):
             self._check_fits(f"{task} item {have + i}", ids.shape[1] + item.max_new_tokens)
         self.progress(f"prefilling {len(items)} {task} items once")
-        states = [self._record(ids) for ids in prompts]
+        states = self._record(prompts)
         self.items[task] = self.items.get(task, []) + list(items)
         self.states[task] = self.states.get(task, []) + states
 
@@ -178,8 +186,9 @@ class ScoringEngine:
         """Prefills every trajectory's prompt once and keeps its fp16 next-token distributions."""
         for i, traj in enumerate(trajectories):
             self._check_fits(f"trajectory {i}", len(traj.prompt_ids) + len(traj.tokens))
+        states = self._record([torch.tensor([traj.prompt_ids]) for traj in trajectories])
+        for traj, state in zip(trajectories, states, strict=True):
             ref = traj.reference_logits.to(self.device).float()
-            state = self._record(torch.tensor([traj.prompt_ids]))
             self.trajectories.append(_PreparedTrajectory(state, torch.tensor(traj.tokens), ref.log_softmax(-1),
                                                          ref.argmax(-1)))
 
@@ -191,7 +200,8 @@ class ScoringEngine:
 
         for i, p in enumerate(prompts):
             self._check_fits(f"trajectory {i}", len(p) + n_tokens)
-        states = [record_prefill(self.model, torch.tensor([p])) for p in prompts]
+        states = record_prefills(self.model, [torch.tensor([p]) for p in prompts],
+                                 PREFILL_BATCH_TOKENS.get(self.device.type, 0))
         out: list[list[int]] = []
         for rows in self._batches(states, n_tokens):
             tokens = self.greedy(preset("fp16"), [states[i] for i in rows], n_tokens, stop=False)
@@ -286,7 +296,10 @@ class ScoringEngine:
         method = static_method(config, self.device, head_dim) if self.device.type == "cuda" else None
         cache = build_cache(self.model, config, states)
         if method is not None:
-            gen = StaticGenerator(self.model, method, max_len=max(s.length for s in states) + new_tokens)
+            # Graphs without torch.compile: a trial decodes a few dozen steps per batch, and compiling the
+            # step costs 20-30 s for each new batch size class, far more than it would save here.
+            gen = StaticGenerator(self.model, method, max_len=max(s.length for s in states) + new_tokens,
+                                  compile=False)
             if not stop and self.eos:
                 gen.ban(self.eos)
             gen.start(cache, first)
