@@ -13,7 +13,9 @@ evaluator for everything, so every score below is on the same items and every di
   before any real score), the best uniform config of the ground-truth sweep within the budget
   (benchmarks/ground_truth/, 870 configs, re-scored here; under a KV budget by its KV bits) and
   pnmix-paper where it fits, each with its SE; the campaign minus each, paired.
-The wall time of each campaign (preparation, sensitivity tables and every trial) is recorded, as
+The model's load (with the GGUF's conversion on a fresh machine) and the preparation (items
+filtered by fp16, trajectories) are timed apart, then the wall time of each campaign
+(sensitivity tables and every trial) is recorded, as
 are the kernel specialisations the campaign's trials compiled and the compiler's seconds
 (`kernels.compiles`: Triton's compilation listener). Each budget's pick is written as a config
 for `qwen3-8b-shape` (its 30 layers stretched onto 36 by relative depth: layer j takes layer
@@ -213,7 +215,8 @@ def report(path: Path) -> None:
             print(f"{name}: campaign {part['campaign_s']:.0f} s (sensitivity {part['sensitivity_s']:.1f} s in "
                   f"{part['sensitivity_tables']} tables; {part.get('kernels_compiled')} kernel specialisations "
                   f"compiled in {part.get('compile_s', 0):.0f} s)")
-    print(f"preparation {res.get('preparation_s', 0):.0f} s; {res.get('env')}")
+    print(f"model load {res.get('model_load_s', 0):.0f} s, preparation {res.get('preparation_s', 0):.0f} s; "
+          f"{res.get('env')}")
 
 
 def main() -> None:
@@ -245,9 +248,12 @@ def main() -> None:
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     started = time.perf_counter()
     ev = Evaluator(MODEL, profile(args.profile), 0, device=args.device, progress=log)
+    loaded = time.perf_counter()
     ev.prepare()
-    res.setdefault("preparation_s", time.perf_counter() - started)
-    log(f"preparation {time.perf_counter() - started:.0f} s")
+    res.setdefault("model_load_s", loaded - started)
+    res.setdefault("preparation_s", time.perf_counter() - loaded)
+    log(f"model load {loaded - started:.0f} s (the GGUF's conversion included on a fresh machine), "
+        f"preparation {time.perf_counter() - loaded:.0f} s")
     for name, text in (("key", args.key_budgets), ("kv", args.kv_budgets)):
         budgets = tuple(float(b) for b in text.split(","))
         if name in args.parts.split(",") and name not in res:

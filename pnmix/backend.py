@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pnmix import packing
+from pnmix.layerwise import LayerwiseConfig
 from pnmix.names import BACKENDS
 
 if TYPE_CHECKING:
@@ -62,7 +63,11 @@ def head_dim_supported(head_dim: int) -> bool:
 
 
 def kernels_support(config: Any, head_dim: int) -> bool:
-    """Whether the kernels implement this PN-Mix config and head dim (else the torch path runs)."""
+    """Whether the kernels implement this PN-Mix config and head dim (else the torch path runs); a
+    layer-wise config: every one of its layers' configs."""
+    if isinstance(config, LayerwiseConfig):
+        layers = [config.default] + [config.for_layer(r.first) for r in config.ranges]
+        return all(kernels_support(c, head_dim) for c in layers)
     vg = config.value_group_size
     return (
         head_dim_supported(head_dim)
