@@ -379,11 +379,16 @@ def test_an_allocator_kv_campaign_chooses_each_layers_value_format(db, monkeypat
     runner, campaign_id = run_campaign(db, space, [2.5], 8)
     study = optuna.load_study(study_name=study_name(campaign_id, 2.5), storage=db.url)
     own = sorted((t for t in study.trials if "shared" not in t.user_attrs), key=lambda t: t.number)
+    # First the keys' allocation with one value format everywhere (the space's), which fills the budget ...
     first = config_from_dict(own[0].user_attrs["config"])
     assert own[0].user_attrs["origin"] == "allocation" and isinstance(first, LayerwiseConfig)
-    assert first.values_per_layer and "value_bits" not in own[0].params  # values are the allocator's
+    assert not first.values_per_layer and first.default.value_bits == 2
+    assert "value_bits" not in own[0].params  # values are not a trial parameter: the allocator's
     assert 2.45 < own[0].user_attrs["bits"] <= 2.5
-    layers = first.per_layer(30)
+    # ... then the joint allocation, which gives the layers whose values matter the value bits.
+    joint = next(config_from_dict(t.user_attrs["config"]) for t in own if t.user_attrs.get("origin") == "allocation"
+                 and config_from_dict(t.user_attrs["config"]).values_per_layer)
+    layers = joint.per_layer(30)
     assert min(c.value_bits for c in layers[:5]) > max(c.value_bits for c in layers[5:])
     scored = [t for t in study.trials if "accuracy" in t.user_attrs]
     for t in scored:

@@ -68,6 +68,14 @@ def test_value_and_kv_bits_are_the_mean_of_the_layers():
         value_bits_total(MIXED)
 
 
+def test_the_kernels_take_a_layerwise_config_only_when_they_take_every_layer():
+    from pnmix.backend import kernels_support
+
+    assert kernels_support(MIXED, 16)
+    wide = LayerwiseConfig(SMALL, (LayerRange.parse("1", {"value_group_size": 128}),))  # does not divide 64
+    assert kernels_support(wide.default, 64) and not kernels_support(wide, 64)
+
+
 def test_key_bits_per_layer_and_the_model_average():
     per = key_bits_by_layer(MIXED, 2, head_dim=16)
     assert [kb.total for kb in per] == [key_bits(MIXED.for_layer(i), 16).total for i in range(2)]

@@ -59,7 +59,7 @@ class AllocatorLoop:
         self.head_dim = head_dim
         self.num_layers = num_layers
         self.progress = progress
-        self.tables: dict[PNMixConfig, Table] = {}  # by key-side shared fields
+        self.tables: dict[tuple[PNMixConfig, str], Any] = {}  # by key-side shared fields and kind (kl, joint)
         self.sensitivity_seconds = 0.0
         self.joint = space.values_per_layer  # items: each layer's keys, then each layer's values
 
@@ -127,9 +127,11 @@ class AllocatorLoop:
     def config(self, trial: optuna.Trial, budget: float, studies: Sequence[optuna.Study]) -> tuple[AnyConfig, str]:
         """The config of a trial whose parameters are the shared fields, and its origin: the queued
         `proposal` (a warm start) where it has these shared fields; else the allocator's config for
-        the budget at them; or, when the campaign (`studies`: this budget's first, then the others)
-        has already scored or is scoring that, the next local move from the best config scored at
-        these shared fields within the budget (real scores decide what the proxy cannot tell apart)."""
+        the budget at them (with per-layer values: first the keys' allocation at the space's value
+        format, then the joint one); or, when the campaign (`studies`: this budget's first, then the
+        others) has already scored or is scoring those, the next local move from the best config
+        scored at these shared fields within the budget (real scores decide what the proxy cannot
+        tell apart)."""
         space = self.space
         base = space.suggest_shared(trial, self.head_dim)
         proposal = trial.user_attrs.get("proposal")
@@ -137,53 +139,84 @@ class AllocatorLoop:
             cfg = config_from_dict(proposal)
             if space.contains(cfg) and space.shared_base(cfg) == base:
                 return cfg, "proposal"
-        table = self.table(base, trial)
-        cost = lambda item: self.item_cost(item, base)  # noqa: E731
-        try:
-            allocation = self._config(allocate(table, budget, self.head_dim, cost=cost))
-        except EvalError:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
-            items = range(len(next(iter(table.values()))))
-            return self._config([min((c for c in table if table[c][i] < float("inf")), key=cost)
-                                 for i in items]), "allocation"
+        allocations = self.allocations(base, budget, trial)
+        if not allocations:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
+            return min(self.table(base), key=self.cost), "allocation"
         taken = taken_configs(studies)
-        if config_key(allocation.to_dict()) not in taken:
-            return allocation, "allocation"
+        for allocation in allocations:
+            if config_key(allocation.to_dict()) not in taken:
+                return allocation, "allocation"
         best = self.best_scored(studies[0], base, budget)
-        start = best if best is not None else allocation
-        for changed in moves(self._items(start), table, budget, cost):
+        start = best if best is not None else allocations[0]
+        table: Table = self.joint_table(base) if self.joint else {c: row for c, row in self.table(base).items()}
+        for changed in moves(self._items(start), table, budget, lambda item: self.item_cost(item, base)):
             cfg = self._config(changed)
             if config_key(cfg.to_dict()) not in taken:
                 return cfg, "move"
-        return allocation, "allocation"  # no move left: the allocation's score is reused
+        return allocations[0], "allocation"  # no move left: the allocation's score is reused
 
-    def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> Table:
-        """The sensitivity table at `base`'s shared fields (`Evaluator.sensitivity`, cached on disk per
-        model, profile and seed), computed once per loop; the seconds it took are recorded on the
-        trial that needed it (`sensitivity_s`). Keys only: each candidate's proxy KL per layer. With
-        per-layer values: the joint table of each key candidate's and each value format's relative
-        output error (`tuner.layers.joint_table`)."""
-        # The key proxy sees keys only: one table per key-side shared fields, whatever the value format.
-        keys = base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
-        if keys not in self.tables:
+    def allocations(self, base: PNMixConfig, budget: float, trial: optuna.Trial | None = None) -> list[AnyConfig]:
+        """The knapsack's configs for `budget` at `base`'s shared fields, in the order trials take
+        them: the keys' allocation over the KL table with the value format every layer shares (the
+        space's, or the trial's); with per-layer values, then the joint allocation of each layer's
+        keys and values. The keys' allocation comes first because, measured, the joint proxy
+        weighs value errors too lightly against key errors: alone it traded value bits for key
+        bits that real scores did not repay. Empty when nothing fits."""
+        out: list[AnyConfig] = []
+        try:
+            layers = allocate(self.table(base, trial), budget, self.head_dim, cost=self.cost)
+            out.append(simplest(LayerwiseConfig.from_layers(layers)))
+        except EvalError:
+            pass
+        if self.joint:
+            joint = self.joint_table(base, trial)
+            try:
+                items = allocate(joint, budget, self.head_dim, cost=lambda item: self.item_cost(item, base))
+                cfg = self._config(items)
+                if cfg not in out:
+                    out.append(cfg)
+            except EvalError:
+                pass
+        return out
+
+    def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
+        """The keys' sensitivity table at `base`'s shared fields: each candidate's proxy KL per layer
+        (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with `base`'s value
+        format (with per-layer values, `base` holds the space's); computed once per loop, the seconds it took
+        recorded on the trial that needed it (`sensitivity_s`)."""
+        keys = self._keys_base(base)
+        rows = self._computed((keys, "kl"), trial,
+                              lambda: dict(self.evaluator.sensitivity(candidates_like(keys, self.space))))
+        values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
+        return {c.with_(**values): row for c, row in rows.items()}  # type: ignore[union-attr]
+
+    def joint_table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> Table:
+        """Per-layer values: the joint table of each key candidate's and each value format's relative
+        attention-output error per layer (`tuner.layers.joint_table`), computed once per loop."""
+        keys = self._keys_base(base)
+
+        def compute() -> Table:
+            formats = self.space.value_choices(self.head_dim)
+            values = self.evaluator.value_sensitivity(formats, keys)
+            return joint_table(self.evaluator.sensitivity(candidates_like(keys, self.space), measure="output"),
+                               {ValueFormat(*f): row for f, row in values.items()})
+
+        return self._computed((keys, "joint"), trial, compute)
+
+    def _keys_base(self, base: PNMixConfig) -> PNMixConfig:
+        # The KL proxy sees keys only: one table per key-side shared fields, whatever the value format.
+        return base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
+
+    def _computed(self, key: tuple[PNMixConfig, str], trial: optuna.Trial | None, compute: Callable[[], Any]) -> Any:
+        if key not in self.tables:
             started = time.perf_counter()
-            candidates = candidates_like(keys, self.space)
-            self.progress(f"layer sensitivity at {keys.label}: {len(candidates)} candidates")
-            if self.joint:
-                formats = self.space.value_choices(self.head_dim)
-                values = self.evaluator.value_sensitivity(formats, keys)
-                table = joint_table(self.evaluator.sensitivity(candidates, measure="output"),
-                                    {ValueFormat(*f): row for f, row in values.items()})
-            else:
-                table = dict(self.evaluator.sensitivity(candidates))
-            self.tables[keys] = table
+            self.progress(f"layer sensitivity at {key[0].label} ({key[1]})")
+            self.tables[key] = compute()
             seconds = time.perf_counter() - started
             self.sensitivity_seconds += seconds
             if trial is not None:
-                trial.set_user_attr("sensitivity_s", seconds)
-        if self.joint:
-            return self.tables[keys]
-        values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
-        return {c.with_(**values): row for c, row in self.tables[keys].items()}  # type: ignore[union-attr]
+                trial.set_user_attr("sensitivity_s", seconds + trial.user_attrs.get("sensitivity_s", 0.0))
+        return self.tables[key]
 
     def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
         """The most accurate config scored in `study` (shared scores included) within `budget` whose
