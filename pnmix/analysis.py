@@ -66,8 +66,9 @@ class _Counter:
 
 @torch.inference_mode()
 def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int,
-                 progress: Callable[[str], None] | None = None) -> Trace:
-    """Greedy-generates `new_tokens` after `input_ids` [1, P], then records post-RoPE Q/K (and V) of all of it.
+                 progress: Callable[[str], None] | None = None, continuation: list[int] | None = None) -> Trace:
+    """Greedy-generates `new_tokens` after `input_ids` [1, P] (or takes `continuation`, those tokens
+    generated elsewhere, e.g. on a faster path), then records post-RoPE Q/K (and V) of all of it.
     `progress` hears how far the generation is, every few seconds."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -75,10 +76,15 @@ def record_trace(model: Any, input_ids: torch.Tensor, new_tokens: int,
 
     prefill = input_ids.shape[1]
     input_ids = input_ids.to(model.device)
-    streamer = _Counter(new_tokens, progress) if progress else None
-    full = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          pad_token_id=model.config.eos_token_id, streamer=streamer)
+    if continuation is not None:
+        if len(continuation) != new_tokens:
+            raise ValueError(f"a continuation of {len(continuation)} tokens: allowed exactly new_tokens={new_tokens}")
+        full = torch.cat([input_ids, torch.tensor([continuation], device=input_ids.device)], dim=1)
+    else:
+        streamer = _Counter(new_tokens, progress) if progress else None
+        full = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=model.config.eos_token_id, streamer=streamer)
     queries: dict[int, torch.Tensor] = {}
     keys: dict[int, torch.Tensor] = {}
     values: dict[int, torch.Tensor] = {}

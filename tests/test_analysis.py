@@ -45,3 +45,19 @@ def test_trace_and_analysis_on_a_tiny_model(tmp_path):
     paths = analysis.write_report(result, tmp_path, "tiny")
     assert [p.name for p in paths] == ["analysis.json", "analysis.md", "attention_kl.png"]
     assert paths[2].stat().st_size > 1000
+
+
+def test_a_trace_from_the_engines_continuation_equals_one_from_generate():
+    """The tuner records its proxy trace from the scoring engine's fp16 continuation (CUDA graphs on
+    a GPU): the same tokens as `generate`'s, hence the same queries, keys and values."""
+    from tuner.engine import ScoringEngine
+
+    model = tiny_model("llama", seed=2)
+    model.config.eos_token_id = 7  # a token the random model emits: both paths must ban it
+    ids = torch.randint(3, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    want = analysis.record_trace(model, ids, 24)
+    tokens = ScoringEngine(model, tokenizer=None).continuations([ids[0].tolist()], 24)[0]
+    got = analysis.record_trace(model, ids, 24, continuation=tokens)
+    assert got.values is not None and want.values is not None
+    for a, b in zip(want.queries + want.keys + want.values, got.queries + got.keys + got.values, strict=True):
+        assert torch.equal(a, b)

@@ -276,7 +276,11 @@ class Evaluator:
 
                 self.progress("recording the proxy's Q/K/V trace")
                 ids = chat_ids(self.tokenizer, fidelity.FIDELITY_PROMPTS[-1])["input_ids"]
-                self._trace = record_trace(self.model, ids, self.profile.proxy_tokens)
+                # The fp16 continuation on the engine's decode (CUDA graphs on the GPU), as the
+                # trajectories are generated: `generate` takes about a minute for it on an H200.
+                tokens = ScoringEngine(self.model, self.tokenizer).continuations([ids[0].tolist()],
+                                                                                 self.profile.proxy_tokens)[0]
+                self._trace = record_trace(self.model, ids, self.profile.proxy_tokens, continuation=tokens)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self._trace, path)
         return self._trace
