@@ -140,7 +140,13 @@ class LayerwiseConfig:
         return self.default.criterion
 
     def check_head_dim(self, head_dim: int) -> None:
+        """`PNMixConfig.check_head_dim` of every layer's config (a layer may have its own value group)."""
         self.default.check_head_dim(head_dim)
+        for r in self.ranges:
+            try:
+                self._layer_config(r).check_head_dim(head_dim)
+            except ConfigError as exc:
+                raise ConfigError(f"layers {r.name}: {exc.field}", exc.value, exc.allowed) from None
 
     @property
     def uniform(self) -> bool:

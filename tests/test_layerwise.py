@@ -144,6 +144,13 @@ def test_bad_layer_ranges_give_one_line_naming_the_layer(text, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def test_a_layers_value_group_that_does_not_divide_the_head_dim_is_refused_naming_the_layers():
+    lw = LayerwiseConfig(SMALL, (LayerRange.parse("1", {"value_group_size": 32}),))
+    with pytest.raises(ConfigError, match=r"^invalid layers 1: value_group_size=32: allowed a positive divisor of "
+                                          r"head_dim=16$"):
+        new_cache(tiny_model("llama"), lw)
+
+
 def test_a_range_past_the_models_layers_is_refused_with_the_model_in_the_message():
     model = tiny_model("llama")  # 2 layers
     lw = LayerwiseConfig(SMALL, (LayerRange.parse("1-3", {"b_low": 1}),))
