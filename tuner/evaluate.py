@@ -37,7 +37,7 @@ Progress = Callable[[str], None]
 TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
-PREPARATION_VERSION = 4
+PREPARATION_VERSION = 5
 
 
 @dataclass
