@@ -237,7 +237,8 @@ class CampaignCreate(BaseModel):
                                       description="method pnmix-layers: groups of layers, each with its own "
                                                   "b_high, b_low and r, formed by layer sensitivity")
     search_values: bool = Field(default=False, description="search value bits and value group size too (needs "
-                                "budget_on=kv: under a key budget values cost nothing)")
+                                "budget_on=kv: under a key budget values cost nothing); method pnmix-alloc: "
+                                "each layer's own")
 
     # The schema above documents the rules; the checks themselves are the storage's (an
     # InvalidValueError is a ValueError, so pydantic answers it as a 422).

@@ -310,7 +310,7 @@ def tune(
     budget_on: Annotated[str, typer.Option(help="what the budgets bound: key (key bits per key element) or kv (key "
                                            "and value bits per cached element)", parser=Choice(BUDGET_ON))] = "key",
     search_values: Annotated[bool, typer.Option(help="search value bits and value group size too (needs "
-                                                "--budget-on kv)")] = False,
+                                                "--budget-on kv; pnmix-alloc: each layer's own)")] = False,
     layer_groups: Annotated[int, typer.Option(help="--method pnmix-layers: groups of layers (by sensitivity), each "
                                               "with its own bit pair and salient ratio",
                                               parser=Int(inputs.LAYER_GROUPS))] = DEFAULT_LAYER_GROUPS,
