@@ -13,10 +13,12 @@ the trial's layer-wise config, one of three kinds (its `origin`):
 Sensitivity tables are computed once per key-side shared fields (the KL proxy sees keys only) and
 cached on disk by the evaluator; `sensitivity_seconds` is what this loop spent on them.
 
-With values searched (`SearchSpace.values_per_layer`: a KV budget), the knapsack's items are each
-layer's keys and each layer's values (`tuner.layers.joint_table`), both scored by the proxy's
-relative attention-output error, so a layer's value format is chosen against the other layers'
-keys and values within the total KV bits; moves may then trade a key step for a value step.
+With values searched (`SearchSpace.values_per_layer`: a KV budget), a trial's allocations are
+first the keys' KL allocation with the space's value format in every layer, then the joint one,
+whose items are each layer's keys and each layer's values (`tuner.layers.joint_table`), both
+scored by the proxy's relative attention-output error, so a layer's value format is chosen
+against the other layers' keys and values within the total KV bits; moves in the joint table may
+then trade a key step for a value step (`allocations` says why the KL allocation comes first).
 """
 
 from __future__ import annotations
