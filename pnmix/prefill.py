@@ -99,9 +99,7 @@ class _RecordingCache(Cache):
 @torch.inference_mode()
 def record_prefill(model: Any, input_ids: torch.Tensor) -> PrefillState:
     """The exact prefill of one prompt, input_ids [1, T] (no padding), kept on the model's device."""
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: allowed [1, tokens] with tokens >= 1")
-    return _record_batch(model, [input_ids[0]])[0]
+    return record_prefills(model, [input_ids], batch_tokens=0)[0]
 
 
 @torch.inference_mode()

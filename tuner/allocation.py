@@ -135,7 +135,7 @@ class AllocatorLoop:
         scored at these shared fields within the budget (real scores decide what the proxy cannot
         tell apart)."""
         space = self.space
-        base = space.suggest_shared(trial, self.head_dim)
+        base = space.suggest_shared(trial)
         proposal = trial.user_attrs.get("proposal")
         if proposal is not None:
             cfg = config_from_dict(proposal)

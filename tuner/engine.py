@@ -145,10 +145,14 @@ class ScoringEngine:
             raise EvalError(f"{what} needs {need / 2**20:.0f} MiB to decode, more than the "
                             f"{self._budget * BATCH_MEMORY_SHARE / 2**20:.0f} MiB available: use a smaller profile")
 
+    def _prefill(self, prompts: list[torch.Tensor]) -> list[PrefillState]:
+        """`record_prefills` of the prompts, batched as the device wants (`PREFILL_BATCH_TOKENS`)."""
+        return record_prefills(self.model, prompts, PREFILL_BATCH_TOKENS.get(self.device.type, 0))
+
     def _record(self, prompts: list[torch.Tensor]) -> list[PrefillState]:
-        """The prompts' prefill states (`record_prefills`), each kept on the GPU while the states take
+        """The prompts' prefill states (`_prefill`), each kept on the GPU while the states take
         little of it, else on the host."""
-        states = record_prefills(self.model, prompts, PREFILL_BATCH_TOKENS.get(self.device.type, 0))
+        states = self._prefill(prompts)
         if self.device.type == "cuda":
             used = self.state_bytes()
             for i, state in enumerate(states):
@@ -200,8 +204,7 @@ class ScoringEngine:
 
         for i, p in enumerate(prompts):
             self._check_fits(f"trajectory {i}", len(p) + n_tokens)
-        states = record_prefills(self.model, [torch.tensor([p]) for p in prompts],
-                                 PREFILL_BATCH_TOKENS.get(self.device.type, 0))
+        states = self._prefill([torch.tensor([p]) for p in prompts])
         out: list[list[int]] = []
         for rows in self._batches(states, n_tokens):
             tokens = self.greedy(preset("fp16"), [states[i] for i in rows], n_tokens, stop=False)

@@ -78,11 +78,9 @@ def proxy_value_table(trace: Trace, formats: list[tuple[int, int]], shared: PNMi
     """Each value format's (bits, group size) relative attention-output error per layer,
     `[format][layer]`, with the keys exact and the values of the packed region (`shared`'s token
     schedule: sinks, G, residual) quantized per token as the cache stores them."""
-    if trace.values is None:
-        raise ValueError("this trace holds no values (recorded before values were recorded)")
     at = _Schedule.of(trace, shared, n_queries)
     out: list[list[float]] = [[] for _ in formats]
-    for q, k, v in zip(trace.queries, trace.keys, trace.values, strict=True):
+    for q, k, v in zip(trace.queries, trace.keys, _values(trace), strict=True):
         group = q.shape[0] // k.shape[0]
         logits = torch.einsum("hqd,hsd->hqs", q[:, at.positions], k.repeat_interleave(group, 0)) * trace.scaling
         p = logits.masked_fill(~at.causal, float("-inf")).softmax(-1)  # [Hq, Q, T]
@@ -97,6 +95,13 @@ def proxy_value_table(trace: Trace, formats: list[tuple[int, int]], shared: PNMi
             delta = (p * at.use_packed) @ (v_hat - v).repeat_interleave(group, 0)  # only packed tokens change
             out[f].append(_relative(delta, o))
     return out
+
+
+def _values(trace: Trace) -> list[torch.Tensor]:
+    """The trace's values, which the output measure weighs."""
+    if trace.values is None:
+        raise ValueError("this trace holds no values (recorded before values were recorded)")
+    return trace.values
 
 
 def _relative(delta: torch.Tensor, o: torch.Tensor) -> float:
@@ -137,8 +142,7 @@ def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_
     the saliency rule (criterion, seed)."""
     if measure not in ("kl", "output"):
         raise ValueError(f"unknown proxy measure {measure!r}: allowed kl, output")
-    if measure == "output" and trace.values is None:
-        raise ValueError("this trace holds no values (recorded before values were recorded)")
+    values = _values(trace) if measure == "output" else None
     at = _Schedule.of(trace, per_layer[0][0], n_queries)  # sinks, G, residual: alike in every layer and config
     p, sinks, n_q = trace.prefill_len, at.sinks, at.n_packed
     out: list[list[float]] = []
@@ -148,9 +152,8 @@ def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_
         group = q.shape[0] // h_kv
         qs = q[:, at.positions]  # [Hq, Q, d]
         exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
-        if measure == "output":
-            assert trace.values is not None
-            v_rep = trace.values[li].repeat_interleave(group, 0)
+        if values is not None:
+            v_rep = values[li].repeat_interleave(group, 0)
             o = exact.masked_fill(~at.causal, float("-inf")).softmax(-1) @ v_rep
         prefill_mask = torch.ones((1, p), dtype=torch.bool, device=k.device)
         first = configs[0]

@@ -158,7 +158,7 @@ class SearchSpace:
         and ratio per group ("bits_0", "salient_ratio_0", ...), G and sinks shared."""
         # Parameter order as the uniform space always drew them: a seed reproduces its campaigns.
         if self.allocated:
-            return self.suggest_shared(trial, head_dim)
+            return self.suggest_shared(trial)
         if not self.layered:
             hi, lo = (int(x) for x in trial.suggest_categorical("bits", pairs or self.bit_pairs()).split("/"))
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
@@ -181,19 +181,14 @@ class SearchSpace:
             per_group.append(self.config(hi, lo, group, ratio, sinks, **values))
         return self.layerwise(per_group)
 
-    def suggest_shared(self, trial: Any, head_dim: int = 128) -> PNMixConfig:
+    def suggest_shared(self, trial: Any) -> PNMixConfig:
         """pnmix-alloc: the shared fields a trial samples (G, sinks), as the base config whose bits
         and ratio (and, with values searched, value format) the allocator then sets layer by layer
         (the base holds the paper's 3/1 r0.5 and the space's value format, which the allocator's
         candidates replace)."""
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
         sinks = int(trial.suggest_categorical("n_sink", list(SINKS)))
-        values: dict[str, int] = {}
-        if self.search_values and not self.values_per_layer:
-            groups = sorted({g for _, g in self.value_choices(head_dim)})
-            values = {"value_bits": int(trial.suggest_categorical("value_bits", list(VALUE_BITS))),
-                      "value_group_size": int(trial.suggest_categorical("value_group_size", groups))}
-        return self.config(3, 1, group, 0.5, sinks, **values)
+        return self.config(3, 1, group, 0.5, sinks)
 
     def shared_base(self, config: AnyConfig) -> PNMixConfig:
         """The base config of `config`'s shared fields (what `suggest_shared` returns for them)."""
