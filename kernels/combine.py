@@ -38,7 +38,7 @@ def _load_partials(pm_ptr, pl_ptr, pa_ptr, base, parts, rows, c, n_parts, real, 
     return m, lw, a
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts"])
 def _combine_kernel(
     pm_ptr, pl_ptr, pa_ptr, out_ptr, stride_ob, stride_oh, n_parts,
     HKV: tl.constexpr, GQ: tl.constexpr, M_P: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,

@@ -218,7 +218,8 @@ def _raw_block(q32, k_base, v_base, stride_t, n_valid, t0, m_i, l_i, acc,
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["NSC"])  # one compile serves every salient count of a size class
+# One compile serves every salient count of a size class and every split plan (batch, context).
+@triton.jit(do_not_specialize=["NSC", "groups_per_split", "n_split"])
 def _decode_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr,
     qk_scale, groups_per_split, n_split, NSC,

@@ -20,7 +20,7 @@ from kernels.layout import next_pow2
 from kernels.plan import LOG2E, sm_count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "n_split"])  # one compile for every split plan
 def _full_decode_kernel(
     q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, len_ptr,
     pm_ptr, pl_ptr, pa_ptr, qk_scale, tokens_per_split, n_split,

@@ -46,9 +46,10 @@ def _pack_tokens(q, bit: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
     return tl.sum(bits * weights[None, None, :], axis=2).to(tl.uint8)
 
 
-# The salient count, its share per program and the salient list's row stride are run-time values
-# (never specialised), so configs that differ only in their salient ratio share one compile.
-@triton.jit(do_not_specialize=["stride_sn", "NSC", "JB"])
+# The salient count, its share per program, the salient list's row stride and the group count are
+# run-time values (never specialised), so configs that differ only in their salient ratio share one
+# compile, and so do a prefill's many groups and decode's one.
+@triton.jit(do_not_specialize=["stride_sn", "NSC", "JB", "n_groups"])
 def _quantize_pack_keys_kernel(
     k_ptr, sal_ptr, is_sal_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
     n_groups,
@@ -167,7 +168,7 @@ def quantize_pack_keys(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # a prefill's many rows and decode's few share one compile
 def _quantize_pack_values_kernel(
     v_ptr, packed_ptr, scale_ptr, zero_ptr,
     n_rows, stride_vr,

@@ -270,7 +270,10 @@ def _softmax_values(s0, s1, m, row0, acc, acc_z, l_t, buf_v, buf_sc, buf_ze, sel
     return acc, acc_z, l_t + p0 + p1
 
 
-@gluon.jit(do_not_specialize=["n_sc"])  # one compile serves every salient count of a size class
+# Runtime sizes are never specialised: one compile serves every salient count of a size class and
+# every batch, context and split plan (a campaign trial decodes items at one batch and measures
+# throughput at another; each would otherwise compile the same config again).
+@gluon.jit(do_not_specialize=["n_sc", "groups_per_split", "n_parts", "n_tail", "tail_start"])
 def _block_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
     qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
