@@ -265,6 +265,12 @@ def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
     assert f"{diff:+.3f} +- {se:.3f}" in said and "paired on the same items" in said
     assert ("beyond two standard errors" in said) == (abs(diff) > 2 * se)
     assert _against_paper(study, 0, space) == "is pnmix-paper itself"
+    # A budget below pnmix-paper's bits does not score it: the campaign's other budget does, on the same items.
+    below = optuna.create_study(directions=["maximize", "minimize"])
+    below.add_trial(create_trial(values=[0.5, 2.25], params={"group_size": 128}, distributions=dist,
+                                 user_attrs={"config": lw.to_dict(), "units": a, "accuracy": 0.5}))
+    assert "not scored in this campaign" in _against_paper(below, 0, space)
+    assert _against_paper(below, 0, space, [below, study]) == said
 
 
 def test_the_output_measure_of_keys_and_values_equals_a_query_by_query_reference():
