@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make run` (main job) and `make test` (tests).
 # Both create .venv on first use.
+SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -27,9 +28,18 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pnmix run --model smollm2-135m
 
+# mypy checks the installed layout, where kernels/, tuner/, storage/ and api/ are subpackages of
+# pnmix (pyproject.toml's package-dir): a copy of it in build/typecheck, with its findings named by
+# the checkout's paths.
+TYPECHECK := build/typecheck
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy pnmix kernels storage api tuner
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	cp -r pnmix $(TYPECHECK)/pnmix
+	for d in kernels tuner storage api; do cp -r $$d $(TYPECHECK)/pnmix/$$d; done
+	cd $(TYPECHECK) && set -o pipefail && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml pnmix 2>&1 \
+		| sed -E 's#^pnmix/(kernels|tuner|storage|api)/#\1/#'
 
 test: lint
 	$(VENV)/bin/pytest -q --durations=12
@@ -49,4 +59,4 @@ test-compat: $(COMPAT)/.installed
 	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_errors.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT)
+	rm -rf $(VENV) $(COMPAT) build

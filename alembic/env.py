@@ -11,7 +11,7 @@ from __future__ import annotations
 from logging.config import fileConfig
 
 from alembic import context
-from storage.orm import Base
+from pnmix.storage.orm import Base
 
 config = context.config
 VERSION_TABLE = config.get_main_option("version_table") or "pnmix_alembic_version"
@@ -43,8 +43,8 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    from storage.engine import Database
-    from storage.settings import load_storage_settings
+    from pnmix.storage.engine import Database
+    from pnmix.storage.settings import load_storage_settings
 
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     db = Database(url) if url else Database.from_settings(load_storage_settings())

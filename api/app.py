@@ -13,12 +13,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api import problems
-from api.limits import BodySizeLimit, HeaderSizeLimit
-from api.routes import campaigns, health, models, recommend
-from api.settings import Settings, load_settings
-from storage.engine import Database
-from storage.migrations import check_schema
+from pnmix.api import problems
+from pnmix.api.limits import BodySizeLimit, HeaderSizeLimit
+from pnmix.api.routes import campaigns, health, models, recommend
+from pnmix.api.settings import Settings, load_settings
+from pnmix.storage.engine import Database
+from pnmix.storage.migrations import check_schema
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

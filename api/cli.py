@@ -13,11 +13,11 @@ from typing import NoReturn
 
 import typer
 
-from api import commands as service_cli
 from pnmix import cli as method_cli
+from pnmix.api import commands as service_cli
 from pnmix.errors import PNMixError
 from pnmix.inputs import InputError, shorten
-from tuner import cli as tuner_cli
+from pnmix.tuner import cli as tuner_cli
 
 app = typer.Typer(
     name="pnmix",

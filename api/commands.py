@@ -18,7 +18,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 
 def _revisions() -> tuple[str, ...]:
-    from storage.migrations import known_revisions
+    from pnmix.storage.migrations import known_revisions
 
     return ("head", *sorted(known_revisions()))
 
@@ -35,10 +35,10 @@ def serve(
     """Run the REST service (FastAPI under uvicorn): /v1/recommend, /v1/models, /v1/campaigns, docs at /docs."""
     import uvicorn
 
-    from api.app import create_app
-    from api.settings import load_settings
-    from storage.engine import Database
-    from storage.migrations import check_schema
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import load_settings
+    from pnmix.storage.engine import Database
+    from pnmix.storage.migrations import check_schema
 
     settings = load_settings(host=host, port=port, database_url=database_url)
     db = Database.from_settings(settings, create=False)  # a missing database: one line here, not uvicorn's trace
@@ -61,9 +61,9 @@ def db_upgrade(
                                           parser=Choice(_revisions))] = "head",
 ) -> None:
     """Create pnmix's tables or bring them to the newest schema (idempotent)."""
-    from storage.engine import Database
-    from storage.migrations import upgrade
-    from storage.settings import load_storage_settings
+    from pnmix.storage.engine import Database
+    from pnmix.storage.migrations import upgrade
+    from pnmix.storage.settings import load_storage_settings
 
     db = Database.from_settings(load_storage_settings(database_url=database_url))
     try:
@@ -77,9 +77,9 @@ def db_upgrade(
 @db_app.command("current")
 def db_current(database_url: ExistingDatabaseUrl = None) -> None:
     """Print the schema revision of the database and whether it is current."""
-    from storage.engine import Database
-    from storage.migrations import current_revision, head_revision, known_revisions
-    from storage.settings import load_storage_settings
+    from pnmix.storage.engine import Database
+    from pnmix.storage.migrations import current_revision, head_revision, known_revisions
+    from pnmix.storage.settings import load_storage_settings
 
     db = Database.from_settings(load_storage_settings(database_url=database_url), create=False)
     try:
@@ -96,6 +96,6 @@ def db_current(database_url: ExistingDatabaseUrl = None) -> None:
 
 
 def _display(url: str) -> str:
-    from storage.engine import display_url
+    from pnmix.storage.engine import display_url
 
     return display_url(url)

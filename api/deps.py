@@ -10,9 +10,9 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api.problems import ProblemError
-from api.settings import Settings
-from storage.engine import Database
+from pnmix.api.problems import ProblemError
+from pnmix.api.settings import Settings
+from pnmix.storage.engine import Database
 
 
 def get_settings(request: Request) -> Settings:

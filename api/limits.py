@@ -15,7 +15,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.problems import PROBLEM_JSON
+from pnmix.api.problems import PROBLEM_JSON
 
 
 class HeaderSizeLimit:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError, StorageError
+from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError, StorageError
 
 PROBLEM_JSON = "application/problem+json"
 log = logging.getLogger("pnmix.api")

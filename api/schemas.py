@@ -10,11 +10,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from pnmix.inputs import BUDGET, LAYER_GROUPS, TRIALS
 from pnmix.names import BACKENDS, BUDGET_ON, DEFAULT_METHOD, METHODS
-from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
-from storage.read import OPTIMIZE, ModelSummary
-from storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
-from tuner.profiles import PROFILES, EvalError
-from tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
+from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
+from pnmix.storage.read import OPTIMIZE, ModelSummary
+from pnmix.storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
+from pnmix.tuner.profiles import PROFILES, EvalError
+from pnmix.tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
 
 # The ranges are pnmix.inputs', the command line's too: `pnmix recommend --bits` takes what `target_bits` takes.
 Budget = Annotated[float, Field(**BUDGET.constraints(), description="bits per element")]

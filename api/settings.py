@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from pnmix.errors import PNMixError
 from pnmix.inputs import BODY_BYTES, HEADER_BYTES, PAGE_SIZE, PORT
-from storage.settings import StorageSettings
+from pnmix.storage.settings import StorageSettings
 
 MAX_PAGE_SIZE = int(PAGE_SIZE.high)
 

@@ -63,13 +63,13 @@ def stretch(config: AnyConfig, layers: int = LAYERS, target: int = TARGET_LAYERS
 def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: Path, res: dict[str, Any]) -> None:
     import optuna
 
-    from storage import Database, upgrade
-    from tuner import record as trial_record
-    from tuner.campaign import CampaignRunner, CampaignSpec, front_trials
-    from tuner.profiles import EvalError
-    from tuner.record import Kind
-    from tuner.session import find_or_create_campaign
-    from tuner.space import ALLOCATED, SearchSpace
+    from pnmix.storage import Database, upgrade
+    from pnmix.tuner import record as trial_record
+    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, front_trials
+    from pnmix.tuner.profiles import EvalError
+    from pnmix.tuner.record import Kind
+    from pnmix.tuner.session import find_or_create_campaign
+    from pnmix.tuner.space import ALLOCATED, SearchSpace
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     kv = name == "kv"
@@ -119,8 +119,8 @@ def summary(r: Any) -> dict[str, Any]:
 def compare(ev: Any, res: dict[str, Any]) -> None:
     """Per budget of each part: the ground truth's best uniform config and pnmix-paper, re-scored on
     the same items, and the campaign's best minus each (paired)."""
-    from tuner.stats import paired
-    from tuner.sweep import read_sweep
+    from pnmix.tuner.stats import paired
+    from pnmix.tuner.sweep import read_sweep
 
     truth = read_sweep(TRUTH)
     scores: dict[str, Any] = {}
@@ -236,8 +236,8 @@ def main() -> None:
     import torch
     import transformers
 
-    from tuner.evaluate import Evaluator
-    from tuner.profiles import profile
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.profiles import profile
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

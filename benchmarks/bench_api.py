@@ -34,14 +34,16 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = (3.0, 2.75, 2.5, 2.25, 2.0)
 OPTIMIZE = ("accuracy", "throughput", "memory")
 
 
 def build_database(url: str, n_models: int, n_points: int) -> list[str]:
-    from storage import Database, create_campaign, replace_front, upgrade, upsert_model
-    from storage.testing import synthetic_front, synthetic_model
+    from pnmix.storage import Database, create_campaign, replace_front, upgrade, upsert_model
+    from pnmix.storage.testing import synthetic_front, synthetic_model
 
     db = Database(url)
     upgrade(db)
@@ -69,7 +71,7 @@ def start_server(url: str, port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PNMIX_")}
     env["PNMIX_DATABASE_URL"] = url
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level",
+        [*PNMIX, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level",
          "warning"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -320,7 +322,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     with ExitStack() as stack:
         if args.postgres:
-            from storage.testing import temporary_postgres_url
+            from pnmix.storage.testing import temporary_postgres_url
 
             url = stack.enter_context(temporary_postgres_url())
         else:

@@ -46,10 +46,10 @@ import optuna
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
-from tuner import racing
-from tuner.profiles import EvalError
-from tuner.space import SearchSpace
-from tuner.sweep import config_key, front, hypervolume, read_sweep
+from pnmix.tuner import racing
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.space import SearchSpace
+from pnmix.tuner.sweep import config_key, front, hypervolume, read_sweep
 
 DATASET = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -112,14 +112,14 @@ class Replay:
         return dict(self.counts)
 
     def rung(self, config: PNMixConfig, upto: dict[str, int], have: Any = None) -> Any:
-        from tuner.evaluate import Rung
+        from pnmix.tuner.evaluate import Rung
 
         r = self.charge(config, upto)
         return Rung(units={name: list(r["units"][name][:n]) for name, n in upto.items()}, agreements=[],
                     seconds=self.cost(r, upto))
 
     def evaluate(self, config: PNMixConfig, measure: bool = True, have: Any = None) -> Any:
-        from tuner.evaluate import Score
+        from pnmix.tuner.evaluate import Score
 
         r = self.charge(config)
         return Score(config=config.to_dict(), accuracy=r["accuracy"], parts=r["parts"],
@@ -204,8 +204,8 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
 
 def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int, race: bool = False) -> None:
     """The product's campaign over the replay evaluator, `trials` a budget."""
-    from tuner.campaign import CampaignRunner, CampaignSpec
-    from tuner.session import find_or_create_campaign, open_db
+    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.session import find_or_create_campaign, open_db
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         db = open_db(f"sqlite:///{tmp}/replay.db", upgrade=True)

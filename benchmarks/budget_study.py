@@ -26,8 +26,8 @@ from typing import Any
 from pnmix.bits import ModelShape, kv_bits, kv_cache_bytes
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import config_from_dict
-from tuner.stats import paired
-from tuner.sweep import config_key, read_sweep
+from pnmix.tuner.stats import paired
+from pnmix.tuner.sweep import config_key, read_sweep
 
 TRUTH = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 QWEN3_8B = ModelShape(num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128)
@@ -48,9 +48,9 @@ def campaign_rows(url: str, model: str) -> list[dict[str, Any]]:
     """Each budget of each campaign beyond the uniform key space: its front trials (with units)."""
     import optuna
 
-    from storage.read import list_campaigns
-    from tuner.campaign import budget_bits, front_trials, study_name
-    from tuner.session import open_db
+    from pnmix.storage.read import list_campaigns
+    from pnmix.tuner.campaign import budget_bits, front_trials, study_name
+    from pnmix.tuner.session import open_db
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     db = open_db(url)
@@ -155,7 +155,7 @@ def plot(records: list[dict[str, Any]], rows: list[dict[str, Any]], paper: dict[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tuner.sweep import front
+    from pnmix.tuner.sweep import front
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, figure, title in ((axes[0], "key_bits", "layer groups (key budgets)"),

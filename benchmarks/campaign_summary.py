@@ -15,7 +15,7 @@ from typing import Any
 
 import optuna
 
-from tuner.campaign import front_trials
+from pnmix.tuner.campaign import front_trials
 
 
 def summarize(url: str) -> list[dict[str, Any]]:

@@ -39,12 +39,12 @@ if [[ ",$STEPS," == *",campaigns,"* ]]; then
   fi
   left=$(( DEADLINE_S - ($(date +%s) - start) ))
   for w in $(seq 1 "$WORKERS"); do
-    timeout "$left" $PY -m api.cli worker --campaign "$kv_id" --storage "$db" > "$OUT/kv-worker$w.log" 2>&1 &
-    timeout "$left" $PY -m api.cli worker --campaign "$layers_id" --storage "$db" > "$OUT/layers-worker$w.log" 2>&1 &
+    timeout "$left" $PY -P -m pnmix.api.cli worker --campaign "$kv_id" --storage "$db" > "$OUT/kv-worker$w.log" 2>&1 &
+    timeout "$left" $PY -P -m pnmix.api.cli worker --campaign "$layers_id" --storage "$db" > "$OUT/layers-worker$w.log" 2>&1 &
   done
   wait
   echo "campaigns: $(( $(date +%s) - start )) s (deadline $DEADLINE_S s)"
-  $PY -m api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
+  $PY -P -m pnmix.api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
   echo "worker log lines with an error: $(cat "$OUT"/*worker*.log | grep -ci "error\|traceback")"
 fi
 

@@ -43,10 +43,10 @@ fi
 
 left=$(( DEADLINE_S - ($(date +%s) - start) ))
 for w in $(seq 1 "$PNMIX_WORKERS"); do
-  timeout "$left" $PY -m api.cli worker --campaign "$pnmix_id" --storage "$db" > "$OUT/pnmix-worker$w.log" 2>&1 &
+  timeout "$left" $PY -P -m pnmix.api.cli worker --campaign "$pnmix_id" --storage "$db" > "$OUT/pnmix-worker$w.log" 2>&1 &
 done
 for w in $(seq 1 "$KIVI_WORKERS"); do
-  timeout "$left" $PY -m api.cli worker --campaign "$kivi_id" --storage "$db" > "$OUT/kivi-worker$w.log" 2>&1 &
+  timeout "$left" $PY -P -m pnmix.api.cli worker --campaign "$kivi_id" --storage "$db" > "$OUT/kivi-worker$w.log" 2>&1 &
 done
 if [ "$MF_TRIALS" != 0 ]; then
   timeout "$left" $PY benchmarks/multifidelity.py --profile full --budget "$MF_BUDGET" --trials "$MF_TRIALS" \
@@ -56,7 +56,7 @@ wait
 echo "campaigns: $(( $(date +%s) - start )) s (deadline $DEADLINE_S s)"
 
 $PY benchmarks/campaign_summary.py --storage "$db" --json "$OUT/campaign-summary.json" --markdown "$OUT/fronts.md"
-$PY -m api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
+$PY -P -m pnmix.api.cli fronts --model smollm2-135m --storage "$db" > "$OUT/fronts.txt" 2>&1
 [ -f "$OUT/multifidelity.log" ] && tail -n 4 "$OUT/multifidelity.log"
 if [ -n "${TRUTH:-}" ]; then
   $PY benchmarks/ground_truth_report.py "$TRUTH" --campaign "$db" --campaign-id "$pnmix_id" --out "$OUT/truth" \

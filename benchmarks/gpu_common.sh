@@ -23,6 +23,6 @@ queue_campaign() {
   local flags="" b
   for b in $3; do flags="$flags --budgets $b"; done
   # shellcheck disable=SC2086
-  $PY -m api.cli tune --model smollm2-135m $flags --trials "$2" --profile full $4 --storage "$1" --enqueue \
+  $PY -P -m pnmix.api.cli tune --model smollm2-135m $flags --trials "$2" --profile full $4 --storage "$1" --enqueue \
     | sed -n 's/^campaign \([0-9][0-9]*\) queued.*/\1/p'
 }

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import optuna
 
-from storage import Database, upgrade
-from tuner.campaign import CampaignRunner, CampaignSpec, front_trials, hypervolume_2d
-from tuner.evaluate import Evaluator
-from tuner.profiles import profile
-from tuner.session import find_or_create_campaign
+from pnmix.storage import Database, upgrade
+from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, front_trials, hypervolume_2d
+from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.profiles import profile
+from pnmix.tuner.session import find_or_create_campaign
 
 
 def main() -> None:

@@ -494,7 +494,7 @@ def part_fullkernel(res: dict) -> None:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from kernels.decode_full import full_decode_attention
+    from pnmix.kernels.decode_full import full_decode_attention
 
     res["fullkernel"] = []
     for bsz, ctx in ((1, 32768), (32, 8192), (32, 32768), (110, 8192)):
@@ -520,7 +520,7 @@ def part_fullkernel(res: dict) -> None:
 def part_tuner_cost(res: dict, model: Any) -> None:
     """The tuner's cost measurement on CUDA (static path) for the embedded model, as a trial runs it."""
     from pnmix.config import preset
-    from tuner.engine import ScoringEngine
+    from pnmix.tuner.engine import ScoringEngine
 
     res["tuner_cost"] = {}
     engine = ScoringEngine(model, None)

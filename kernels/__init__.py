@@ -35,15 +35,15 @@ __all__ = [
 ]
 
 _HOME = {
-    "append_tokens": "kernels.append",
-    "DecodeCache": "kernels.layout",
-    "PackedKeys": "kernels.layout",
-    "PackedValues": "kernels.layout",
-    "channel_order": "kernels.layout",
-    "decode_attention": "kernels.decode",
-    "full_decode_attention": "kernels.decode_full",
-    "quantize_pack_keys": "kernels.pack",
-    "quantize_pack_values": "kernels.pack",
+    "append_tokens": "pnmix.kernels.append",
+    "DecodeCache": "pnmix.kernels.layout",
+    "PackedKeys": "pnmix.kernels.layout",
+    "PackedValues": "pnmix.kernels.layout",
+    "channel_order": "pnmix.kernels.layout",
+    "decode_attention": "pnmix.kernels.decode",
+    "full_decode_attention": "pnmix.kernels.decode_full",
+    "quantize_pack_keys": "pnmix.kernels.pack",
+    "quantize_pack_values": "pnmix.kernels.pack",
 }
 
 

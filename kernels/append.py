@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import next_pow2
+from pnmix.kernels.layout import next_pow2
 
 
 @triton.jit

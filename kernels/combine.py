@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import next_pow2
-from kernels.plan import sm_count
+from pnmix.kernels.layout import next_pow2
+from pnmix.kernels.plan import sm_count
 
 
 @triton.jit

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.combine import combine_partials, softmax_step
-from kernels.layout import DecodeCache, next_pow2
-from kernels.operands import check_operands, decode_operands
-from kernels.plan import LOG2E, output_for, planned_groups, split_plan, splits_for_programs
+from pnmix.kernels.combine import combine_partials, softmax_step
+from pnmix.kernels.layout import DecodeCache, next_pow2
+from pnmix.kernels.operands import check_operands, decode_operands
+from pnmix.kernels.plan import LOG2E, output_for, planned_groups, split_plan, splits_for_programs
 
 BLOCK_T = 64  # packed tokens per inner step (or G, if smaller)
 BLOCK_R = 32  # sink and residual tokens per step

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.combine import combine_partials, softmax_step
-from kernels.layout import next_pow2
-from kernels.plan import LOG2E, sm_count
+from pnmix.kernels.combine import combine_partials, softmax_step
+from pnmix.kernels.layout import next_pow2
+from pnmix.kernels.plan import LOG2E, sm_count
 
 
 @triton.jit(do_not_specialize=["tokens_per_split", "n_split"])  # one compile for every split plan

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.layout import DecodeCache
+from pnmix.kernels.layout import DecodeCache
 
 
 class DecodeOperands(NamedTuple):

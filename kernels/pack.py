@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import PackedKeys, PackedValues
+from pnmix.kernels.layout import PackedKeys, PackedValues
 
 
 @triton.jit

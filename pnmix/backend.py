@@ -36,7 +36,7 @@ from pnmix.layerwise import LayerwiseConfig
 from pnmix.names import BACKENDS
 
 if TYPE_CHECKING:
-    from kernels.layout import DecodeCache
+    from pnmix.kernels.layout import DecodeCache
 
 DECODE_KERNELS = ("auto", "triton", "mma")
 _override: str | None = None
@@ -150,20 +150,20 @@ def decode_reference(q: torch.Tensor, cache: DecodeCache, scale: float) -> torch
 
 def quantize_keys(k: torch.Tensor, salient_channels: torch.Tensor, b_low: int, b_high: int, group_size: int) -> Any:
     """`packing.quantize_keys` through the Triton kernel (same bytes; fields low, high, scale, zero)."""
-    from kernels.pack import quantize_pack_keys
+    from pnmix.kernels.pack import quantize_pack_keys
 
     return quantize_pack_keys(k, salient_channels, b_low, b_high, group_size)
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> Any:
     """`packing.quantize_values` through the Triton kernel (same bytes; fields packed, scale, zero)."""
-    from kernels.pack import quantize_pack_values
+    from pnmix.kernels.pack import quantize_pack_values
 
     return quantize_pack_values(v, bits, group_size)
 
 
 def channel_order(salient_channels: torch.Tensor, head_dim: int) -> torch.Tensor:
-    from kernels.layout import channel_order as order
+    from pnmix.kernels.layout import channel_order as order
 
     return order(salient_channels, head_dim)
 
@@ -182,7 +182,7 @@ def decode_cache(layer: Any, packed: Mapping[str, torch.Tensor], sink_len: torch
     channel order and config, the packed tensors in `packed` (by `DecodeCache.PACKED` name; other
     entries are ignored) and the lengths, int32 [B] on the device. The dynamic (`layer_decode_cache`)
     and the static (`pnmix.static`) layers both build theirs here."""
-    from kernels.layout import DecodeCache
+    from pnmix.kernels.layout import DecodeCache
 
     cfg = layer.config
     return DecodeCache(
@@ -227,7 +227,7 @@ def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float,
     max_groups: a bound on the packed groups any sequence holds, for the launch plan (default: the capacity)."""
     name = decode_kernel_name()
     if name != "triton":
-        from kernels import gluon
+        from pnmix.kernels import gluon
 
         if gluon.supports(cache, query):
             return gluon.decode_attention(query, cache, scaling, max_groups=max_groups)
@@ -236,7 +236,7 @@ def fused_decode(query: torch.Tensor, cache: DecodeCache, scaling: float,
                              "compute capability >= 8.0, Triton with Gluon, G a multiple of 32, head dim a multiple "
                              "of 16, at most 8 query heads per KV head, value groups of >= 32 bits); allowed: auto, "
                              "which falls back to the Triton kernel")
-    from kernels.decode import decode_attention
+    from pnmix.kernels.decode import decode_attention
 
     return decode_attention(query, cache, scaling, max_groups=max_groups)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import PackedKeys, PackedValues
+from pnmix.kernels.layout import PackedKeys, PackedValues
 
 TOKENS_PER_BYTE = 8
 

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from kernels.plan import length_bucket, packed_groups_bound
 from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
+from pnmix.kernels.plan import length_bucket, packed_groups_bound
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.projections import fuse_siblings, swapped, with_merged_linears
 
@@ -82,7 +82,7 @@ def append_reference(key: torch.Tensor, value: torch.Tensor, k_dst: torch.Tensor
 
 def _appender(use_kernels: bool) -> Any:
     if use_kernels:
-        from kernels.append import append_tokens
+        from pnmix.kernels.append import append_tokens
 
         return append_tokens
     return append_reference
@@ -252,7 +252,7 @@ class StaticFullLayer(_StaticLayer):
         _appender(self.use_kernels)(key, value, self.k, self.v, self.lengths)
         b, hq, _, d = query.shape
         if self.use_kernels:
-            from kernels.decode_full import full_decode_attention
+            from pnmix.kernels.decode_full import full_decode_attention
 
             return full_decode_attention(query[:, :, 0], self.k, self.v, self.lengths, scaling,
                                          max_tokens=self.plan_tokens).unsqueeze(1)

@@ -5,13 +5,13 @@ The write API (`upsert_model`, `create_campaign`, `claim_next_queued_campaign`,
 `list_front_points`, ...) all take a `Session` from `Database.session()`.
 """
 
-from storage.engine import Database, display_url, make_engine
-from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError, SchemaError, StorageError
-from storage.faults import describe as describe_database_error
-from storage.faults import is_transient
-from storage.migrations import check_schema, current_revision, head_revision, upgrade
-from storage.orm import Base, Campaign, FrontPoint, Model
-from storage.read import (
+from pnmix.storage.engine import Database, display_url, make_engine
+from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError, SchemaError, StorageError
+from pnmix.storage.faults import describe as describe_database_error
+from pnmix.storage.faults import is_transient
+from pnmix.storage.migrations import check_schema, current_revision, head_revision, upgrade
+from pnmix.storage.orm import Base, Campaign, FrontPoint, Model
+from pnmix.storage.read import (
     OPTIMIZE,
     ModelSummary,
     Page,
@@ -23,8 +23,8 @@ from storage.read import (
     recommend,
     recommend_with_ties,
 )
-from storage.settings import StorageSettings, load_storage_settings
-from storage.write import (
+from pnmix.storage.settings import StorageSettings, load_storage_settings
+from pnmix.storage.write import (
     OBJECTIVES,
     FrontPointIn,
     ModelIn,

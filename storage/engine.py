@@ -27,9 +27,9 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.errors import SchemaError, StorageError
-from storage.faults import describe
-from storage.settings import StorageSettings, load_storage_settings
+from pnmix.storage.errors import SchemaError, StorageError
+from pnmix.storage.faults import describe
+from pnmix.storage.settings import StorageSettings, load_storage_settings
 
 _READONLY = "pnmix_readonly"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from sqlalchemy import Engine, inspect
 
-from storage.engine import Database, wrap_errors
-from storage.errors import SchemaError, StorageError
+from pnmix.storage.engine import Database, wrap_errors
+from pnmix.storage.errors import SchemaError, StorageError
 
 VERSION_TABLE = "pnmix_alembic_version"
 ALEMBIC_DIR = Path(__file__).resolve().parents[1] / "alembic"

@@ -10,9 +10,9 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, joinedload
 
 from pnmix.names import BUDGET_ON
-from storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
-from storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
-from storage.write import BITS_EPS
+from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
+from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
+from pnmix.storage.write import BITS_EPS
 
 T = TypeVar("T")
 OPTIMIZE = ("accuracy", "throughput", "memory")

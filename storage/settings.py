@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pnmix.inputs import SECONDS
-from storage.errors import StorageError
+from pnmix.storage.errors import StorageError
 
 
 def default_db_path() -> Path:

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pnmix.config import PNMixConfig
-from storage.engine import Database
-from storage.write import FrontPointIn, ModelIn
+from pnmix.storage.engine import Database
+from pnmix.storage.write import FrontPointIn, ModelIn
 
 RATIOS = [i / 10 for i in range(1, 10)]
 POSTGRES_ADMIN_URL = os.environ.get("PNMIX_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")

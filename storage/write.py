@@ -31,8 +31,8 @@ from pnmix.config import PNMixConfig
 from pnmix.inputs import BUDGET, TRIALS
 from pnmix.layerwise import LayerwiseConfig, simplest
 from pnmix.names import BACKENDS, BUDGET_ON, METHODS
-from storage.errors import InvalidValueError, NotFoundError
-from storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
+from pnmix.storage.errors import InvalidValueError, NotFoundError
+from pnmix.storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 
 # What a campaign may optimize: measured columns of its front points, each with the direction that
 # improves it (the tuner's Optuna study directions). Every campaign optimizes accuracy and key bits.

@@ -16,10 +16,10 @@ from pnmix.analysis import Trace
 from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerwiseConfig, config_from_dict, simplest
-from tuner.campaign import front_trials, study_name
-from tuner.layers import ValueFormat, allocate, candidates_like, joint_items, joint_layers, joint_table, moves
-from tuner.proxy import proxy_kl_by_layer, proxy_kl_table, proxy_value_table, quantized_tokens
-from tuner.space import SearchSpace
+from pnmix.tuner.campaign import front_trials, study_name
+from pnmix.tuner.layers import ValueFormat, allocate, candidates_like, joint_items, joint_layers, joint_table, moves
+from pnmix.tuner.proxy import proxy_kl_by_layer, proxy_kl_table, proxy_value_table, quantized_tokens
+from pnmix.tuner.space import SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -90,9 +90,9 @@ class SkewedEvaluator(LayerFormulaEvaluator):
 
 
 def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise_points(db, monkeypatch):
-    from api.app import create_app
-    from api.settings import Settings
-    from storage import list_front_points, recommend
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import Settings
+    from pnmix.storage import list_front_points, recommend
 
     space = SearchSpace(method="pnmix-alloc")
     budgets = (2.0, 2.5)
@@ -139,7 +139,7 @@ def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise
         assert body["point"]["accuracy_se"] == pytest.approx(0.01)
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from pnmix.api.cli import app
 
     monkeypatch.setenv("PNMIX_DATABASE_URL", db.url)
     out = db.url.replace("sqlite:///", "").replace("pnmix.db", "exported.json")
@@ -152,9 +152,9 @@ def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise
 def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db):  # noqa: F811
     """Two configs that answer the same items alike but one more: unpaired SEs call them tied, the
     paired difference does not; across campaigns (other items, maybe) the comparison stays unpaired."""
-    from storage import FrontPointIn, create_campaign, recommend_with_ties, replace_front
-    from storage.read import paired_se
-    from tuner.stats import paired, unit_influence
+    from pnmix.storage import FrontPointIn, create_campaign, recommend_with_ties, replace_front
+    from pnmix.storage.read import paired_se
+    from pnmix.tuner.stats import paired, unit_influence
 
     gen = torch.Generator().manual_seed(3)
     base = (torch.rand(40, generator=gen) < 0.6).float().tolist()
@@ -164,7 +164,7 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
     kl = torch.rand(8, generator=gen).mul(0.2).tolist()
     units_a = {"passkey": better, "fidelity": kl}
     units_b = {"passkey": base, "fidelity": kl}
-    from tuner.stats import combine, combined_se, part_score
+    from pnmix.tuner.stats import combine, combined_se, part_score
 
     def point(cfg, n, units):
         acc = combine({p: part_score(p, u) for p, u in units.items()})
@@ -180,7 +180,7 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
         best, ties = recommend_with_ties(s, "smollm2-135m", 3.0)
         other = next(p for p in ties if p is not best) if len(ties) > 1 else None
         assert best.config == lw and other is None  # paired: the layer-wise point is ahead, not tied
-        from storage import list_front_points
+        from pnmix.storage import list_front_points
 
         a, b = sorted(list_front_points(s, "smollm2-135m").items, key=lambda p: p.trial_number)
         want = paired(units_a, units_b)["accuracy"]
@@ -202,8 +202,8 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import TrialState, create_trial
 
-    from tuner import record
-    from tuner.campaign import counts, scored_here
+    from pnmix.tuner import record
+    from pnmix.tuner.campaign import counts, scored_here
 
     paper = preset("pnmix-paper").to_dict()
     score = {"accuracy": 0.7, "accuracy_se": 0.02, "units": {"passkey": [1.0, 0.0]}, "parts": {"passkey": 0.5}}
@@ -246,9 +246,9 @@ def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import create_trial
 
-    from tuner.cli import _against_paper
-    from tuner.space import SearchSpace
-    from tuner.stats import paired
+    from pnmix.tuner.cli import _against_paper
+    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.stats import paired
 
     space = SearchSpace(method="pnmix-alloc").with_layers(30)
     paper = space.recast(preset("pnmix-paper"))
@@ -378,7 +378,7 @@ class ValueSkewedEvaluator(LayerFormulaEvaluator):
 def test_an_allocator_kv_campaign_chooses_each_layers_value_format(db, monkeypatch):  # noqa: F811
     import test_budgets
 
-    from storage import list_front_points
+    from pnmix.storage import list_front_points
 
     monkeypatch.setattr(test_budgets, "LayerFormulaEvaluator", ValueSkewedEvaluator)
     space = SearchSpace(method="pnmix-alloc", budget_on="kv", search_values=True)

@@ -7,11 +7,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from test_storage import CONFIGS, FRONT_3, FRONT_225, point
 
-from api.app import create_app
-from api.settings import Settings
+from pnmix.api.app import create_app
+from pnmix.api.settings import Settings
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
-from storage import (
+from pnmix.storage import (
     Database,
     ModelIn,
     SchemaError,
@@ -22,7 +22,7 @@ from storage import (
     upgrade,
     upsert_model,
 )
-from storage.testing import postgres_skip_reason, sqlite_url, temporary_postgres_url
+from pnmix.storage.testing import postgres_skip_reason, sqlite_url, temporary_postgres_url
 
 TOKEN = "s3cret-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

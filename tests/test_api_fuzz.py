@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from test_api import AUTH, TOKEN, count_rows, seed
 
-from api.app import create_app
-from api.settings import Settings
-from storage import Database
-from storage.testing import sqlite_url
+from pnmix.api.app import create_app
+from pnmix.api.settings import Settings
+from pnmix.storage import Database
+from pnmix.storage.testing import sqlite_url
 
 EXAMPLES_PER_OPERATION = 25
 

@@ -15,10 +15,10 @@ from test_api import AUTH, TOKEN
 from test_storage import CONFIGS, FRONT_3, FRONT_225
 
 from pnmix.config import PNMixConfig
-from storage import Database, create_campaign, replace_front
-from storage.testing import sqlite_url
+from pnmix.storage import Database, create_campaign, replace_front
+from pnmix.storage.testing import sqlite_url
 
-PNMIX = [sys.executable, "-m", "api.cli"]
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]
 
 
 def free_port() -> int:

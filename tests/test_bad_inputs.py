@@ -85,7 +85,7 @@ def test_storage_urls_with_query_parameters_and_environment_numbers(tmp_path, wo
         assert snapshot(root) == before and not (tmp_path / "q.db").exists()
     # Every number the environment gives: those read straight (pnmix.inputs.ENVIRONMENT: a campaign
     # reads them, so `tune --enqueue`), the storage's (`fronts`) and the service's (`serve`).
-    from api.settings import Settings
+    from pnmix.api.settings import Settings
     from pnmix.inputs import ENVIRONMENT
 
     numeric = {f"PNMIX_{k.upper()}" for k, f in Settings.model_fields.items() if f.annotation in (int, float)}
@@ -94,14 +94,14 @@ def test_storage_urls_with_query_parameters_and_environment_numbers(tmp_path, wo
     assert {"PNMIX_MAX_HEADER_BYTES", "PNMIX_MAX_BODY_BYTES", "PNMIX_PORT"} <= set(commands)
     for name, command in commands.items():
         for value in ("inf", "-inf", "nan", "1e999", "abc", "", "0x10", "-1", "\u0661", "1\u00b2", "9" * 400):
-            sys.modules.pop("tuner.campaign", None)  # read again at import, as a new process would
+            sys.modules.pop("pnmix.tuner.campaign", None)  # read again at import, as a new process would
             monkeypatch.setenv(name, value)
             before = snapshot(root)
             code, _, err = run(command)
             assert code == 2 and err.count("\n") == 1 and name in err, (name, value, err)
             assert snapshot(root) == before
         monkeypatch.delenv(name)
-    sys.modules.pop("tuner.campaign", None)
+    sys.modules.pop("pnmix.tuner.campaign", None)
 
 
 def test_a_downgrade_asked_of_upgrade_and_missing_folders_for_workers(tmp_path, world):  # noqa: F811
@@ -133,9 +133,9 @@ def test_generate_refuses_what_the_model_or_the_static_path_cannot_take_before_l
 def test_the_service_refuses_unmeetable_budgets_large_headers_and_other_encodings(tmp_path):
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from api.settings import Settings
-    from storage import Database, list_campaigns, upgrade
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import Settings
+    from pnmix.storage import Database, list_campaigns, upgrade
 
     db = Database(f"sqlite:///{tmp_path / 'pnmix.db'}")
     upgrade(db)

@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 from pnmix.bits import key_bits, kv_bits, mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerRange, LayerwiseConfig, config_from_dict
-from storage import Database, FrontPointIn, create_campaign, recommend, replace_front, upgrade
-from storage.errors import InvalidValueError, NoFeasiblePointError
-from tuner.campaign import CampaignRunner, CampaignSpec, front_trials, study_name
-from tuner.layers import allocate, candidates_like, group_layers, grouped_for_budget
-from tuner.profiles import EvalError
-from tuner.session import find_or_create_campaign
-from tuner.space import SearchSpace
+from pnmix.storage import Database, FrontPointIn, create_campaign, recommend, replace_front, upgrade
+from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError
+from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, front_trials, study_name
+from pnmix.tuner.layers import allocate, candidates_like, group_layers, grouped_for_budget
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.session import find_or_create_campaign
+from pnmix.tuner.space import SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 D = 64  # the embedded model's head_dim; it has 30 layers
@@ -155,7 +155,7 @@ def test_front_points_keep_a_layerwise_config_and_both_bit_figures(db):
         assert best.config == lw and best.layers == {"0-3": {"b_high": 4, "b_low": 2, "salient_ratio": 0.3}}
         assert best.key_bits == pytest.approx(mean_key_bits(lw, 30, D)) and best.key_bits > key_bits(paper, D).total
         assert best.kv_bits == pytest.approx(kv_bits(lw, 30, D)) and best.budget_on == "key"
-        from storage import list_front_points
+        from pnmix.storage import list_front_points
 
         other = next(p for p in list_front_points(s, "smollm2-135m").items if p.trial_number == 1)
         assert other.layers is None and other.config == paper
@@ -189,8 +189,8 @@ def test_a_kv_budget_bounds_kv_bits_and_recommend_answers_for_either(db):
 
 
 def test_the_service_answers_for_kv_bits_and_enqueues_each_kind_of_campaign(db, monkeypatch):
-    from api.app import create_app
-    from api.settings import Settings
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import Settings
 
     with db.session() as s:
         c = create_campaign(s, "smollm2-135m", [3.0], 4, budget_on="kv")
@@ -215,7 +215,7 @@ def test_the_service_answers_for_kv_bits_and_enqueues_each_kind_of_campaign(db, 
         assert (row["budget_on"], row["method"], row["objectives"]) == ("kv", "pnmix-layers", ["accuracy", "kv_bits"])
         assert row["search_space"]["layer_groups"] == 3 and row["search_space"]["value_bits"] == [1, 2, 4, 8]
         with db.session(readonly=True) as s:
-            from storage import get_campaign
+            from pnmix.storage import get_campaign
 
             spec = CampaignSpec.from_campaign(get_campaign(s, row["id"]))
         assert spec.space == SearchSpace(method="pnmix-layers", layer_groups=3, budget_on="kv", search_values=True)
@@ -252,7 +252,7 @@ class LayerFormulaEvaluator:
         return {c: self.proxy_by_layer(c) for c in candidates}
 
     def evaluate(self, config, measure: bool = True):
-        from tuner.evaluate import Score
+        from pnmix.tuner.evaluate import Score
 
         self.calls.append(json.dumps(config.to_dict(), sort_keys=True))
         acc = max(0.0, 1.0 - sum(self.proxy_by_layer(config)) / 30)
@@ -277,7 +277,7 @@ def test_a_layered_campaign_groups_layers_by_sensitivity_and_stores_layerwise_fr
     expected = group_layers(LayerFormulaEvaluator().proxy_by_layer(space.config(3, 1, 128, 0.5, 32)), 3)
     assert runner.space.groups == tuple(tuple(g) for g in expected)
     with db.session(readonly=True) as s:
-        from storage import get_campaign, list_front_points
+        from pnmix.storage import get_campaign, list_front_points
 
         assert get_campaign(s, campaign_id).search_space["groups"] == expected
         points = list_front_points(s, "smollm2-135m", campaign_id=campaign_id).items
@@ -313,7 +313,7 @@ def test_a_kv_campaign_searches_values_and_keeps_its_fronts_within_kv_bits(db):
         assert t.user_attrs["key_bits"] == pytest.approx(mean_key_bits(cfg, 30, D))
     assert study.metric_names == ["accuracy", "kv_bits"]
     with db.session(readonly=True) as s:
-        from storage import list_front_points
+        from pnmix.storage import list_front_points
 
         points = list_front_points(s, "smollm2-135m", campaign_id=campaign_id).items
         assert points and all(p.budget_on == "kv" and p.kv_bits <= 2.5 + 1e-9 for p in points)

@@ -18,13 +18,15 @@ from transformers import AutoTokenizer
 from pnmix import models
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
-from storage import Database, list_front_points, upgrade
-from storage.testing import postgres_skip_reason, temporary_postgres_url
-from tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, scored_here, study_name
-from tuner.evaluate import Evaluator
-from tuner.profiles import profile
-from tuner.session import find_or_create_campaign
-from tuner.space import SearchSpace
+from pnmix.storage import Database, list_front_points, upgrade
+from pnmix.storage.testing import postgres_skip_reason, temporary_postgres_url
+from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, scored_here, study_name
+from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.profiles import profile
+from pnmix.tuner.session import find_or_create_campaign
+from pnmix.tuner.space import SearchSpace
+
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ENV = {**os.environ, "PNMIX_HEARTBEAT_S": "1", "PNMIX_GRACE_S": "3", "PYTHONUNBUFFERED": "1"}
@@ -147,7 +149,7 @@ class FormulaEvaluator:
         self.calls: list[str] = []
 
     def evaluate(self, config, measure: bool = True):
-        from tuner.evaluate import Score
+        from pnmix.tuner.evaluate import Score
 
         self.calls.append(json.dumps(config.to_dict(), sort_keys=True))
         acc = (config.b_high + 2 * config.b_low + config.salient_ratio + config.n_sink / 64) / 13
@@ -196,7 +198,7 @@ def test_front_keeps_one_trial_per_config_and_exhaustion_is_bounded():
     from optuna.distributions import FloatDistribution
     from optuna.trial import create_trial
 
-    from tuner.campaign import exhausted, over_budget_limit
+    from pnmix.tuner.campaign import exhausted, over_budget_limit
 
     study = optuna.create_study(directions=["maximize", "minimize"])
     dist = {"x": FloatDistribution(0, 1)}
@@ -224,13 +226,13 @@ def test_budget_below_anything_feasible_gives_an_empty_front(tmp_path, tiny_dir)
     assert any("no config of the pnmix space fits" in m and "1.250" in m for m in messages)
     with db.session(readonly=True) as s:
         assert list_front_points(s, tiny_dir, campaign_id=campaign_id).items == []
-        from storage import get_campaign
+        from pnmix.storage import get_campaign
 
         assert get_campaign(s, campaign_id).status == "done"
 
 
 def tune_cmd(model: str, url: str, trials: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "api.cli", "tune", "--model", model, "--budgets", "3.0", "--trials", str(trials),
+    return [*PNMIX, "tune", "--model", model, "--budgets", "3.0", "--trials", str(trials),
             "--profile", "smoke", "--tasks", "fidelity", "--storage", url, "--plot", os.devnull + ".png", *extra]
 
 
@@ -282,7 +284,7 @@ def test_two_workers_share_a_campaign_on_postgres(tiny_dir):
         queued = subprocess.run(tune_cmd(tiny_dir, url, 8, "--enqueue"), env=ENV, capture_output=True, text=True,
                                 timeout=200)
         assert queued.returncode == 0, queued.stderr[-2000:]
-        workers = [subprocess.Popen([sys.executable, "-m", "api.cli", "worker", "--campaign", "1", "--storage", url],
+        workers = [subprocess.Popen([*PNMIX, "worker", "--campaign", "1", "--storage", url],
                                     env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
         for w in workers:
             _, err = w.communicate(timeout=500)
@@ -294,7 +296,7 @@ def test_two_workers_share_a_campaign_on_postgres(tiny_dir):
         assert all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)
         db = Database(url)
         with db.session(readonly=True) as s:
-            from storage import get_campaign
+            from pnmix.storage import get_campaign
 
             row = get_campaign(s, 1)
             assert row.status == "done" and row.trials_done == 8
@@ -310,7 +312,7 @@ def test_two_workers_share_a_campaign_on_postgres(tiny_dir):
     ],
 )
 def test_tune_bad_input_is_one_line(args, needle):
-    out = subprocess.run([sys.executable, "-m", "api.cli", "tune", "--trials", "2", *args], capture_output=True,
+    out = subprocess.run([*PNMIX, "tune", "--trials", "2", *args], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
@@ -324,7 +326,7 @@ def test_export_writes_a_loadable_config(tmp_path, tiny_dir):
     campaign_id = find_or_create_campaign(db, spec)
     CampaignRunner(db, db.url, campaign_id, spec, Evaluator(tiny_dir, profile("smoke"), tasks=("fidelity",))).run()
     target = tmp_path / "cfg.json"
-    out = subprocess.run([sys.executable, "-m", "api.cli", "export", "--model", tiny_dir, "--bits", "3.0", "-o",
+    out = subprocess.run([*PNMIX, "export", "--model", tiny_dir, "--bits", "3.0", "-o",
                           str(target), "--storage", db.url], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     from pnmix.config import PNMixConfig

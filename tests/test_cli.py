@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-PNMIX = [sys.executable, "-m", "api.cli"]
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_bad_input_is_one_line_without_traceback(args, field):
 
 
 def test_cli_starts_without_torch():
-    code = "import sys, api.cli; assert 'torch' not in sys.modules, 'torch imported eagerly'"
+    code = "import sys, pnmix.api.cli; assert 'torch' not in sys.modules, 'torch imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -61,11 +61,11 @@ def test_the_command_line_and_the_service_accept_the_same_values(tmp_path):
     """One definition per range (pnmix.inputs): what `pnmix recommend` refuses, GET /v1/recommend refuses."""
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from api.settings import Settings
     from pnmix import inputs
-    from storage import Database, upgrade
-    from storage.testing import sqlite_url
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import Settings
+    from pnmix.storage import Database, upgrade
+    from pnmix.storage.testing import sqlite_url
 
     url = sqlite_url(tmp_path)
     db = Database(url)
@@ -91,8 +91,8 @@ def test_the_command_line_and_the_service_accept_the_same_values(tmp_path):
 def test_a_server_that_cannot_bind_is_one_line(tmp_path, command):
     import socket
 
-    from storage import Database, upgrade
-    from storage.testing import sqlite_url
+    from pnmix.storage import Database, upgrade
+    from pnmix.storage.testing import sqlite_url
 
     url = sqlite_url(tmp_path)
     db = Database(url)

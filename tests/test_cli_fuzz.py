@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import typer.main
 
-from api import cli
 from pnmix import inputs
+from pnmix.api import cli
 
 # Command paths -> why some of their options' bad values cannot be run here (none so far).
 EXCLUDED: dict[tuple[str, ...], str] = {}
@@ -198,7 +198,7 @@ def snapshot(*roots: Path) -> dict[str, tuple[int, int]]:
 
 
 def stored_fronts(url: str) -> list[tuple]:
-    from storage import Database, list_front_points
+    from pnmix.storage import Database, list_front_points
 
     db = Database(url, create=False)
     try:
@@ -213,7 +213,7 @@ def stored_fronts(url: str) -> list[tuple]:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Places, Path, str]]:
     """A home, a data folder with the default database (fronts stored), a working folder, special paths."""
     from pnmix.config import preset
-    from storage import Database, FrontPointIn, create_campaign, replace_front, upgrade
+    from pnmix.storage import Database, FrontPointIn, create_campaign, replace_front, upgrade
 
     root = tmp_path_factory.mktemp("fuzz")
     home, data, work, special = root / "home", root / "data", root / "work", root / "places"

@@ -9,7 +9,9 @@ import urllib.request
 
 import optuna
 
-from storage import Database, upgrade
+from pnmix.storage import Database, upgrade
+
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
 
 def free_port() -> int:
@@ -25,7 +27,7 @@ def test_dashboard_serves_a_study(tmp_path):
     study.set_metric_names(["accuracy", "key_bits"])
     study.add_trial(optuna.trial.create_trial(values=[0.9, 2.2], params={}, distributions={}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "dashboard", "--storage", url, "--port", str(port)],
+    proc = subprocess.Popen([*PNMIX, "dashboard", "--storage", url, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         body = None

@@ -12,6 +12,8 @@ from pnmix.config import ConfigError, PNMixConfig, preset
 from pnmix.families import UnsupportedModelError
 from pnmix.generation import generate, new_cache
 
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
+
 
 def test_model_without_rope_is_refused():
     config = AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64)
@@ -45,7 +47,7 @@ def test_config_that_does_not_fit_the_model_fails_before_generation():
 
 
 def test_cli_generate_with_bad_config_is_one_line():
-    out = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "hi", "--b-low", "4"],
+    out = subprocess.run([*PNMIX, "generate", "--prompt", "hi", "--b-low", "4"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: invalid b_low=4: allowed at most b_high=3"]

@@ -14,7 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.append import append_tokens  # noqa: E402
+from pnmix.kernels.append import append_tokens  # noqa: E402
 from pnmix.static import append_reference  # noqa: E402
 
 

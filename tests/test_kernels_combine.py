@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # set before the kernels are decorated
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.combine import combine_partials  # noqa: E402
+from pnmix.kernels.combine import combine_partials  # noqa: E402
 
 
 def reference(pm: torch.Tensor, pl: torch.Tensor, pa: torch.Tensor, gq: int) -> torch.Tensor:

@@ -24,10 +24,10 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.decode import decode_attention  # noqa: E402
-from kernels.layout import DecodeCache, channel_order  # noqa: E402
 from pnmix import packing  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
+from pnmix.kernels.decode import decode_attention  # noqa: E402
+from pnmix.kernels.layout import DecodeCache, channel_order  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.decode_full import full_decode_attention  # noqa: E402
+from pnmix.kernels.decode_full import full_decode_attention  # noqa: E402
 
 
 @pytest.mark.parametrize(("gqa", "d", "dtype", "splits"), [

@@ -29,9 +29,9 @@ import torch  # noqa: E402
 from gluon_emu import _byte_perm, _f16_pairs, _halves_f16, _transposed_blocks, run_split_kernel  # noqa: E402
 from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens  # noqa: E402
 
-from kernels.gluon import block, launch  # noqa: E402
-from kernels.plan import length_bucket  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
+from pnmix.kernels.gluon import block, launch  # noqa: E402
+from pnmix.kernels.plan import length_bucket  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,7 +251,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
     # functions, which a real compile must not see.
     code = (
         "import json, sys\n"
-        "from kernels.gluon.launch import compile_offline\n"
+        "from pnmix.kernels.gluon.launch import compile_offline\n"
         "for config in json.loads(sys.argv[1]):\n"
         "    k = compile_offline(*config)\n"
         "    ptx = k.asm['ptx']\n"

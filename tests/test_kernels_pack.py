@@ -15,9 +15,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # set before the kernels are decorated; on
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.layout import PackedKeys, PackedValues, channel_order  # noqa: E402
-from kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
 from pnmix import packing  # noqa: E402
+from pnmix.kernels.layout import PackedKeys, PackedValues, channel_order  # noqa: E402
+from pnmix.kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
 
 BIT_PAIRS = [(lo, hi) for lo, hi in itertools.product(range(1, 5), repeat=2) if hi >= lo]
 POISON = 0xA5

@@ -147,7 +147,7 @@ def test_salient_counts_of_one_size_class_share_a_compiled_kernel():
     # The salient count is a run-time argument: counts inside one size class give the same
     # compile-time constants (one specialisation), a count that fills its class compiles as a
     # constant (its own), and no salient channels at all is its own as well.
-    from kernels.gluon.launch import kernel_constants
+    from pnmix.kernels.gluon.launch import kernel_constants
 
     def const(n_sc: int) -> dict:
         return kernel_constants(3, 3, 64, 128, 1, 3, n_sc, 2, 32)
@@ -161,7 +161,7 @@ def test_salient_counts_of_one_size_class_share_a_compiled_kernel():
 def test_compile_counter_counts_compiles_and_disk_cache_reads():
     from types import SimpleNamespace
 
-    from kernels.compiles import Compiles, watch
+    from pnmix.kernels.compiles import Compiles, watch
 
     log = Compiles()
     before = log.copy()

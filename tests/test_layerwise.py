@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_static import SMALL, batch_of_three, until_eos
@@ -13,6 +15,8 @@ from pnmix.config import ConfigError, PNMixConfig
 from pnmix.generation import cache_kwargs, generate, new_cache
 from pnmix.layerwise import LayerRange, LayerwiseConfig, load_config
 from pnmix.static import StaticGenerator
+
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
 # Layer 0 keeps more salient channels at 4/2 bits, layer 1 fewer at 2/1 and its values at 4 bits in
 # groups of 8: the two layers' packed regions differ in size and content, keys and values.
@@ -164,13 +168,12 @@ def test_a_range_past_the_models_layers_is_refused_with_the_model_in_the_message
 def test_bits_command_reports_each_layer_and_the_model_average(tmp_path):
     import json
     import subprocess
-    import sys
 
     path = tmp_path / "layers.json"
     path.write_text('{"default": {}, "layers": {"0-3": {"b_high": 4, "b_low": 2, "salient_ratio": 0.3}}}')
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "api.cli", "bits", "--config", str(path), *args],
+        return subprocess.run([*PNMIX, "bits", "--config", str(path), *args],
                               capture_output=True, text=True, timeout=120)
 
     out = run("--model", "smollm2-135m", "--json", "--seq-len", "1000")
@@ -192,7 +195,7 @@ def test_bits_command_reports_each_layer_and_the_model_average(tmp_path):
 
 
 def test_allocation_gives_the_bits_to_the_layer_that_needs_them():
-    from tuner.layers import allocate
+    from pnmix.tuner.layers import allocate
 
     a = PNMixConfig(b_high=2, b_low=2, salient_ratio=0.0)
     b = PNMixConfig(b_high=4, b_low=2, salient_ratio=0.5)
@@ -207,8 +210,8 @@ def test_allocation_gives_the_bits_to_the_layer_that_needs_them():
 
 def test_allocation_is_never_worse_than_the_best_uniform_choice_that_fits():
     from pnmix.bits import mean_key_bits
-    from tuner.layers import allocate, candidates_like
-    from tuner.space import SearchSpace
+    from pnmix.tuner.layers import allocate, candidates_like
+    from pnmix.tuner.space import SearchSpace
 
     gen = torch.Generator().manual_seed(4)
     cands = candidates_like(PNMixConfig(), SearchSpace())[:12]
@@ -240,8 +243,8 @@ def tiny_dir(tmp_path_factory):
 def test_the_scoring_engine_scores_a_layerwise_config(tiny_dir):
     """Equal layers score exactly as the single config; mixed layers report the model's mean key
     bits, each layer's proxy KL under its own config, and the bytes of every layer's format."""
-    from tuner.evaluate import Evaluator
-    from tuner.profiles import profile
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.profiles import profile
 
     base = PNMixConfig(b_high=3, b_low=1, salient_ratio=0.5, group_size=32, n_sink=4, residual_len=32)
     mixed = LayerwiseConfig(base, (LayerRange.parse("1", {"b_high": 4, "b_low": 2, "salient_ratio": 0.25}),))
@@ -260,11 +263,10 @@ def test_the_scoring_engine_scores_a_layerwise_config(tiny_dir):
 def test_layers_command_reports_sensitivity_and_writes_a_config_within_the_bits(tmp_path):
     import json
     import subprocess
-    import sys
 
     out = tmp_path / "layers.json"
     picture = tmp_path / "layers.png"
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "layers", "--bits", "2.45", "-o", str(out), "--json",
+    proc = subprocess.run([*PNMIX, "layers", "--bits", "2.45", "-o", str(out), "--json",
                            "--plot", str(picture)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert picture.stat().st_size > 10_000
@@ -274,6 +276,6 @@ def test_layers_command_reports_sensitivity_and_writes_a_config_within_the_bits(
     assert report["key_bits"] == pytest.approx(mean_key_bits(lw, 30, 64)) and report["key_bits"] <= 2.45 + 1e-9
     assert len(report["sensitivity"]) == len(report["layer_kl"]) == 30
     assert sum(report["layer_kl"]) < sum(report["sensitivity"])  # more bits, and spent where the KL is
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "layers", "--config", str(out)],
+    proc = subprocess.run([*PNMIX, "layers", "--config", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "give a single PNMixConfig as the base" in proc.stderr

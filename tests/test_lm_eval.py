@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
+
 pytest.importorskip("lm_eval", reason="needs the lm-eval extra: pip install -e '.[lm-eval]'")
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tiny task reads a local file; nothing is fetched
@@ -96,9 +98,9 @@ def test_registered_and_config_from_file(tmp_path):
 def test_lm_eval_part_filtered_and_scored():
     """The part through an Evaluator, as `pnmix tune --lm-eval-task` passes it (a task-list entry)."""
     from pnmix.config import preset
-    from tuner import harness
-    from tuner.evaluate import Evaluator
-    from tuner.profiles import Profile
+    from pnmix.tuner import harness
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.profiles import Profile
 
     entry = harness.spec_entry(str(TASK_YAML), 6)
     assert harness.parse_entry(entry) == (str(TASK_YAML.resolve()), 6)
@@ -118,7 +120,7 @@ def test_lm_eval_part_filtered_and_scored():
 
 
 def test_cli_lm_eval_errors_are_one_line(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "api.cli", "tune", "--lm-eval-limit", "3", "--storage",
+    run = subprocess.run([*PNMIX, "tune", "--lm-eval-limit", "3", "--storage",
                           f"sqlite:///{tmp_path / 'db.sqlite'}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.strip() == "error: --lm-eval-limit needs --lm-eval-task"
 
@@ -131,6 +133,6 @@ def test_missing_extra_names_the_pip_command():
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: the lm-evaluation-harness model needs the lm-eval extra: pip install -e '.[lm-eval]'"]
-    imp = subprocess.run([sys.executable, "-c", hide + "from tuner.harness import check_extra; check_extra()"],
+    imp = subprocess.run([sys.executable, "-c", hide + "from pnmix.tuner.harness import check_extra; check_extra()"],
                          capture_output=True, text=True, timeout=120)
     assert imp.returncode != 0 and "pip install -e '.[lm-eval]'" in imp.stderr

@@ -1,16 +1,28 @@
-"""Our top-level `kernels` package must not be taken for Hugging Face's `kernels` package."""
+"""pnmix claims one top-level import name: the folders kernels/, tuner/, storage/ and api/ install as
+pnmix.kernels, pnmix.tuner, pnmix.storage and pnmix.api (pyproject.toml), so another installed
+package of a generic name (Hugging Face's `kernels`, any `api`) is never shadowed."""
 
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_transformers_does_not_mistake_our_kernels_package():
+def test_only_the_pnmix_name_is_installed(tmp_path):
+    """Outside the checkout, the subpackages import under pnmix and no generic name resolves to a
+    folder of the checkout (`kernels` may be Hugging Face's package, installed beside pnmix)."""
     code = (
-        "import sys, transformers\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "assert not is_kernels_available(), 'transformers thinks our kernels/ is HF kernels'\n"
+        "import importlib.util, pathlib, sys\n"
+        "import pnmix.kernels, pnmix.tuner.space, pnmix.storage.orm, pnmix.api.app, pnmix.storage.migrations as m\n"
+        f"root = pathlib.Path({str(ROOT)!r})\n"
+        "assert m.ALEMBIC_DIR.joinpath('env.py').is_file(), m.ALEMBIC_DIR\n"
+        "for name in ('kernels', 'tuner', 'storage', 'api'):\n"
+        "    spec = importlib.util.find_spec(name)\n"
+        "    assert spec is None or root not in pathlib.Path(spec.origin or '').parents, (name, spec)\n"
         "from transformers import AutoModelForCausalLM, LlamaConfig\n"
         "import transformers.integrations.hub_kernels\n"
-        "assert 'kernels' not in sys.modules, 'transformers imported our kernels package'\n"
+        "mod = sys.modules.get('kernels')\n"
+        "assert mod is None or root not in pathlib.Path(mod.__file__ or '').parents, mod\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120, cwd=tmp_path)

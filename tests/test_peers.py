@@ -12,7 +12,9 @@ import torch
 pytest.importorskip("optimum.quanto", reason="needs the peers extra: pip install -e '.[peers]'")
 pytest.importorskip("hqq", reason="needs the peers extra: pip install -e '.[peers]'")
 
-from tuner import peers  # noqa: E402
+from pnmix.tuner import peers  # noqa: E402
+
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
 
 def test_key_bits_by_the_formula_where_groups_are_per_token():
@@ -39,7 +41,7 @@ def test_both_backends_run_on_the_cpu_and_their_bytes_are_counted(embedded, name
 @pytest.mark.slow
 def test_a_peer_row_in_compare(embedded):
     """`pnmix eval --compare` scores a peer on the same items: its row, its label, its paired difference."""
-    out = subprocess.run([sys.executable, "-m", "api.cli", "eval", "--compare", "fp16,hf-quanto-2", "--profile",
+    out = subprocess.run([*PNMIX, "eval", "--compare", "fp16,hf-quanto-2", "--profile",
                           "smoke", "--tasks", "passkey"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "hf-quanto-2 │" in line]
@@ -51,7 +53,7 @@ def test_a_peer_row_in_compare(embedded):
 
 
 def test_a_missing_extra_is_one_line(monkeypatch, capsys):
-    from api import cli
+    from pnmix.api import cli
 
     real = peers.importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name, *a: None if name == "hqq" else real(name, *a))

@@ -24,7 +24,7 @@ def python_blocks() -> list[str]:
 
 @pytest.mark.slow
 def test_readme_python_examples_run_as_written(tmp_path, monkeypatch):
-    from storage import list_front_points
+    from pnmix.storage import list_front_points
 
     blocks = python_blocks()
     assert len(blocks) >= 3

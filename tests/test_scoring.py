@@ -11,12 +11,14 @@ from tiny import tiny_model
 
 from pnmix.analysis import Trace, record_trace
 from pnmix.config import PNMixConfig, preset
-from tuner import tasks
-from tuner.evaluate import Evaluator
-from tuner.fidelity import reference_logits, replay, trajectory
-from tuner.profiles import EvalError, Profile
-from tuner.proxy import proxy_kl
-from tuner.stats import combine
+from pnmix.tuner import tasks
+from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.fidelity import reference_logits, replay, trajectory
+from pnmix.tuner.profiles import EvalError, Profile
+from pnmix.tuner.proxy import proxy_kl
+from pnmix.tuner.stats import combine
+
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
 SMALL = PNMixConfig(b_high=3, b_low=1, group_size=32, salient_ratio=0.5, n_sink=4, residual_len=32,
                     value_bits=2, value_group_size=16)
@@ -185,7 +187,7 @@ def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedd
     ],
 )
 def test_eval_bad_input_is_one_line(args, needle):
-    out = subprocess.run([sys.executable, "-m", "api.cli", "eval", *args], capture_output=True, text=True,
+    out = subprocess.run([*PNMIX, "eval", *args], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
@@ -195,6 +197,6 @@ def test_eval_bad_input_is_one_line(args, needle):
 def test_eval_empty_gsm8k_file_is_one_line(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("")
-    out = subprocess.run([sys.executable, "-m", "api.cli", "eval", "--gsm8k", str(path)], capture_output=True,
+    out = subprocess.run([*PNMIX, "eval", "--gsm8k", str(path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "holds no items" in out.stderr and "Traceback" not in out.stderr

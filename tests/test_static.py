@@ -8,15 +8,19 @@ left padding, and the fp16 window.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from tiny import tiny_model
 
-from kernels.plan import length_bucket
 from pnmix import backend
 from pnmix.config import ConfigError, PNMixConfig, preset
 from pnmix.generation import generate, new_cache, use_pnmix_attention
+from pnmix.kernels.plan import length_bucket
 from pnmix.static import StaticGenerator, StaticQuantLayer, decode_cost, static_method
+
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
 # Small groups so that flushes happen within a short generation; 4 sinks so that the short row
 # (3 real tokens) fills its sinks during decode.
@@ -237,10 +241,9 @@ def test_static_method_and_decode_cost():
 def test_cli_generate_static_prints_the_same_text(embedded):
     """`pnmix generate --static` (eager on the CPU) prints what the ordinary path prints."""
     import subprocess
-    import sys
 
     def run(*extra: str) -> list[str]:
-        out = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "Name three colors.",
+        out = subprocess.run([*PNMIX, "generate", "--prompt", "Name three colors.",
                               "--max-new-tokens", "12", *extra], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip().splitlines()
@@ -248,7 +251,7 @@ def test_cli_generate_static_prints_the_same_text(embedded):
     plain, static = run(), run("--static")
     assert static[:-1] == plain[:-1] and static[:-1]  # the generated text
     assert "static cache, eager" in static[-1] and "12 tokens" in static[-1]
-    bad = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--prompt", "hi", "--device", "tpu"],
+    bad = subprocess.run([*PNMIX, "generate", "--prompt", "hi", "--device", "tpu"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: invalid --device 'tpu': allowed one of cpu, cuda"
 

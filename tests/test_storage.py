@@ -15,7 +15,7 @@ from sqlalchemy import event, func, select, text
 
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
-from storage import (
+from pnmix.storage import (
     Database,
     FrontPointIn,
     InvalidValueError,
@@ -33,9 +33,9 @@ from storage import (
     upgrade,
     upsert_model,
 )
-from storage.orm import Campaign, FrontPoint, Model
-from storage.settings import default_db_path, load_storage_settings
-from storage.testing import postgres_skip_reason, sqlite_url, temporary_postgres_url, truncate_all
+from pnmix.storage.orm import Campaign, FrontPoint, Model
+from pnmix.storage.settings import default_db_path, load_storage_settings
+from pnmix.storage.testing import postgres_skip_reason, sqlite_url, temporary_postgres_url, truncate_all
 
 CONFIGS = {
     "w42": PNMixConfig(b_high=4, b_low=2, salient_ratio=0.25, n_sink=8),  # 2.75325 bits at d=64

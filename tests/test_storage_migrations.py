@@ -9,11 +9,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
 from pnmix.bits import kv_bits, value_bits_total
-from storage import Database, SchemaError, check_schema, current_revision, head_revision, upgrade
-from storage.migrations import VERSION_TABLE, downgrade
-from storage.orm import Base, Campaign
-from storage.read import list_front_points, recommend
-from storage.testing import postgres_skip_reason, sqlite_url, temporary_postgres_url
+from pnmix.storage import Database, SchemaError, check_schema, current_revision, head_revision, upgrade
+from pnmix.storage.migrations import VERSION_TABLE, downgrade
+from pnmix.storage.orm import Base, Campaign
+from pnmix.storage.read import list_front_points, recommend
+from pnmix.storage.testing import postgres_skip_reason, sqlite_url, temporary_postgres_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -141,7 +141,7 @@ def test_lives_beside_optuna_in_one_database(tmp_path):
 
 
 def test_a_writing_command_creates_a_new_database_but_never_migrates_an_old_one(tmp_path):
-    from tuner.session import open_db
+    from pnmix.tuner.session import open_db
 
     url = sqlite_url(tmp_path)
     db = open_db(url, create=True)  # what `tune` and `worker` do

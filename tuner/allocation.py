@@ -32,8 +32,8 @@ import optuna
 from pnmix.bits import mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_from_dict, simplest
-from tuner import record
-from tuner.layers import (
+from pnmix.tuner import record
+from pnmix.tuner.layers import (
     Candidate,
     ValueFormat,
     allocate,
@@ -43,9 +43,9 @@ from tuner.layers import (
     joint_table,
     moves,
 )
-from tuner.profiles import EvalError
-from tuner.record import config_key, running_trials, scored_configs
-from tuner.space import SearchSpace
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.record import config_key, running_trials, scored_configs
+from pnmix.tuner.space import SearchSpace
 
 Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
 

@@ -67,13 +67,13 @@ from pnmix.errors import PNMixError
 from pnmix.inputs import SEED, TRIALS, env_value, shorten
 from pnmix.layerwise import AnyConfig
 from pnmix.names import BACKENDS
-from storage.errors import StorageError
-from storage.write import OBJECTIVES, check_budgets, check_objectives
-from tuner import profiles, queue, record
-from tuner.allocation import AllocatorLoop
-from tuner.profiles import EvalError
-from tuner.record import config_key, running_trials, scored_configs
-from tuner.space import SearchSpace
+from pnmix.storage.errors import StorageError
+from pnmix.storage.write import OBJECTIVES, check_budgets, check_objectives
+from pnmix.tuner import profiles, queue, record
+from pnmix.tuner.allocation import AllocatorLoop
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.record import config_key, running_trials, scored_configs
+from pnmix.tuner.space import SearchSpace
 
 warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats and metric names are stable enough
 
@@ -183,7 +183,7 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
                 raise
             time.sleep(1 + attempt)
     if sqlite:
-        from storage.engine import configure_sqlite
+        from pnmix.storage.engine import configure_sqlite
 
         configure_sqlite(storage.engine, 60.0, readonly_option=False)
         storage.engine.dispose()  # the pooled connections were opened before the listeners
@@ -260,7 +260,7 @@ class CampaignHeartbeat:
         self._thread.join(timeout=HEARTBEAT_S + 5)
 
     def _beat(self) -> None:
-        from storage import touch_campaign
+        from pnmix.storage import touch_campaign
 
         while not self._stop.wait(HEARTBEAT_S):
             try:
@@ -407,8 +407,8 @@ class CampaignRunner:
         campaign's own scores reach every budget they fit by sharing: `_share`, `_pull_shared`)."""
         from sqlalchemy import select
 
-        from storage import FrontPoint, Model
-        from storage.read import bits_column
+        from pnmix.storage import FrontPoint, Model
+        from pnmix.storage.read import bits_column
 
         with self.db.session(readonly=True) as s:
             rows = s.scalars(select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
@@ -420,7 +420,7 @@ class CampaignRunner:
     def _grouped(self, uniform: list[AnyConfig], budget: float) -> list[AnyConfig]:
         """pnmix-layers warm starts: for each uniform config's shared fields (G, sinks, values), the
         layer-wise config of the groups that `grouped_for_budget` finds within `budget`."""
-        from tuner.layers import candidates_like, grouped_for_budget
+        from pnmix.tuner.layers import candidates_like, grouped_for_budget
 
         out: list[AnyConfig] = []
         # One base per set of shared fields: the candidates differ only in bits and ratio.
@@ -450,8 +450,8 @@ class CampaignRunner:
             self.space = self.space.with_layers(self.num_layers)
             self.allocator = AllocatorLoop(self.space, self.evaluator, self.head_dim, self.num_layers, self.progress)
             return
-        from storage import Campaign, get_campaign, update_campaign_progress
-        from tuner.layers import group_layers
+        from pnmix.storage import Campaign, get_campaign, update_campaign_progress
+        from pnmix.tuner.layers import group_layers
 
         with self.db.session(readonly=True) as s:
             stored = (get_campaign(s, self.campaign_id).search_space or {}).get("groups")
@@ -527,8 +527,8 @@ class CampaignRunner:
 
         Each finished rung is stored on the trial ("rung"): a trial retried after its worker died
         inherits the attribute, so it resumes after the last finished rung."""
-        from tuner import racing
-        from tuner.evaluate import Rung
+        from pnmix.tuner import racing
+        from pnmix.tuner.evaluate import Rung
 
         front = [(budget_bits(t), t.user_attrs["units"]) for t in front_trials(trial.study)
                  if t.user_attrs.get("units")]
@@ -680,8 +680,8 @@ class CampaignRunner:
 
     def write_front(self, study: optuna.Study, budget: float, progress: bool = True) -> int:
         """Replaces the stored (campaign, budget) front with the study's feasible Pareto trials."""
-        from storage import FrontPointIn, replace_front
-        from tuner.stats import unit_influence
+        from pnmix.storage import FrontPointIn, replace_front
+        from pnmix.tuner.stats import unit_influence
 
         points = []
         for r in map(record.read, front_trials(study)):
@@ -700,7 +700,7 @@ class CampaignRunner:
 
     def set_progress(self, **changes: Any) -> None:
         """Updates the campaign row unless it is already finished (another worker may have finished it)."""
-        from storage import InvalidValueError, get_campaign, update_campaign_progress
+        from pnmix.storage import InvalidValueError, get_campaign, update_campaign_progress
 
         try:
             with self.db.session() as s:
@@ -851,8 +851,8 @@ class CampaignRunner:
         Every step resumes from the database, so running it again is safe. A permanent fault (disk
         full, read-only file), or a transient one past DB_RETRIES in a row, ends the run with one line.
         """
-        from storage import describe_database_error, is_transient
-        from storage.faults import database_error
+        from pnmix.storage import describe_database_error, is_transient
+        from pnmix.storage.faults import database_error
 
         while True:
             try:

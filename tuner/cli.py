@@ -29,14 +29,14 @@ from pnmix.cli import (
 from pnmix.config import PRESETS
 from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, Names, Number, OutputFile, Shard
 from pnmix.names import BACKENDS, BUDGET_ON, DEFAULT_METHOD, METHODS
-from tuner.profiles import PROFILES, EvalError
-from tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
-from tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS, LAYERED
+from pnmix.tuner.profiles import PROFILES, EvalError
+from pnmix.tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
+from pnmix.tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS, LAYERED
 
 SWEPT = tuple(m for m in METHODS if m not in (LAYERED, ALLOCATED))  # a sweep covers a uniform space
 
 if TYPE_CHECKING:
-    from tuner.campaign import CampaignSpec
+    from pnmix.tuner.campaign import CampaignSpec
 
 
 # Every option parses through a checker of pnmix.inputs (refused before any work; api/cli.py prints it).
@@ -97,7 +97,7 @@ def eval_config(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from pnmix.config import preset
-    from tuner.profiles import profile
+    from pnmix.tuner.profiles import profile
 
     prof = profile(profile_name)
     from pnmix import models
@@ -108,7 +108,7 @@ def eval_config(
             raise EvalError("give --config or --compare, not both")
         configs = {config_file: load_config_file(config_file)}
     elif compare:
-        from tuner.peers import PEERS, peer
+        from pnmix.tuner.peers import PEERS, peer
 
         # Peers (transformers' quantized caches, tuner/peers.py) are scored beside the presets on the same items.
         configs = {name.strip(): peer(name.strip()) if name.strip() in PEERS else preset(name.strip())
@@ -117,7 +117,7 @@ def eval_config(
         cfg = config_from_options(preset_name or "pnmix-paper", b_high, b_low, group_size, salient_ratio, sinks,
                                   residual, value_bits_, value_group, criterion)
         configs = {preset_name or "config": cfg}
-    from tuner.evaluate import Evaluator  # torch: only once the configs are known to be good
+    from pnmix.tuner.evaluate import Evaluator  # torch: only once the configs are known to be good
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=as_json) as bar:
@@ -130,8 +130,8 @@ def eval_config(
         evaluator = Evaluator(model, prof, seed, gsm8k, progress=say, tasks=chosen, lm_eval_task=lm_eval_task,
                               lm_eval_limit=lm_eval_limit)
         evaluator.prepare()
-        from tuner import peers
-        from tuner.stats import paired
+        from pnmix.tuner import peers
+        from pnmix.tuner.stats import paired
 
         scores = {}
         for name, cfg in configs.items():
@@ -227,9 +227,9 @@ def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, 
                     progress: Callable[[str], None]) -> Any:
     import torch
 
-    from tuner.evaluate import Evaluator
-    from tuner.profiles import profile
-    from tuner.queue import check_backend
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.queue import check_backend
 
     check_backend(backend)
     device = "cuda" if torch.cuda.is_available() and backend != "torch" else "cpu"
@@ -245,8 +245,8 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
     import optuna
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from tuner.campaign import CampaignRunner, finished, front_trials
-    from tuner.queue import check_runnable
+    from pnmix.tuner.campaign import CampaignRunner, finished, front_trials
+    from pnmix.tuner.queue import check_runnable
 
     # The progress display says what happens; failed trials and database retries get one-line warnings
     # from the runner (Optuna's own would print a traceback for every failed trial).
@@ -281,7 +281,7 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
 
 
 def print_fronts(db: Any, model: str, campaign_id: int | None = None) -> None:
-    from storage import list_front_points
+    from pnmix.storage import list_front_points
 
     with db.session(readonly=True) as s:
         points = list_front_points(s, model, campaign_id=campaign_id, limit=500).items
@@ -337,15 +337,15 @@ def tune(
     """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
     from pathlib import Path
 
-    from tuner.campaign import CampaignSpec
-    from tuner.plot import pareto_plot
-    from tuner.session import find_or_create_campaign, open_db
-    from tuner.space import SearchSpace
+    from pnmix.tuner.campaign import CampaignSpec
+    from pnmix.tuner.plot import pareto_plot
+    from pnmix.tuner.session import find_or_create_campaign, open_db
+    from pnmix.tuner.space import SearchSpace
 
     chosen = _objectives(tasks) if tasks else None
     if lm_eval_task or lm_eval_limit is not None:
-        from tuner import harness
-        from tuner.evaluate import DEFAULT_TASKS
+        from pnmix.tuner import harness
+        from pnmix.tuner.evaluate import DEFAULT_TASKS
 
         if not lm_eval_task:
             raise EvalError("--lm-eval-limit needs --lm-eval-task")
@@ -361,12 +361,12 @@ def tune(
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # what a worker could not load: one line before the database
-    from tuner.queue import check_budgets_reachable
+    from pnmix.tuner.queue import check_budgets_reachable
 
     check_budgets_reachable(spec.space, spec.budgets, models.model_shape(model).head_dim, model)
     db = open_db(storage, create=True, create_folder=not enqueue)  # a queued campaign's workers write elsewhere
     campaign_id = find_or_create_campaign(db, spec, status="queued" if enqueue else "running")
-    from tuner.campaign import optuna_storage
+    from pnmix.tuner.campaign import optuna_storage
 
     optuna_storage(db.url)  # creates Optuna's tables now, before any worker races to
     if enqueue:
@@ -399,10 +399,10 @@ def sweep(
     """Score every config of a method's search space (the ground truth a search is measured against)."""
     from pathlib import Path
 
-    from tuner.evaluate import DEFAULT_TASKS
-    from tuner.profiles import profile
-    from tuner.space import SearchSpace
-    from tuner.sweep import parse_shard, run_sweep, start_file, sweep_header
+    from pnmix.tuner.evaluate import DEFAULT_TASKS
+    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.sweep import parse_shard, run_sweep, start_file, sweep_header
 
     profile(profile_name)
     part = parse_shard(shard)
@@ -431,13 +431,13 @@ def _objectives(text: str) -> tuple[str, ...]:
 
 
 def _compare_names() -> tuple[str, ...]:
-    from tuner.peers import PEERS  # transformers' quantized caches scored beside the presets
+    from pnmix.tuner.peers import PEERS  # transformers' quantized caches scored beside the presets
 
     return (*PRESETS, *PEERS)
 
 
 def _objective_names() -> tuple[str, ...]:
-    from storage.write import OBJECTIVES  # SQLAlchemy: only when --objectives is parsed
+    from pnmix.storage.write import OBJECTIVES  # SQLAlchemy: only when --objectives is parsed
 
     return tuple(OBJECTIVES)
 
@@ -463,10 +463,10 @@ def worker(
     import time
 
     from pnmix.errors import PNMixError
-    from storage import StorageError, claim_next_queued_campaign, get_campaign
-    from tuner.campaign import GRACE_S, CampaignSpec, failure_reason
-    from tuner.queue import CannotRunHere, runnable_backends
-    from tuner.session import open_db
+    from pnmix.storage import StorageError, claim_next_queued_campaign, get_campaign
+    from pnmix.tuner.campaign import GRACE_S, CampaignSpec, failure_reason
+    from pnmix.tuner.queue import CannotRunHere, runnable_backends
+    from pnmix.tuner.session import open_db
 
     db = open_db(storage, create=True, create_folder=False)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -515,7 +515,7 @@ def _fail_campaign(db: Any, campaign_id: int, reason: str) -> None:
     """Marks a campaign failed with `reason` (nothing when it is finished already, e.g. by its runner)."""
     import sys
 
-    from storage import InvalidValueError, StorageError, update_campaign_progress
+    from pnmix.storage import InvalidValueError, StorageError, update_campaign_progress
 
     try:
         with db.session() as s:
@@ -532,7 +532,7 @@ def fronts(
     storage: ReadStorageOpt = None,
 ) -> None:
     """Print the stored Pareto fronts of a model."""
-    from tuner.session import open_db
+    from pnmix.tuner.session import open_db
 
     print_fronts(open_db(storage), model, campaign)
 
@@ -560,9 +560,9 @@ def recommend(
     """
     import json
 
-    from storage import recommend_with_ties
-    from storage.read import applied_floor
-    from tuner.session import open_db
+    from pnmix.storage import recommend_with_ties
+    from pnmix.storage.read import applied_floor
+    from pnmix.tuner.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
@@ -591,7 +591,7 @@ def recommend(
 
 
 def _optimize_names() -> tuple[str, ...]:
-    from storage.read import OPTIMIZE  # SQLAlchemy: only when --optimize is parsed
+    from pnmix.storage.read import OPTIMIZE  # SQLAlchemy: only when --optimize is parsed
 
     return OPTIMIZE
 
@@ -618,8 +618,8 @@ def export(
     is one (`pnmix.layerwise.load_config`, `pnmix eval --config` and `pnmix bits --config` read either)."""
     from pathlib import Path
 
-    from storage import recommend as best_point
-    from tuner.session import open_db
+    from pnmix.storage import recommend as best_point
+    from pnmix.tuner.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
@@ -651,10 +651,10 @@ def layers(
 
     from pnmix.bits import mean_key_bits
     from pnmix.config import PNMixConfig, preset
-    from tuner.evaluate import Evaluator
-    from tuner.layers import candidates_like, layerwise_for_budget
-    from tuner.profiles import profile
-    from tuner.space import SearchSpace
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.layers import candidates_like, layerwise_for_budget
+    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.space import SearchSpace
 
     base = load_config_file(config_file) if config_file else preset(preset_name or "pnmix-paper")
     if not isinstance(base, PNMixConfig):
@@ -675,7 +675,7 @@ def layers(
     if output:
         write_regular_file(Path(output), lw.to_json() + "\n")
     if plot:
-        from tuner.plot import layers_plot
+        from pnmix.tuner.plot import layers_plot
 
         layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot),
                     f"{model}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "
@@ -739,13 +739,13 @@ def dashboard(
 ) -> None:
     """Serve optuna-dashboard on the campaigns' storage."""
     from pnmix.inputs import check_bind
-    from tuner.session import open_db
+    from pnmix.tuner.session import open_db
 
     db = open_db(storage)
     check_bind(host, port)  # before the dashboard's (slow) import: a refusal is quick
     from optuna_dashboard import run_server
 
-    from tuner.campaign import optuna_storage
+    from pnmix.tuner.campaign import optuna_storage
 
     console.print(f"optuna-dashboard on http://{host}:{port} for {db.display_url}")
     run_server(optuna_storage(db.url), host=host, port=port)
@@ -760,11 +760,11 @@ def run_main_job(
     and 2.25 key bits), its fronts, the recommendation at <= 2.3 bits beside pnmix-paper, and a plot."""
     from pathlib import Path
 
-    from storage import recommend_with_ties
-    from tuner.campaign import CampaignSpec
-    from tuner.plot import pareto_plot
-    from tuner.session import find_or_create_campaign, open_db
-    from tuner.space import SearchSpace
+    from pnmix.storage import recommend_with_ties
+    from pnmix.tuner.campaign import CampaignSpec
+    from pnmix.tuner.plot import pareto_plot
+    from pnmix.tuner.session import find_or_create_campaign, open_db
+    from pnmix.tuner.space import SearchSpace
 
     console.print(budget_table(model))
     db = open_db(storage, upgrade=True)
@@ -798,8 +798,8 @@ def _against_paper(study: Any, trial_number: int, space: Any, elsewhere: Sequenc
     from one of `elsewhere`, the campaign's other budgets (one campaign scores every budget on the
     same items)."""
     from pnmix.config import preset
-    from tuner import record
-    from tuner.stats import paired
+    from pnmix.tuner import record
+    from pnmix.tuner.stats import paired
 
     paper = space.recast(preset("pnmix-paper")).to_dict()
     mine = next((record.read(t) for t in study.get_trials(deepcopy=False) if t.number == trial_number), None)

@@ -39,8 +39,8 @@ from pnmix.generation import cache_kwargs
 from pnmix.layerwise import AnyConfig, as_layerwise
 from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill, record_prefills
 from pnmix.static import StaticGenerator, static_method
-from tuner.profiles import EvalError
-from tuner.tasks import Item
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.tasks import Item
 
 COST_PROMPT_TOKENS = 512  # the fixed workload of measured bytes and decode throughput
 COST_NEW_TOKENS = 32

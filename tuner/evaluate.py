@@ -27,10 +27,10 @@ from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import rope_pairing
 from pnmix.layerwise import AnyConfig
-from tuner import fidelity, stats
-from tuner import tasks as tasks_module
-from tuner.engine import ScoringEngine, Trajectory
-from tuner.profiles import EvalError, Profile
+from pnmix.tuner import fidelity, stats
+from pnmix.tuner import tasks as tasks_module
+from pnmix.tuner.engine import ScoringEngine, Trajectory
+from pnmix.tuner.profiles import EvalError, Profile
 
 Progress = Callable[[str], None]
 
@@ -119,7 +119,7 @@ class Evaluator:
     def __init__(self, model: str, profile: Profile, seed: int = 0, gsm8k: str | Path | None = None,
                  progress: Progress | None = None, tasks: tuple[str, ...] | None = None,
                  device: str = "cpu", lm_eval_task: str | None = None, lm_eval_limit: int | None = None) -> None:
-        from tuner import harness
+        from pnmix.tuner import harness
 
         # An lm-eval task (tuner/harness.py) comes as keywords or as a task-list entry lm_eval:TASK[@LIMIT].
         entries = [t for t in tasks or () if t.startswith(harness.PART + ":")]
@@ -287,13 +287,13 @@ class Evaluator:
 
     def proxy(self, config: PNMixConfig) -> float:
         """Attention KL on recorded traces (tuner.proxy), milliseconds per layer."""
-        from tuner.proxy import proxy_kl
+        from pnmix.tuner.proxy import proxy_kl
 
         return proxy_kl(self.trace(), config, self.pairing)
 
     def proxy_by_layer(self, config: AnyConfig) -> list[float]:
         """The proxy's attention KL of each layer under its own config (tuner.layers reads it)."""
-        from tuner.proxy import proxy_kl_by_layer
+        from pnmix.tuner.proxy import proxy_kl_by_layer
 
         return proxy_kl_by_layer(self.trace(), config, self.pairing)
 
@@ -303,7 +303,7 @@ class Evaluator:
         relative attention-output error, the unit `value_sensitivity` shares. Cached on disk beside
         the preparation, per model, profile, seed, measure and candidate set, so a campaign's later
         workers and later campaigns of the model read it instead of computing it again."""
-        from tuner.proxy import proxy_kl_table
+        from pnmix.tuner.proxy import proxy_kl_table
 
         rows = self._cached_table(["keys", measure, [c.to_dict() for c in candidates]], len(candidates),
                                   lambda: proxy_kl_table(self.trace(), candidates, self.pairing, measure=measure))
@@ -313,7 +313,7 @@ class Evaluator:
                           shared: PNMixConfig) -> dict[tuple[int, int], list[float]]:
         """Each value format's (bits, group size) relative attention-output error per layer under
         `shared`'s token schedule (`tuner.proxy.proxy_value_table`), cached like `sensitivity`."""
-        from tuner.proxy import proxy_value_table
+        from pnmix.tuner.proxy import proxy_value_table
 
         schedule = {f: getattr(shared, f) for f in ("n_sink", "group_size", "residual_len")}
         rows = self._cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
@@ -418,7 +418,7 @@ class Evaluator:
         have: the units a race already scored (`rung`); only the rest are scored now, and the
         score is the same as a full evaluation's (seconds: the rungs' and this call's).
         """
-        from kernels.compiles import watch
+        from pnmix.kernels.compiles import watch
 
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()

@@ -30,7 +30,7 @@ from typing import Any
 from pnmix import models
 from pnmix.config import preset
 from pnmix.layerwise import AnyConfig
-from tuner.profiles import EvalError
+from pnmix.tuner.profiles import EvalError
 
 PART = "lm_eval"
 BATCH_SIZE = 16

@@ -29,8 +29,8 @@ from typing import Any
 from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig
-from tuner.profiles import EvalError
-from tuner.space import RATIOS, VALUE_BITS, VALUE_GROUPS, SearchSpace
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.space import RATIOS, VALUE_BITS, VALUE_GROUPS, SearchSpace
 
 BISECTION_STEPS = 60
 

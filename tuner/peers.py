@@ -40,7 +40,7 @@ import torch
 from pnmix.errors import PNMixError
 
 if TYPE_CHECKING:
-    from tuner.evaluate import Evaluator, Score
+    from pnmix.tuner.evaluate import Evaluator, Score
 
 RESIDUAL_LENGTH = 128
 GROUP_SIZE = 64
@@ -173,7 +173,7 @@ def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | 
     untimed steps, then COST_REPEATS runs of COST_STEPS steps, one over the median step time."""
 
     from pnmix.generation import cache_kwargs
-    from tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, COST_REPEATS, COST_STEPS, median_step_seconds
+    from pnmix.tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, COST_REPEATS, COST_STEPS, median_step_seconds
 
     device = model.device
     cuda = device.type == "cuda"
@@ -209,7 +209,7 @@ def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | 
 
 def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
     """A peer's Score on the evaluator's items, trajectories and lm-eval documents (see the module docstring)."""
-    from tuner.evaluate import Score, versions
+    from pnmix.tuner.evaluate import Score, versions
 
     p.check()
     data = evaluator.prepare()

@@ -17,8 +17,8 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
     import matplotlib.pyplot as plt
     import optuna
 
-    from tuner import record
-    from tuner.campaign import front_trials
+    from pnmix.tuner import record
+    from pnmix.tuner.campaign import front_trials
 
     marks = {"pnmix-paper": preset("pnmix-paper"), "kivi2": preset("kivi2"), "kivi1": preset("kivi1")}
     fig, ax = plt.subplots(figsize=(8, 5))

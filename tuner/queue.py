@@ -22,7 +22,7 @@ from typing import Any
 
 from pnmix.inputs import shorten
 from pnmix.names import BACKENDS
-from tuner.profiles import EvalError
+from pnmix.tuner.profiles import EvalError
 
 # A campaign's tasks: gsm8k needs a JSONL file, which a queued campaign does not carry to its worker.
 CAMPAIGN_TASKS = ("passkey", "kv_lookup", "fidelity")

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from tuner import stats
+from pnmix.tuner import stats
 
 RUNGS = (0.125, 0.25, 0.5, 1.0)
 ALPHA = 0.05  # chance, over a whole race, of stopping a config as good as the best it meets

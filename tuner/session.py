@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tuner.campaign import CampaignSpec
-from tuner.profiles import EvalError
+from pnmix.tuner.campaign import CampaignSpec
+from pnmix.tuner.profiles import EvalError
 
 
 def open_db(storage: str | None, upgrade: bool = False, create: bool = False, create_folder: bool = True) -> Any:
@@ -18,9 +18,9 @@ def open_db(storage: str | None, upgrade: bool = False, create: bool = False, cr
     one line. `create_folder=False` (a worker, an enqueued campaign) refuses a SQLite file whose folder
     does not exist instead of creating it.
     """
-    from storage import Database, check_schema, load_storage_settings
-    from storage import upgrade as upgrade_schema
-    from storage.migrations import has_no_pnmix_tables
+    from pnmix.storage import Database, check_schema, load_storage_settings
+    from pnmix.storage import upgrade as upgrade_schema
+    from pnmix.storage.migrations import has_no_pnmix_tables
 
     settings = load_storage_settings(**({"database_url": storage} if storage else {}))
     db = Database(settings.url, busy_timeout_s=settings.db_busy_timeout_s, create=upgrade or create,
@@ -34,7 +34,7 @@ def open_db(storage: str | None, upgrade: bool = False, create: bool = False, cr
 def ensure_model(session: Any, name: str, model_config: Any | None = None) -> None:
     """Registers the model in our tables (embedded and shape models from the registry, others from config)."""
     from pnmix import models
-    from storage import ModelIn, registry_model, upsert_model
+    from pnmix.storage import ModelIn, registry_model, upsert_model
 
     entry = registry_model(name)
     if entry is None:
@@ -49,7 +49,7 @@ def ensure_model(session: Any, name: str, model_config: Any | None = None) -> No
 
 def find_or_create_campaign(db: Any, spec: CampaignSpec, status: str = "running") -> int:
     """The campaign of this spec (resumed when it exists, whatever its trial count), else a new one."""
-    from storage import create_campaign, list_campaigns, update_campaign_progress
+    from pnmix.storage import create_campaign, list_campaigns, update_campaign_progress
 
     with db.session() as s:
         ensure_model(s, spec.model)

@@ -37,7 +37,7 @@ from pnmix.config import GROUP_SIZES, PNMixConfig
 from pnmix.inputs import LAYER_GROUPS
 from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
 from pnmix.names import BUDGET_ON, METHODS
-from tuner.profiles import EvalError
+from pnmix.tuner.profiles import EvalError
 
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SINKS = (0, 8, 16, 32, 64)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from tuner.profiles import WEIGHTS
+from pnmix.tuner.profiles import WEIGHTS
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -23,9 +23,9 @@ from typing import Any
 
 from pnmix.config import PNMixConfig
 from pnmix.inputs import InputError, Shard, shorten
-from tuner.profiles import EvalError
-from tuner.record import config_key
-from tuner.space import SearchSpace
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.record import config_key
+from pnmix.tuner.space import SearchSpace
 
 SWEEP_FORMAT = 1
 SCORE_FIELDS = ("key_bits", "accuracy", "accuracy_se", "parts", "parts_se", "units", "fidelity_agreement",
@@ -164,6 +164,6 @@ def front(records: Iterable[dict[str, Any]], budget: float = float("inf")) -> li
 def hypervolume(points: Iterable[tuple[float, float]], budget: float) -> float:
     """Area that (key bits, accuracy) points within `budget` bits dominate, above accuracy 0: the
     measure by which a front is compared with the true one."""
-    from tuner.campaign import hypervolume_2d
+    from pnmix.tuner.campaign import hypervolume_2d
 
     return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)

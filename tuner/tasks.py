@@ -26,7 +26,7 @@ from typing import Any
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import AnyConfig
 from pnmix.models import chat_ids
-from tuner.profiles import EvalError
+from pnmix.tuner.profiles import EvalError
 
 NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 

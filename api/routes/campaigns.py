@@ -4,13 +4,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from api.deps import ReadSession, StrictJsonBody, TokenChecked, WriteSession
-from api.problems import ProblemError, problem_doc
-from api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
+from pnmix.api.deps import ReadSession, StrictJsonBody, TokenChecked, WriteSession
+from pnmix.api.problems import ProblemError, problem_doc
+from pnmix.api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
 from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
-from storage import read, write
-from tuner.profiles import EvalError
-from tuner.queue import check_budgets_reachable
+from pnmix.storage import read, write
+from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.queue import check_budgets_reachable
 
 router = APIRouter(tags=["campaigns"])
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import DatabaseDep
-from api.problems import PROBLEM_JSON
-from api.schemas import Health
-from storage.errors import StorageError
-from storage.migrations import current_revision, head_revision
+from pnmix.api.deps import DatabaseDep
+from pnmix.api.problems import PROBLEM_JSON
+from pnmix.api.schemas import Health
+from pnmix.storage.errors import StorageError
+from pnmix.storage.migrations import current_revision, head_revision
 
 router = APIRouter(tags=["health"])
 

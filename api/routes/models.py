@@ -4,12 +4,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from api.deps import ReadSession
-from api.problems import problem_doc
-from api.schemas import Budget, ModelPage, ModelPublic, PointPage, PointPublic
-from api.settings import MAX_PAGE_SIZE
+from pnmix.api.deps import ReadSession
+from pnmix.api.problems import problem_doc
+from pnmix.api.schemas import Budget, ModelPage, ModelPublic, PointPage, PointPublic
+from pnmix.api.settings import MAX_PAGE_SIZE
 from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
-from storage import read
+from pnmix.storage import read
 
 router = APIRouter(tags=["models"])
 

@@ -4,12 +4,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from api.deps import ReadSession
-from api.problems import problem_doc
-from api.schemas import BitsOf, Budget, Optimize, PointPublic, Recommendation
+from pnmix.api.deps import ReadSession
+from pnmix.api.problems import problem_doc
+from pnmix.api.schemas import BitsOf, Budget, Optimize, PointPublic, Recommendation
 from pnmix.inputs import ACCURACY, CAMPAIGN_ID
-from storage import read
-from storage.read import RELATIVE_FLOOR
+from pnmix.storage import read
+from pnmix.storage.read import RELATIVE_FLOOR
 
 router = APIRouter(tags=["recommend"])
 

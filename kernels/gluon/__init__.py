@@ -19,5 +19,5 @@ __all__ = ["decode_attention", "shape_supported", "supports"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("kernels.gluon.launch"), name)
-    raise AttributeError(f"module 'kernels.gluon' has no attribute {name!r}")
+        return getattr(importlib.import_module("pnmix.kernels.gluon.launch"), name)
+    raise AttributeError(f"module 'pnmix.kernels.gluon' has no attribute {name!r}")

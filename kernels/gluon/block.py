@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kernels.gluon.common import (
+from pnmix.kernels.gluon.common import (
     _REINTERPRET_IS_PUBLIC,
     MAX_GQA,
     _async_load,
@@ -45,7 +45,7 @@ from kernels.gluon.common import (
     mma_v2,
     shared_layouts,
 )
-from kernels.layout import next_pow2
+from pnmix.kernels.layout import next_pow2
 
 BLOCK_TOKENS = 128  # tokens of a key plane's 16 bytes per channel: the unit of copies and softmax updates
 PLANE_DTYPE = torch.int16  # the key planes as the kernel reads them: a channel's 16-token runs

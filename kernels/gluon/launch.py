@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from kernels.combine import combine_partials
-from kernels.gluon import block, words
-from kernels.gluon.common import FP16_PAIR_1024, MAX_GQA, TAIL_TOKENS
-from kernels.layout import DecodeCache, next_pow2
-from kernels.operands import DecodeOperands, check_operands, decode_operands
-from kernels.plan import LOG2E, output_for, planned_groups, sm_count, split_plan
+from pnmix.kernels.combine import combine_partials
+from pnmix.kernels.gluon import block, words
+from pnmix.kernels.gluon.common import FP16_PAIR_1024, MAX_GQA, TAIL_TOKENS
+from pnmix.kernels.layout import DecodeCache, next_pow2
+from pnmix.kernels.operands import DecodeOperands, check_operands, decode_operands
+from pnmix.kernels.plan import LOG2E, output_for, planned_groups, sm_count, split_plan
 
 # Registers per thread the kernels take (213-217 for the block kernel, 227 for the word kernel, for
 # sm_90 with Triton 3.6), rounded up to the allocation unit of 8.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.gluon.common import (
+from pnmix.kernels.gluon.common import (
     _async_load,
     _first_heads,
     _fp16_tail,
@@ -39,7 +39,7 @@ from kernels.gluon.common import (
     mma_v2,
     shared_layouts,
 )
-from kernels.layout import next_pow2
+from pnmix.kernels.layout import next_pow2
 
 # Word steps (32 tokens) in a program's shared-memory ring. Copies run STAGES - 2 steps ahead: a step
 # reads its own slot (scores) and the slot of the step before (values; see the kernel's loop).

@@ -27,7 +27,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database (dropped afterwards with its connections). CI requires the server."""
-    from storage.testing import postgres_skip_reason, temporary_postgres_url
+    from pnmix.storage.testing import postgres_skip_reason, temporary_postgres_url
 
     reason = postgres_skip_reason()  # raises instead when PNMIX_REQUIRE_POSTGRES is set
     if reason:

@@ -17,7 +17,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = str(Path(__file__).with_name("stub_worker.py"))
-PNMIX = [sys.executable, "-m", "api.cli"]
+PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]
 
 WORKER_ENV = {"PNMIX_HEARTBEAT_S": "1", "PNMIX_GRACE_S": "3", "PNMIX_DB_RETRY_S": "0.5", "PYTHONUNBUFFERED": "1"}
 
@@ -85,9 +85,9 @@ class Procs:
 def stub_campaign(url: str, budgets: tuple[float, ...], n_trials: int, status: str = "queued",
                   **spec_extra: Any) -> int:
     """A campaign of the registry model smollm2-135m (head_dim 64), as `pnmix tune --enqueue` makes it."""
-    from storage import Database, upgrade
-    from tuner.campaign import CampaignSpec, optuna_storage
-    from tuner.session import find_or_create_campaign
+    from pnmix.storage import Database, upgrade
+    from pnmix.tuner.campaign import CampaignSpec, optuna_storage
+    from pnmix.tuner.session import find_or_create_campaign
 
     db = Database(url)
     try:

@@ -77,7 +77,7 @@ class StubEvaluator:
         return {"passkey": UNITS}
 
     def rung(self, config: Any, upto: dict[str, int], have: Any = None) -> Any:
-        from tuner.evaluate import Rung
+        from pnmix.tuner.evaluate import Rung
 
         held = len(have.units["passkey"]) if have else 0
         self._log(event="rung_start", config=config.to_dict(), held=held, upto=upto["passkey"])
@@ -137,8 +137,8 @@ def _limit_resources() -> None:
 
 
 def main() -> None:
-    from api import cli
-    from tuner import cli as tuner_cli
+    from pnmix.api import cli
+    from pnmix.tuner import cli as tuner_cli
 
     evaluator = StubEvaluator()
 

@@ -17,9 +17,9 @@ from sqlalchemy import text
 
 from pnmix import models
 from pnmix.config import ConfigError, PNMixConfig
-from storage import Database, display_url, head_revision, upgrade
-from storage.migrations import VERSION_TABLE
-from storage.testing import sqlite_url
+from pnmix.storage import Database, display_url, head_revision, upgrade
+from pnmix.storage.migrations import VERSION_TABLE
+from pnmix.storage.testing import sqlite_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny import tiny_model  # noqa: E402

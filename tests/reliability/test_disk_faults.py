@@ -21,9 +21,9 @@ import pytest
 from rel_helpers import PNMIX, error_line, stub_campaign, stub_worker_args, worker_env
 from sqlalchemy import text
 
-from storage import Database, display_url, get_campaign, list_front_points
-from storage.testing import sqlite_url
-from tuner.campaign import finished, front_trials, study_name
+from pnmix.storage import Database, display_url, get_campaign, list_front_points
+from pnmix.storage.testing import sqlite_url
+from pnmix.tuner.campaign import finished, front_trials, study_name
 
 BUDGET = 3.0
 TRIALS = 8

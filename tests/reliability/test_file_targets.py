@@ -18,10 +18,10 @@ import pytest
 from rel_helpers import PNMIX, error_line, worker_env
 
 from pnmix.config import preset
-from storage import Database, FrontPointIn, create_campaign, replace_front, upgrade
-from storage.testing import sqlite_url
-from tuner.cli import write_regular_file
-from tuner.profiles import EvalError
+from pnmix.storage import Database, FrontPointIn, create_campaign, replace_front, upgrade
+from pnmix.storage.testing import sqlite_url
+from pnmix.tuner.cli import write_regular_file
+from pnmix.tuner.profiles import EvalError
 
 
 def pnmix(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

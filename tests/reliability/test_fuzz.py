@@ -17,10 +17,10 @@ import schemathesis
 from fastapi.testclient import TestClient
 from schemathesis import GenerationMode
 
-from api.app import create_app
-from api.settings import Settings
-from storage import Database
-from storage.testing import sqlite_url
+from pnmix.api.app import create_app
+from pnmix.api.settings import Settings
+from pnmix.storage import Database
+from pnmix.storage.testing import sqlite_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_api import TOKEN, count_rows, seed  # noqa: E402

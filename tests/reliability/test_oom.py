@@ -14,12 +14,12 @@ import optuna
 import torch
 from rel_helpers import error_line, stub_campaign, stub_worker_args, worker_env
 
-from storage import Database, get_campaign, list_front_points, upgrade
-from storage.testing import sqlite_url
-from tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials
-from tuner.evaluate import Evaluator
-from tuner.profiles import profile
-from tuner.session import find_or_create_campaign
+from pnmix.storage import Database, get_campaign, list_front_points, upgrade
+from pnmix.storage.testing import sqlite_url
+from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials
+from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.profiles import profile
+from pnmix.tuner.session import find_or_create_campaign
 
 FAIL = optuna.trial.TrialState.FAIL
 TRIALS = 4

@@ -20,9 +20,9 @@ from rel_helpers import error_line, stub_campaign, stub_worker_args, wait_for, w
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from storage import Database, display_url, get_campaign, list_front_points
-from storage.testing import POSTGRES_ADMIN_URL
-from tuner.campaign import finished, front_trials, study_name
+from pnmix.storage import Database, display_url, get_campaign, list_front_points
+from pnmix.storage.testing import POSTGRES_ADMIN_URL
+from pnmix.tuner.campaign import finished, front_trials, study_name
 
 OBSERVER = "pnmix-test-observer"  # the test's own reads; the killer spares them
 COMPLETE = optuna.trial.TrialState.COMPLETE
@@ -169,8 +169,8 @@ def test_a_trial_orphaned_after_the_last_one_does_not_keep_the_campaign_running(
     wait for it to go stale, fail it, and mark the campaign done."""
     from stub_worker import StubEvaluator
 
-    from tuner import campaign as campaign_module
-    from tuner.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner import campaign as campaign_module
+    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
 
     monkeypatch.setattr(campaign_module, "HEARTBEAT_S", 1)
     monkeypatch.setattr(campaign_module, "GRACE_S", 3)

@@ -20,7 +20,7 @@ import subprocess
 from rel_helpers import PNMIX, error_line, stub_campaign, stub_worker_args, worker_env
 from sqlalchemy import select, update
 
-from storage import Campaign, Database, ModelIn, get_campaign, registry_model, upgrade, upsert_model
+from pnmix.storage import Campaign, Database, ModelIn, get_campaign, registry_model, upgrade, upsert_model
 
 TOKEN = "queue-test-token"
 
@@ -37,8 +37,8 @@ def campaign_rows(url: str) -> list[tuple[int, str, str | None]]:
 def test_enqueue_refuses_what_no_worker_can_run(pg_url):
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from api.settings import Settings
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import Settings
 
     db = Database(pg_url)
     upgrade(db)

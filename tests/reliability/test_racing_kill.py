@@ -13,8 +13,8 @@ import signal
 import optuna
 from rel_helpers import stub_campaign, stub_worker_args, wait_for, worker_env
 
-from storage.testing import sqlite_url
-from tuner.campaign import finished, study_name
+from pnmix.storage.testing import sqlite_url
+from pnmix.tuner.campaign import finished, study_name
 
 TRIALS = 16  # past the warm starts (they are not raced)
 

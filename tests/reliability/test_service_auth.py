@@ -20,10 +20,10 @@ import pytest
 from fastapi.testclient import TestClient
 from serve import serve
 
-from api.app import create_app
-from api.settings import Settings
-from storage import Database
-from storage.testing import sqlite_url
+from pnmix.api.app import create_app
+from pnmix.api.settings import Settings
+from pnmix.storage import Database
+from pnmix.storage.testing import sqlite_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_api import AUTH, TOKEN, campaigns_dump, count_rows, seed  # noqa: E402

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 from serve import serve
 
-from storage import Database
-from storage.testing import sqlite_url
+from pnmix.storage import Database
+from pnmix.storage.testing import sqlite_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_api import AUTH, TOKEN, count_rows, seed  # noqa: E402

@@ -16,9 +16,9 @@ from collections import Counter
 import optuna
 from rel_helpers import stub_campaign, stub_worker_args, worker_env
 
-from storage import Database, get_campaign, list_front_points
-from storage.testing import sqlite_url
-from tuner.campaign import finished, front_trials, study_name
+from pnmix.storage import Database, get_campaign, list_front_points
+from pnmix.storage.testing import sqlite_url
+from pnmix.tuner.campaign import finished, front_trials, study_name
 
 BUDGETS = (3.0,)
 TRIALS = 20

@@ -18,9 +18,9 @@ import time
 import optuna
 from rel_helpers import PNMIX, stub_campaign, stub_worker_args, wait_for, worker_env
 
-from storage import Database, get_campaign, list_front_points, touch_campaign, upgrade
-from tuner.campaign import CampaignSpec, finished, front_trials, study_name
-from tuner.session import find_or_create_campaign
+from pnmix.storage import Database, get_campaign, list_front_points, touch_campaign, upgrade
+from pnmix.tuner.campaign import CampaignSpec, finished, front_trials, study_name
+from pnmix.tuner.session import find_or_create_campaign
 
 TRIALS = 5
 RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
