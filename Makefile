@@ -11,7 +11,7 @@ TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 # transformers 5.17 (the GPU image's) needs huggingface-hub < 2, so it gets its own environment.
 COMPAT := .venv-tf517
 
-.PHONY: run test lint setup clean test-compat
+.PHONY: run test lint setup clean test-compat test-wheel
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,7 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q --durations=12
 	$(MAKE) test-compat
+	$(MAKE) test-wheel
 
 $(COMPAT)/.installed: pyproject.toml Makefile
 	test -x $(COMPAT)/bin/python || python3 -m venv $(COMPAT)
@@ -56,7 +57,19 @@ $(COMPAT)/.installed: pyproject.toml Makefile
 
 # The method's integration tests again, on the oldest supported transformers.
 test-compat: $(COMPAT)/.installed
-	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_errors.py
+	$(COMPAT)/bin/pytest -q -p no:cacheprovider tests/test_cache.py tests/test_errors.py
+
+# The built wheel in a fresh virtualenv (not editable, its dependencies resolved by pip, Hugging
+# Face's `kernels` beside it), used from outside the checkout: what a user's `pip install` gets.
+WHEEL_VENV := build/wheel-venv
+
+test-wheel: $(STAMP)
+	rm -rf build/lib build/wheel $(WHEEL_VENV)  # build/lib: setuptools would reuse what an older build left
+	$(PY) -m pip wheel -q --no-deps -w build/wheel .
+	python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(WHEEL_VENV)/bin/python -m pip install -q build/wheel/pnmix-*.whl kernels
+	PATH="$(CURDIR)/$(WHEEL_VENV)/bin:$$PATH" bash tests/wheel_check.sh
 
 clean:
 	rm -rf $(VENV) $(COMPAT) build

@@ -31,16 +31,13 @@ import datetime
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pnmix.bits import kv_bits, mean_key_bits  # noqa: E402
-from pnmix.config import PNMixConfig, preset  # noqa: E402
-from pnmix.layerwise import AnyConfig, LayerwiseConfig, config_from_dict, simplest  # noqa: E402
+from pnmix.bits import kv_bits, mean_key_bits
+from pnmix.config import PNMixConfig, preset
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, config_from_dict, simplest
 
 TRUTH = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 KEY_BUDGETS = (1.5, 2.0, 2.25, 2.263, 2.5, 3.0)

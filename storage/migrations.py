@@ -1,8 +1,10 @@
 """Alembic, driven from code: `pnmix db upgrade` and the schema check the service and tuner run.
 
 Our version table is `pnmix_alembic_version`, because Optuna's RDB storage owns `alembic_version`
-in the same database. Migrations live in `alembic/versions/` at the repository root; `alembic.ini`
-there lets developers use the `alembic` command too (`alembic revision --autogenerate -m ...`).
+in the same database. Migrations live in `alembic/versions/`: at the repository root in a checkout,
+where `alembic.ini` lets developers use the `alembic` command too (`alembic revision --autogenerate
+-m ...`), and in `pnmix/alembic/` of an installed wheel; in both it is the folder beside this
+package's own (pyproject.toml maps `alembic/` there).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pnmix.storage.engine import Database, wrap_errors
 from pnmix.storage.errors import SchemaError, StorageError
 
 VERSION_TABLE = "pnmix_alembic_version"
-ALEMBIC_DIR = Path(__file__).resolve().parents[1] / "alembic"
+ALEMBIC_DIR = Path(__file__).resolve().parents[1] / "alembic"  # the checkout's root, or the installed pnmix/
 UPGRADE_HINT = "run `pnmix db upgrade`"
 
 
@@ -24,7 +26,8 @@ def alembic_config(url: str | None = None):  # -> alembic.config.Config (importe
     from alembic.config import Config
 
     if not (ALEMBIC_DIR / "env.py").is_file():
-        raise StorageError(f"migration scripts not found at {ALEMBIC_DIR}; run pnmix from its source checkout")
+        raise StorageError(f"migration scripts not found at {ALEMBIC_DIR}; reinstall pnmix "
+                           "(they ship as pnmix/alembic)")
     config = Config()
     config.set_main_option("script_location", str(ALEMBIC_DIR))
     config.set_main_option("version_table", VERSION_TABLE)
