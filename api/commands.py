@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from pnmix.inputs import PORT, Choice, DatabaseUrl, Host, Int, check_bind
+from pnmix.inputs import Choice, Int
+from pnmix.storage.vocabulary import PORT, DatabaseUrl, Host, check_bind
 
 _URL_HELP = "SQLAlchemy URL (default: PNMIX_DATABASE_URL, else the SQLite file PNMIX_DB_PATH)"
 DatabaseUrlOpt = Annotated[str | None, typer.Option("--database-url", help=_URL_HELP, parser=DatabaseUrl())]

@@ -8,15 +8,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from pnmix.inputs import BUDGET, LAYER_GROUPS, TRIALS
-from pnmix.names import BACKENDS, BUDGET_ON, DEFAULT_METHOD, METHODS
+from pnmix.inputs import BUDGET
+from pnmix.names import BACKENDS
 from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from pnmix.storage.read import OPTIMIZE, ModelSummary
+from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, LAYER_GROUPS, METHODS, TRIALS
 from pnmix.storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
 from pnmix.tuner.profiles import PROFILES, EvalError
 from pnmix.tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
 
-# The ranges are pnmix.inputs', the command line's too: `pnmix recommend --bits` takes what `target_bits` takes.
+# The ranges are pnmix.inputs' and storage.vocabulary's, the command line's too: `pnmix recommend --bits`
+# takes what `target_bits` takes.
 Budget = Annotated[float, Field(**BUDGET.constraints(), description="bits per element")]
 BitsOf = Literal[BUDGET_ON]  # type: ignore[valid-type]
 

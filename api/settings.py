@@ -10,8 +10,8 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from pnmix.errors import PNMixError
-from pnmix.inputs import BODY_BYTES, HEADER_BYTES, PAGE_SIZE, PORT
 from pnmix.storage.settings import StorageSettings
+from pnmix.storage.vocabulary import BODY_BYTES, HEADER_BYTES, PAGE_SIZE, PORT
 
 MAX_PAGE_SIZE = int(PAGE_SIZE.high)
 

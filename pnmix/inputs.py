@@ -2,6 +2,9 @@
 
 `Range`s are the numeric domains the command line and the service share: a budget is a finite
 number in (0, 16] whether it comes from `pnmix recommend --bits` or `GET /v1/recommend?target_bits=`.
+This module holds the parsers and the method's own ranges (bit budgets, head dims, token counts,
+seeds); what only the tuner, the storage and the service name (campaign fields, ports, hosts,
+pages, database URLs, shards, environment settings) is in `pnmix.storage.vocabulary`, built on it.
 The service builds its fields from them (`Range.constraints()`), the storage and the tuner check
 with them (`Range.check`), and each option of the `pnmix` command parses through a `Parser` built
 on them. A parser runs while the command line is parsed, before the command does any work (no
@@ -97,52 +100,10 @@ class Range:
 # -- the shared ranges ---------------------------------------------------------------------------
 
 BUDGET = Range(0.0, 16.0, low_open=True)  # key bits per element: 16 is the unquantized cache
-ACCURACY = Range(0.0, 1.0)  # a combined accuracy, and the floor a recommendation asks for
-CAMPAIGN_ID = Range(1, INT32_MAX, integer=True)
-TRIALS = Range(1, 10_000, integer=True)  # trials per budget of a campaign
-LAYER_GROUPS = Range(1, 8, integer=True)  # groups of layers with their own bits (method pnmix-layers)
 SEED = Range(0, INT32_MAX, integer=True)
-PORT = Range(1, 65535, integer=True)
-PAGE_SIZE = Range(1, 500, integer=True)
-OFFSET = Range(0, INT32_MAX, integer=True)
 HEAD_DIM = Range(2, 1024, integer=True, even=True)  # RoPE rotates channel pairs
 COUNT = Range(1, INT32_MAX, integer=True)  # tokens, sequences, lengths
 NEW_TOKENS = Range(1, 1 << 20, integer=True)  # tokens one command generates
-LIMIT = Range(0, INT32_MAX, integer=True)
-# Settings read from the environment (the tuner's timings and retries, the service's limits)
-SECONDS = Range(0.0, 86_400.0, low_open=True)  # a wait, a heartbeat, a timeout: up to a day
-RETRIES = Range(0, 1000, integer=True)
-BODY_BYTES = Range(1, 1 << 30, integer=True)  # a request body limit
-HEADER_BYTES = Range(1024, 1 << 20, integer=True)  # a request's header limit
-
-
-# The numbers read straight from the environment (the service's and the database's settings go
-# through pydantic-settings instead: `storage.settings`, `api.settings`), with their ranges.
-ENVIRONMENT = {
-    "PNMIX_HEARTBEAT_S": Range(1, 3600, integer=True),  # a campaign trial's heartbeat interval
-    "PNMIX_GRACE_S": Range(1, 86_400, integer=True),  # silence after which a trial counts as dead
-    "PNMIX_DB_RETRIES": RETRIES,  # consecutive database faults a campaign retries
-    "PNMIX_DB_RETRY_S": SECONDS,  # the first wait between those retries
-}
-
-
-def env_value(name: str, default: float) -> float:
-    """The environment variable `name` (a key of `ENVIRONMENT`) as a number in its range (`default`
-    when unset); anything else (text, nan, inf, a value out of range) is refused in one line naming
-    the variable."""
-    import os
-
-    allowed = ENVIRONMENT[name]
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    parser = Int(allowed) if allowed.integer else Number(allowed)
-    try:
-        return float(parser(text.strip()))
-    except InputError:
-        raise InputError(f"environment variable {name}", text, allowed.allowed) from None
-
-
 # -- parsers of the command line's options -------------------------------------------------------
 
 
@@ -289,71 +250,6 @@ class ModelName(Text):
         super().__init__(1, MAX_NAME)
 
 
-_HOST = re.compile(r"[A-Za-z0-9._:\-\[\]%]{1,253}")
-
-
-class Host(Parser):
-    """A host name or an IP address to bind (whether it resolves is checked when binding)."""
-
-    __name__ = "host"
-
-    def __call__(self, text: Any) -> str:
-        if not isinstance(text, str) or not _HOST.fullmatch(text):
-            raise self.refuse(text, "a host name or an IP address (letters, digits, '.', '-', ':'), "
-                                    "at most 253 characters")
-        return text
-
-
-class DatabaseUrl(Parser):
-    """A SQLAlchemy URL of SQLite or PostgreSQL. `must_exist` (commands that only read): a SQLite
-    file must already be there, so that reading never creates a file or a folder."""
-
-    __name__ = "url"
-
-    def __init__(self, must_exist: bool = False) -> None:
-        self.must_exist = must_exist
-
-    def refuse(self, text: Any, allowed: str) -> InputError:
-        # A URL may hold a password: never show it, even in a refusal.
-        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", text) if isinstance(text, str) else text
-        return InputError("value", shown, allowed)
-
-    def __call__(self, text: Any) -> str:
-        allowed = "a database URL such as sqlite:///path/to/pnmix.db or postgresql+psycopg2://user@host:5432/db"
-        if not isinstance(text, str) or not 1 <= len(text) <= MAX_PATH or any(ord(c) < 32 for c in text):
-            raise self.refuse(text, allowed)
-        from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError
-
-        try:
-            url = make_url(text)
-            backend = url.get_backend_name()
-        except (ArgumentError, ValueError):
-            raise self.refuse(text, allowed) from None
-        if backend not in ("sqlite", "postgresql"):
-            raise self.refuse(text, allowed)
-        if backend == "sqlite":
-            database = url.database or ""
-            if database in ("", ":memory:") or database.startswith("file:"):
-                raise self.refuse(text, "a SQLite URL with a file path (several connections share it)")
-            if self.must_exist:
-                check_existing_database(Path(database).expanduser(), text)
-        elif not url.host:
-            raise self.refuse(text, "a PostgreSQL URL with a host, e.g. postgresql+psycopg2://user@host:5432/db")
-        return text
-
-
-def check_existing_database(path: Path, shown: object) -> None:
-    """Refuses a SQLite path that holds no file: a read must not create one."""
-    try:
-        regular = stat.S_ISREG(path.stat().st_mode)
-    except OSError as exc:
-        raise InputError("database", shown, f"an existing SQLite file ({exc.strerror}: run `pnmix db upgrade`, "
-                                            "or `pnmix run`, to create one)") from None
-    if not regular:
-        raise InputError("database", shown, "an existing SQLite file (this is not a regular file)")
-
-
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"
@@ -450,41 +346,3 @@ class InputFile(Parser):
         if not os.access(path, os.R_OK):
             raise InputError("path", text, f"{allowed} (no permission to read it)")
         return str(text)
-
-
-_SHARD = re.compile(r"([0-9]{1,6})/([0-9]{1,6})")
-
-
-class Shard(Parser):
-    """`I/N`: shard I of N, 0 <= I < N (N processes may split one job)."""
-
-    __name__ = "shard"
-
-    def __call__(self, text: Any) -> str:
-        self.parse(text)
-        return str(text)
-
-    def parse(self, text: Any) -> tuple[int, int]:
-        match = _SHARD.fullmatch(text) if isinstance(text, str) else None
-        if match is None or not 0 <= int(match[1]) < int(match[2]):
-            raise self.refuse(text, "I/N with 0 <= I < N, e.g. 0/4")
-        return int(match[1]), int(match[2])
-
-
-def check_bind(host: str, port: int) -> None:
-    """Binds (host, port) once and lets it go, so that a host that does not resolve, a port in use or
-    one this user may not take is one line before a server starts (servers report it as a trace)."""
-    import socket
-
-    allowed = "an address this machine can bind"
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise InputError("address", f"{host}:{port}", f"{allowed} (the host does not resolve: {exc})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            raise InputError("address", f"{host}:{port}", f"{allowed} ({exc.strerror or exc})") from None

@@ -131,7 +131,7 @@ class Campaign(Base):
     profile: Mapped[str] = mapped_column(String(16))  # quick | full
     objectives: Mapped[list[Any]] = mapped_column()  # e.g. ["accuracy", "key_bits"]
     backend: Mapped[str] = mapped_column(String(16), default="auto")  # auto | torch | triton
-    budget_on: Mapped[str] = mapped_column(String(8), default="key", server_default="key")  # pnmix.names.BUDGET_ON
+    budget_on: Mapped[str] = mapped_column(String(8), default="key", server_default="key")  # vocabulary.BUDGET_ON
     search_space: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     options: Mapped[dict[str, Any]] = mapped_column(default=dict)  # tuner knobs not worth a column
     status: Mapped[str] = mapped_column(String(16), default="queued")

@@ -9,9 +9,9 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, joinedload
 
-from pnmix.names import BUDGET_ON
 from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
+from pnmix.storage.vocabulary import BUDGET_ON
 from pnmix.storage.write import BITS_EPS
 
 T = TypeVar("T")

@@ -14,8 +14,8 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pnmix.inputs import SECONDS
 from pnmix.storage.errors import StorageError
+from pnmix.storage.vocabulary import SECONDS
 
 
 def default_db_path() -> Path:

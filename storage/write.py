@@ -28,11 +28,12 @@ from sqlalchemy.orm import Session
 
 from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig
-from pnmix.inputs import BUDGET, TRIALS
+from pnmix.inputs import BUDGET
 from pnmix.layerwise import LayerwiseConfig, simplest
-from pnmix.names import BACKENDS, BUDGET_ON, METHODS
+from pnmix.names import BACKENDS
 from pnmix.storage.errors import InvalidValueError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
+from pnmix.storage.vocabulary import BUDGET_ON, METHODS, TRIALS
 
 # What a campaign may optimize: measured columns of its front points, each with the direction that
 # improves it (the tuner's Optuna study directions). Every campaign optimizes accuracy and key bits.

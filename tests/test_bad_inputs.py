@@ -83,10 +83,10 @@ def test_storage_urls_with_query_parameters_and_environment_numbers(tmp_path, wo
         code, _, err = run(argv)
         assert code == 2 and err.count("\n") == 1 and needle in err, (argv, err)
         assert snapshot(root) == before and not (tmp_path / "q.db").exists()
-    # Every number the environment gives: those read straight (pnmix.inputs.ENVIRONMENT: a campaign
+    # Every number the environment gives: those read straight (pnmix.storage.vocabulary.ENVIRONMENT: a campaign
     # reads them, so `tune --enqueue`), the storage's (`fronts`) and the service's (`serve`).
     from pnmix.api.settings import Settings
-    from pnmix.inputs import ENVIRONMENT
+    from pnmix.storage.vocabulary import ENVIRONMENT
 
     numeric = {f"PNMIX_{k.upper()}" for k, f in Settings.model_fields.items() if f.annotation in (int, float)}
     commands = {**{name: ["tune", "--enqueue", "--trials", "1"] for name in ENVIRONMENT},

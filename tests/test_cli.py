@@ -64,15 +64,15 @@ def test_the_command_line_and_the_service_accept_the_same_values(tmp_path):
     from pnmix import inputs
     from pnmix.api.app import create_app
     from pnmix.api.settings import Settings
-    from pnmix.storage import Database, upgrade
+    from pnmix.storage import Database, upgrade, vocabulary
     from pnmix.storage.testing import sqlite_url
 
     url = sqlite_url(tmp_path)
     db = Database(url)
     upgrade(db)
     db.dispose()
-    options = {"target_bits": inputs.Number(inputs.BUDGET), "min_accuracy": inputs.Number(inputs.ACCURACY),
-               "campaign_id": inputs.Int(inputs.CAMPAIGN_ID)}
+    options = {"target_bits": inputs.Number(inputs.BUDGET), "min_accuracy": inputs.Number(vocabulary.ACCURACY),
+               "campaign_id": inputs.Int(vocabulary.CAMPAIGN_ID)}
     values = ["0", "1e-9", "1", "2.3", "16", "16.000001", "-1", "nan", "inf", "1e309", "2147483647", "2147483648"]
     with TestClient(create_app(Settings(database_url=url))) as client:
         for field, parser in options.items():

@@ -28,6 +28,7 @@ import typer.main
 
 from pnmix import inputs
 from pnmix.api import cli
+from pnmix.storage import vocabulary
 
 # Command paths -> why some of their options' bad values cannot be run here (none so far).
 EXCLUDED: dict[tuple[str, ...], str] = {}
@@ -129,9 +130,9 @@ def bad_values(parser: Any, places: Places) -> list[str]:
         if parser.max_length < 1 << 21:
             values.append("x" * (parser.max_length + 1))
         return values + ([] if parser.lines else ["a\x01b"])
-    if isinstance(parser, inputs.Host):
+    if isinstance(parser, vocabulary.Host):
         return ["", "bad host", "x" * 300, "\u00e9.example", "a/b"]
-    if isinstance(parser, inputs.DatabaseUrl):
+    if isinstance(parser, vocabulary.DatabaseUrl):
         values = ["", "nonsense", "x" * 10_000, "sqlite://", "sqlite:///:memory:", "mysql://u@h/db",
                   "postgresql://u:pw@/db"]
         # query parameters that the driver would read as numbers or flags
@@ -148,7 +149,7 @@ def bad_values(parser: Any, places: Places) -> list[str]:
                 "/proc/pnmix-fuzz"]
     if isinstance(parser, inputs.InputFile):
         return ["", places.long, str(places.missing), str(places.folder), "/dev/null", str(places.fifo)]
-    if isinstance(parser, inputs.Shard):
+    if isinstance(parser, vocabulary.Shard):
         return ["", "1/1", "2/1", "-1/2", "a/b", "0/0", "1/", "9" * 50 + "/1"]
     raise AssertionError(f"no bad values for parser {type(parser).__name__}: teach this test its domain")
 

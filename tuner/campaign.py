@@ -64,10 +64,11 @@ from optuna.exceptions import ExperimentalWarning
 from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.errors import PNMixError
-from pnmix.inputs import SEED, TRIALS, env_value, shorten
+from pnmix.inputs import SEED, shorten
 from pnmix.layerwise import AnyConfig
 from pnmix.names import BACKENDS
 from pnmix.storage.errors import StorageError
+from pnmix.storage.vocabulary import TRIALS, env_value
 from pnmix.storage.write import OBJECTIVES, check_budgets, check_objectives
 from pnmix.tuner import profiles, queue, record
 from pnmix.tuner.allocation import AllocatorLoop

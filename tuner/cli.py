@@ -27,8 +27,10 @@ from pnmix.cli import (
     console,
 )
 from pnmix.config import PRESETS
-from pnmix.inputs import Choice, DatabaseUrl, Host, InputFile, Int, ModelName, Names, Number, OutputFile, Shard
-from pnmix.names import BACKENDS, BUDGET_ON, DEFAULT_METHOD, METHODS
+from pnmix.inputs import Choice, InputFile, Int, ModelName, Names, Number, OutputFile
+from pnmix.names import BACKENDS
+from pnmix.storage import vocabulary
+from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, METHODS, DatabaseUrl, Host, Shard
 from pnmix.tuner.profiles import PROFILES, EvalError
 from pnmix.tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
 from pnmix.tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS, LAYERED
@@ -39,7 +41,8 @@ if TYPE_CHECKING:
     from pnmix.tuner.campaign import CampaignSpec
 
 
-# Every option parses through a checker of pnmix.inputs (refused before any work; api/cli.py prints it).
+# Every option parses through a checker of pnmix.inputs or storage.vocabulary (refused before any work;
+# api/cli.py prints it).
 ProfileOpt = Annotated[str, typer.Option("--profile", help=", ".join(PROFILES), parser=Choice(tuple(PROFILES)))]
 BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS), parser=Choice(BACKENDS))]
 MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: pnmix-alloc gives each layer its bits by the "
@@ -47,13 +50,13 @@ MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: pnmix-alloc
                                         "the others search uniform configs of each method's knobs, or layer groups",
                                         parser=Choice(METHODS))]
 SeedOpt = Annotated[int, typer.Option(help="task (and sampler) seed", parser=Int(inputs.SEED))]
-TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(inputs.TRIALS))]
+TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(vocabulary.TRIALS))]
 BitsOpt = Annotated[float, typer.Option(help="bit budget (key bits, or KV bits with --bits-of kv)",
                                         parser=Number(inputs.BUDGET))]
 BitsOfOpt = Annotated[str, typer.Option(help="what --bits bounds: key bits per key element, or kv: key and value "
                                         "bits per cached element", parser=Choice(BUDGET_ON))]
 DbModelOpt = Annotated[str, typer.Option(help="model name", parser=ModelName())]
-CampaignOpt = Annotated[int | None, typer.Option(help="campaign id", parser=Int(inputs.CAMPAIGN_ID))]
+CampaignOpt = Annotated[int | None, typer.Option(help="campaign id", parser=Int(vocabulary.CAMPAIGN_ID))]
 LmEvalTaskOpt = Annotated[str | None, typer.Option("--lm-eval-task", help="an lm-evaluation-harness generation task "
                                                    "(name or task YAML file) as an accuracy part; needs "
                                                    "the lm-eval extra", parser=inputs.Text(1, inputs.MAX_PATH))]
@@ -313,7 +316,7 @@ def tune(
                                                 "--budget-on kv; pnmix-alloc: each layer's own)")] = False,
     layer_groups: Annotated[int, typer.Option(help="--method pnmix-layers: groups of layers (by sensitivity), each "
                                               "with its own bit pair and salient ratio",
-                                              parser=Int(inputs.LAYER_GROUPS))] = DEFAULT_LAYER_GROUPS,
+                                              parser=Int(vocabulary.LAYER_GROUPS))] = DEFAULT_LAYER_GROUPS,
     profile_name: ProfileOpt = "quick",
     objectives: Annotated[str, typer.Option(help="accuracy,key_bits[,kv_bytes][,throughput] (under --budget-on kv, "
                                             "key_bits stands for the KV bits)",
@@ -392,7 +395,7 @@ def sweep(
     shard: Annotated[str, typer.Option(help="I/N: score shard I of N (N processes may fill one file)",
                                        parser=Shard())] = "0/1",
     limit: Annotated[int | None, typer.Option(help="score at most this many configs, then stop",
-                                              parser=Int(inputs.LIMIT))] = None,
+                                              parser=Int(vocabulary.LIMIT))] = None,
     measure: Annotated[bool, typer.Option(help="also measure bytes held and decode tokens/s")] = False,
     backend: BackendOpt = "auto",
 ) -> None:
@@ -445,7 +448,7 @@ def _objective_names() -> tuple[str, ...]:
 def worker(
     storage: StorageOpt = None,
     campaign: Annotated[int | None, typer.Option(help="attach to this campaign (default: claim queued ones)",
-                                                 parser=Int(inputs.CAMPAIGN_ID))] = None,
+                                                 parser=Int(vocabulary.CAMPAIGN_ID))] = None,
     wait: Annotated[bool, typer.Option(help="keep polling for queued campaigns")] = False,
 ) -> None:
     """Work on campaigns from the shared database: attach to one, or claim queued ones until none is left.
@@ -528,7 +531,7 @@ def _fail_campaign(db: Any, campaign_id: int, reason: str) -> None:
 
 def fronts(
     model: DbModelOpt = "smollm2-135m",
-    campaign: Annotated[int | None, typer.Option(help="only this campaign", parser=Int(inputs.CAMPAIGN_ID))] = None,
+    campaign: Annotated[int | None, typer.Option(help="only this campaign", parser=Int(vocabulary.CAMPAIGN_ID))] = None,
     storage: ReadStorageOpt = None,
 ) -> None:
     """Print the stored Pareto fronts of a model."""
@@ -545,7 +548,7 @@ def recommend(
                         ] = "accuracy",
     min_accuracy: Annotated[float | None, typer.Option(
         help="minimum accuracy (default: none for accuracy; for throughput and memory, "
-             "90% of the best accuracy within the budget)", parser=Number(inputs.ACCURACY))] = None,
+             "90% of the best accuracy within the budget)", parser=Number(vocabulary.ACCURACY))] = None,
     storage: ReadStorageOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
@@ -735,10 +738,10 @@ def write_regular_file(target: Path, text: str) -> None:
 def dashboard(
     storage: ReadStorageOpt = None,
     host: Annotated[str, typer.Option(help="bind address", parser=Host())] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port", parser=Int(inputs.PORT))] = 8080,
+    port: Annotated[int, typer.Option(help="port", parser=Int(vocabulary.PORT))] = 8080,
 ) -> None:
     """Serve optuna-dashboard on the campaigns' storage."""
-    from pnmix.inputs import check_bind
+    from pnmix.storage.vocabulary import check_bind
     from pnmix.tuner.session import open_db
 
     db = open_db(storage)

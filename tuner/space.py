@@ -34,9 +34,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pnmix.config import GROUP_SIZES, PNMixConfig
-from pnmix.inputs import LAYER_GROUPS
 from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
-from pnmix.names import BUDGET_ON, METHODS
+from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, METHODS
 from pnmix.tuner.profiles import EvalError
 
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

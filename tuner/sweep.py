@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig
-from pnmix.inputs import InputError, Shard, shorten
+from pnmix.inputs import InputError, shorten
+from pnmix.storage.vocabulary import Shard
 from pnmix.tuner.profiles import EvalError
 from pnmix.tuner.record import config_key
 from pnmix.tuner.space import SearchSpace

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Path, Query, Response
 from pnmix.api.deps import ReadSession, StrictJsonBody, TokenChecked, WriteSession
 from pnmix.api.problems import ProblemError, problem_doc
 from pnmix.api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
-from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from pnmix.storage import read, write
+from pnmix.storage.vocabulary import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from pnmix.tuner.profiles import EvalError
 from pnmix.tuner.queue import check_budgets_reachable
 

@@ -8,8 +8,8 @@ from pnmix.api.deps import ReadSession
 from pnmix.api.problems import problem_doc
 from pnmix.api.schemas import Budget, ModelPage, ModelPublic, PointPage, PointPublic
 from pnmix.api.settings import MAX_PAGE_SIZE
-from pnmix.inputs import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from pnmix.storage import read
+from pnmix.storage.vocabulary import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 
 router = APIRouter(tags=["models"])
 

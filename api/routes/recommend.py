@@ -7,9 +7,9 @@ from fastapi import APIRouter, Query, Response
 from pnmix.api.deps import ReadSession
 from pnmix.api.problems import problem_doc
 from pnmix.api.schemas import BitsOf, Budget, Optimize, PointPublic, Recommendation
-from pnmix.inputs import ACCURACY, CAMPAIGN_ID
 from pnmix.storage import read
 from pnmix.storage.read import RELATIVE_FLOOR
+from pnmix.storage.vocabulary import ACCURACY, CAMPAIGN_ID
 
 router = APIRouter(tags=["recommend"])
 
