@@ -54,7 +54,7 @@ def test_bad_input_is_one_line_without_traceback(args, field):
 
 def test_cli_starts_without_torch():
     code = "import sys, pnmix.api.cli; assert 'torch' not in sys.modules, 'torch imported eagerly'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=60)
 
 
 def test_the_command_line_and_the_service_accept_the_same_values(tmp_path):

@@ -258,7 +258,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
         "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(COMPILED)], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(COMPILED)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]

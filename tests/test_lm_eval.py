@@ -128,11 +128,11 @@ def test_cli_lm_eval_errors_are_one_line(tmp_path):
 def test_missing_extra_names_the_pip_command():
     """Without the harness, `python -m pnmix.lm_eval` and the import say which pip install to run, in one line."""
     hide = "import sys; sys.modules['lm_eval'] = None; "
-    run = subprocess.run([sys.executable, "-c", hide + "import runpy; runpy.run_module('pnmix.lm_eval', "
+    run = subprocess.run([sys.executable, "-P", "-c", hide + "import runpy; runpy.run_module('pnmix.lm_eval', "
                           "run_name='__main__')", "--model", "pnmix"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: the lm-evaluation-harness model needs the lm-eval extra: pip install -e '.[lm-eval]'"]
-    imp = subprocess.run([sys.executable, "-c", hide + "from pnmix.tuner.harness import check_extra; check_extra()"],
+    imp = subprocess.run([sys.executable, "-P", "-c", hide + "from pnmix.tuner.harness import check_extra; check_extra()"],
                          capture_output=True, text=True, timeout=120)
     assert imp.returncode != 0 and "pip install -e '.[lm-eval]'" in imp.stderr

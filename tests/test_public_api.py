@@ -50,4 +50,4 @@ def test_import_pnmix_does_not_import_torch_or_transformers():
         "pnmix.PNMixCache\n"
         "assert 'torch' in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)
