@@ -133,6 +133,7 @@ def test_missing_extra_names_the_pip_command():
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: the lm-evaluation-harness model needs the lm-eval extra: pip install -e '.[lm-eval]'"]
-    imp = subprocess.run([sys.executable, "-P", "-c", hide + "from pnmix.tuner.harness import check_extra; check_extra()"],
+    imp = subprocess.run([sys.executable, "-P", "-c",
+                          hide + "from pnmix.tuner.harness import check_extra; check_extra()"],
                          capture_output=True, text=True, timeout=120)
     assert imp.returncode != 0 and "pip install -e '.[lm-eval]'" in imp.stderr
