@@ -29,11 +29,8 @@ import resource
 import signal
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 HEAD_DIM = 64  # smollm2-135m, the registry model the stub campaigns name
 UNITS = 64  # per-unit outcomes of the stub's one part (what racing pairs)
