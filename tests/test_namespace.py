@@ -10,8 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_only_the_pnmix_name_is_installed(tmp_path):
-    """Outside the checkout, the subpackages import under pnmix and no generic name resolves to a
-    folder of the checkout (`kernels` may be Hugging Face's package, installed beside pnmix)."""
+    """Outside the checkout, the subpackages import under pnmix and no generic name resolves to the
+    checkout's folder of that name (`kernels` may be Hugging Face's package, installed beside pnmix,
+    in a virtualenv that may itself sit inside the checkout)."""
     code = (
         "import importlib.util, pathlib, sys\n"
         "import pnmix.kernels, pnmix.tuner.space, pnmix.storage.orm, pnmix.api.app, pnmix.storage.migrations as m\n"
@@ -19,10 +20,10 @@ def test_only_the_pnmix_name_is_installed(tmp_path):
         "assert m.ALEMBIC_DIR.joinpath('env.py').is_file(), m.ALEMBIC_DIR\n"
         "for name in ('kernels', 'tuner', 'storage', 'api'):\n"
         "    spec = importlib.util.find_spec(name)\n"
-        "    assert spec is None or root not in pathlib.Path(spec.origin or '').parents, (name, spec)\n"
+        "    assert spec is None or root / name not in pathlib.Path(spec.origin or '').parents, (name, spec)\n"
         "from transformers import AutoModelForCausalLM, LlamaConfig\n"
         "import transformers.integrations.hub_kernels\n"
         "mod = sys.modules.get('kernels')\n"
-        "assert mod is None or root not in pathlib.Path(mod.__file__ or '').parents, mod\n"
+        "assert mod is None or root / 'kernels' not in pathlib.Path(mod.__file__ or '').parents, mod\n"
     )
     subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120, cwd=tmp_path)
