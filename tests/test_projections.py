@@ -14,12 +14,14 @@ from torch._dynamo.backends.registry import register_backend
 from pnmix.projections import fuse_siblings, merge_repeated_linears, swapped
 from pnmix.static import StaticGenerator
 
-GEMMS: list[int] = []  # aten matrix products per compiled forward graph, appended by the backend below
+# aten weight products (mm, addmm: what a linear layer lowers to) per compiled forward graph, appended
+# by the backend below; batched products are not counted (transformers 5.17's rotary embedding is one).
+GEMMS: list[int] = []
 
 
 def _count_gemms(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
     GEMMS.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"
-                     and str(n.target).split(".")[1] in ("mm", "addmm", "bmm", "baddbmm")))
+                     and str(n.target).split(".")[1] in ("mm", "addmm")))
     return gm
 
 
