@@ -27,3 +27,13 @@ def test_only_the_pnmix_name_is_installed(tmp_path):
         "assert mod is None or root / 'kernels' not in pathlib.Path(mod.__file__ or '').parents, mod\n"
     )
     subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120, cwd=tmp_path)
+
+
+def test_the_storage_packages_lazy_names_are_its_public_names():
+    """`pnmix.storage` lists its names three times (for mypy, for loading, `__all__`): every public
+    name loads, and no list holds one the others lack."""
+    import pnmix.storage as storage
+
+    assert set(storage.__all__) == set(storage._LAZY)
+    for name in storage.__all__:
+        assert getattr(storage, name) is not None, name
