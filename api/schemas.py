@@ -14,7 +14,9 @@ from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from pnmix.storage.read import OPTIMIZE, ModelSummary
 from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, LAYER_GROUPS, METHODS, TRIALS
 from pnmix.storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
+from pnmix.tuner.holdout import DEFAULT_SHARE, HOLDOUT
 from pnmix.tuner.profiles import PROFILES, EvalError
+from pnmix.tuner.queue import check_tasks
 from pnmix.tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
 
 # The ranges are pnmix.inputs' and storage.vocabulary's, the command line's too: `pnmix recommend --bits`
@@ -88,6 +90,26 @@ class ConfigPublic(BaseModel):
     seed: int
 
 
+class PaperHoldout(BaseModel):
+    accuracy: float
+    accuracy_se: float | None
+    diff: float = Field(description="the point minus pnmix-paper on the held-out units, paired unit by unit")
+    diff_se: float | None
+
+
+class HoldoutPublic(BaseModel):
+    """A point's score on its campaign's held-out units: items and documents no trial saw."""
+
+    accuracy: float
+    accuracy_se: float | None
+    units: dict[str, int] = Field(description="held-out units per part")
+    minus_in_search: float = Field(description="held-out minus in-search accuracy (disjoint units)")
+    minus_in_search_se: float | None = Field(description="its standard error, sqrt(se_held^2 + se_search^2)")
+    holds: bool = Field(description="false when the held-out score falls more than 2 SE below the in-search one")
+    pnmix_paper: PaperHoldout | None = Field(description="pnmix-paper on the same held-out units, where it fits "
+                                             "the budget")
+
+
 class PointPublic(BaseModel):
     id: int
     campaign_id: int
@@ -110,6 +132,9 @@ class PointPublic(BaseModel):
     backend: str
     device: str
     versions: dict[str, str]
+    holdout: HoldoutPublic | None = Field(default=None, description="the score on the campaign's held-out units, "
+                                          "for the point a finished campaign recommends at one of its budgets; "
+                                          "null: not scored there")
     created_at: datetime
 
     @classmethod
@@ -122,6 +147,7 @@ class PointPublic(BaseModel):
             key_bits=p.key_bits, kv_bits=p.kv_bits, budget_on=p.budget_on,  # type: ignore[arg-type]
             kv_bytes=p.kv_bytes, throughput=p.throughput, backend=p.backend, device=p.device,
             versions={str(k): str(v) for k, v in p.versions.items()}, created_at=p.created_at,
+            holdout=HoldoutPublic.model_validate(p.holdout_summary()) if p.holdout_accuracy is not None else None,
         )
 
 
@@ -241,6 +267,13 @@ class CampaignCreate(BaseModel):
     search_values: bool = Field(default=False, description="search value bits and value group size too (needs "
                                 "budget_on=kv: under a key budget values cost nothing); method pnmix-alloc: "
                                 "each layer's own")
+    tasks: list[str] | None = Field(default=None, min_length=1, max_length=8, description=(
+        "the campaign's tasks (default: passkey, kv_lookup, fidelity): those names, lm_eval:TASK[@LIMIT], "
+        "items:PATH (a JSONL items file) or texts:PATH[@PREFIX+TOKENS] (a texts file). A file is a path on the "
+        "service's machine, checked now; the worker reads it again and must see it at the same path"))
+    holdout: float = Field(default=DEFAULT_SHARE, ge=HOLDOUT.low, le=HOLDOUT.high, description=(
+        "share of every task's items and documents held back from the search; each budget's pick is scored on "
+        "them when the campaign finishes (0: none)"))
 
     # The schema above documents the rules; the checks themselves are the storage's (an
     # InvalidValueError is a ValueError, so pydantic answers it as a 422).
@@ -248,6 +281,16 @@ class CampaignCreate(BaseModel):
     @classmethod
     def _budgets(cls, v: list[float]) -> list[float]:
         check_budgets(v)
+        return v
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            try:
+                check_tasks(v)
+            except EvalError as exc:
+                raise ValueError(str(exc)) from None
         return v
 
     @field_validator("objectives")

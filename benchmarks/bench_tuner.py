@@ -108,8 +108,8 @@ class Replay:
         return sum(scale * secs * sum(upto[n] for n in parts[k]) / sum(self.counts[n] for n in parts[k])
                    for k, secs in timed.items())
 
-    def unit_counts(self) -> dict[str, int]:
-        return dict(self.counts)
+    def unit_counts(self, which: str = "search") -> dict[str, int]:
+        return dict(self.counts) if which == "search" else {}  # the recorded scores hold no held-out units
 
     def rung(self, config: PNMixConfig, upto: dict[str, int], have: Any = None) -> Any:
         from pnmix.tuner.evaluate import Rung

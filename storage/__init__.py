@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from pnmix.storage.write import (
         OBJECTIVES,
         FrontPointIn,
+        HoldoutIn,
         ModelIn,
         check_budgets,
         check_objectives,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         create_campaign,
         registry_model,
         replace_front,
+        set_holdout,
         touch_campaign,
         update_campaign_progress,
         upsert_model,
@@ -58,21 +60,21 @@ _MODULES = {
     "read": ("OPTIMIZE", "ModelSummary", "Page", "get_campaign", "get_model", "list_campaigns", "list_front_points",
              "list_models", "recommend", "recommend_with_ties"),
     "settings": ("StorageSettings", "load_storage_settings"),
-    "write": ("OBJECTIVES", "FrontPointIn", "ModelIn", "check_budgets", "check_objectives",
-              "claim_next_queued_campaign", "create_campaign", "registry_model", "replace_front", "touch_campaign",
-              "update_campaign_progress", "upsert_model"),
+    "write": ("OBJECTIVES", "FrontPointIn", "HoldoutIn", "ModelIn", "check_budgets", "check_objectives",
+              "claim_next_queued_campaign", "create_campaign", "registry_model", "replace_front", "set_holdout",
+              "touch_campaign", "update_campaign_progress", "upsert_model"),
 }
 _LAZY = {name: (f"pnmix.storage.{module}", name) for module, names in _MODULES.items() for name in names}
 _LAZY["describe_database_error"] = ("pnmix.storage.faults", "describe")
 
-__all__ = ["OBJECTIVES", "OPTIMIZE", "Base", "Campaign", "Database", "FrontPoint", "FrontPointIn",
+__all__ = ["OBJECTIVES", "OPTIMIZE", "Base", "Campaign", "Database", "FrontPoint", "FrontPointIn", "HoldoutIn",
            "InvalidValueError", "Model", "ModelIn", "ModelSummary", "NoFeasiblePointError", "NotFoundError",
            "Page", "SchemaError", "StorageError", "StorageSettings", "check_budgets", "check_objectives",
            "check_schema", "claim_next_queued_campaign", "create_campaign", "current_revision",
            "describe_database_error", "display_url", "get_campaign", "get_model", "head_revision", "is_transient",
            "list_campaigns", "list_front_points", "list_models", "load_storage_settings", "make_engine",
-           "recommend", "recommend_with_ties", "registry_model", "replace_front", "touch_campaign",
-           "update_campaign_progress", "upgrade", "upsert_model"]
+           "recommend", "recommend_with_ties", "registry_model", "replace_front", "set_holdout",
+           "touch_campaign", "update_campaign_progress", "upgrade", "upsert_model"]
 
 
 def __getattr__(name: str) -> Any:

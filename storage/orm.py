@@ -14,6 +14,7 @@ Table names carry a `pnmix_` prefix because the same database also holds Optuna'
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -200,6 +201,12 @@ class FrontPoint(Base):
     versions: Mapped[dict[str, Any]] = mapped_column(default=dict)  # package -> version
     # per part {"weight": w, "values": [per-unit influence]} (storage.write.FrontPointIn); NULL: unknown
     unit_influence: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # The point's score on its campaign's held-out units (tuner/holdout.py), set when the campaign
+    # finishes for the point each budget recommends; NULL: not scored there (no hold-out, or not a pick).
+    holdout_accuracy: Mapped[float | None] = mapped_column(Double, nullable=True, default=None)
+    holdout_accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True, default=None)
+    # the rest of that measurement (storage.write.HoldoutIn.to_dict): unit counts, pnmix-paper beside it
+    holdout: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     campaign: Mapped[Campaign] = relationship(back_populates="points")
@@ -210,6 +217,27 @@ class FrontPoint(Base):
         if not self.layers:
             return default
         return LayerwiseConfig.from_dict({"default": default.to_dict(), "layers": self.layers})
+
+    def holdout_gap(self) -> tuple[float, float | None] | None:
+        """(held-out minus in-search accuracy, its standard error), None without a held-out score.
+        The two scores come from disjoint units, so the error combines both: sqrt(se_h^2 + se_s^2)."""
+        if self.holdout_accuracy is None:
+            return None
+        ses = (self.holdout_accuracy_se, self.accuracy_se)
+        se = None if None in ses else math.hypot(*ses)  # type: ignore[arg-type]
+        return self.holdout_accuracy - self.accuracy, se
+
+    def holdout_summary(self) -> dict[str, Any] | None:
+        """The held-out score as `recommend --json` and the API give it; None without one. `holds`:
+        the held-out score is not more than 2 standard errors (of the gap) below the in-search one."""
+        gap = self.holdout_gap()
+        if gap is None:
+            return None
+        detail = self.holdout or {}
+        diff, se = gap
+        return {"accuracy": self.holdout_accuracy, "accuracy_se": self.holdout_accuracy_se,
+                "units": detail.get("units", {}), "minus_in_search": diff, "minus_in_search_se": se,
+                "holds": se is None or diff >= -2 * se, "pnmix_paper": detail.get("paper")}
 
     def bits(self, of: str) -> float:
         """The point's key bits (`of="key"`) or KV bits (`"kv"`)."""

@@ -142,6 +142,54 @@ class FrontPointIn:
                 _check_number(f"unit_influence[{part!r}] value", value)
 
 
+@dataclass(frozen=True)
+class HoldoutIn:
+    """A front point's score on its campaign's held-out units (tuner/holdout.py).
+
+    accuracy, accuracy_se: the combined score there and its standard error
+    units:                 held-out units per part, e.g. {"passkey": 34, "fidelity": 3}
+    paper:                 pnmix-paper on the same units, where it fits the budget: {"accuracy", "accuracy_se",
+                           "diff", "diff_se"} with diff = this point minus pnmix-paper, paired unit by unit
+    """
+
+    accuracy: float
+    accuracy_se: float | None
+    units: Mapping[str, int]
+    paper: Mapping[str, float | None] | None = None
+
+    def __post_init__(self) -> None:
+        _check_number("holdout accuracy", self.accuracy, low=0.0, high=1.0)
+        if self.accuracy_se is not None:
+            _check_number("holdout accuracy_se", self.accuracy_se, low=0.0, high=1.0)
+        for part, n in self.units.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise InvalidValueError(f"invalid held-out units of {part!r}: {n!r}, an integer >= 1")
+        for name, value in (self.paper or {}).items():
+            if name not in ("accuracy", "accuracy_se", "diff", "diff_se"):
+                raise InvalidValueError(f"invalid holdout paper field {name!r}")
+            if value is not None:
+                _check_number(f"holdout paper {name}", value, low=-1.0, high=1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"units": {str(k): int(v) for k, v in self.units.items()},
+                "paper": None if self.paper is None else {k: None if v is None else float(v)
+                                                          for k, v in self.paper.items()}}
+
+
+def set_holdout(session: Session, point_id: int, holdout: HoldoutIn) -> FrontPoint:
+    """Stores a front point's held-out score (rewriting its front later keeps it: `replace_front`)."""
+    point = session.get(FrontPoint, point_id)
+    if point is None:
+        raise NotFoundError(f"no front point with id {point_id}")
+    if not isinstance(holdout, HoldoutIn):
+        raise InvalidValueError(f"a held-out score must be a HoldoutIn, got {type(holdout).__name__}")
+    point.holdout_accuracy = float(holdout.accuracy)
+    point.holdout_accuracy_se = None if holdout.accuracy_se is None else float(holdout.accuracy_se)
+    point.holdout = holdout.to_dict()
+    session.flush()
+    return point
+
+
 def upsert_model(session: Session, model: ModelIn) -> Model:
     """Inserts the model, or updates family/source/location/shape of the one with the same name."""
     row = session.scalars(select(Model).where(Model.name == model.name)).one_or_none()
@@ -425,6 +473,15 @@ def replace_front(
                     for k, v in point.unit_influence.items()},
             )
         )
+    # A point's held-out score (set once the campaign finished) stays with its trial's config.
+    kept = {(p.trial_number, p.config.to_json()): (p.holdout_accuracy, p.holdout_accuracy_se, p.holdout)
+            for p in session.scalars(select(FrontPoint).where(FrontPoint.campaign_id == campaign.id,
+                                                              FrontPoint.budget == budget,
+                                                              FrontPoint.holdout_accuracy.is_not(None)))}
+    for row in rows:
+        held = kept.get((row.trial_number, row.config.to_json()))
+        if held is not None:
+            row.holdout_accuracy, row.holdout_accuracy_se, row.holdout = held
     session.execute(
         delete(FrontPoint)
         .where(FrontPoint.campaign_id == campaign.id, FrontPoint.budget == budget)

@@ -72,6 +72,7 @@ from pnmix.storage.vocabulary import TRIALS, env_value
 from pnmix.storage.write import OBJECTIVES, check_budgets, check_objectives
 from pnmix.tuner import profiles, queue, record
 from pnmix.tuner.allocation import AllocatorLoop
+from pnmix.tuner.holdout import DEFAULT_SHARE, HOLDOUT
 from pnmix.tuner.profiles import EvalError
 from pnmix.tuner.record import config_key, running_trials, scored_configs
 from pnmix.tuner.space import SearchSpace
@@ -106,6 +107,7 @@ class CampaignSpec:
     backend: str = "auto"
     tasks: tuple[str, ...] | None = None
     space: SearchSpace = field(default_factory=SearchSpace)
+    holdout: float = DEFAULT_SHARE  # share of every part's units no trial sees (tuner/holdout.py)
 
     def __post_init__(self) -> None:
         """Budgets and objectives get the storage's checks (the campaign row holds them); the
@@ -123,6 +125,9 @@ class CampaignSpec:
             raise EvalError(f"unknown backend {shorten(self.backend)}: allowed {', '.join(BACKENDS)}")
         if self.tasks is not None:
             queue.check_tasks(self.tasks)
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, int | float) or not HOLDOUT.contains(
+                self.holdout):
+            raise EvalError(f"invalid holdout={shorten(self.holdout)}: allowed {HOLDOUT.allowed}")
 
     def key(self) -> str:
         """Identity of the campaign: the same spec resumes the same campaign."""
@@ -132,7 +137,7 @@ class CampaignSpec:
 
     def options(self) -> dict[str, Any]:
         return {"seed": self.seed, "multi_fidelity": self.multi_fidelity, "racing": self.racing, "tasks": self.tasks,
-                "spec_key": self.key(),
+                "holdout": self.holdout, "spec_key": self.key(),
                 "space": self.space.to_options()}
 
     @classmethod
@@ -146,7 +151,8 @@ class CampaignSpec:
             return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
                        profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
                        multi_fidelity=opts.get("multi_fidelity", True), racing=opts.get("racing", False),
-                       backend=row.backend, tasks=tasks, space=space)
+                       backend=row.backend, tasks=tasks, space=space,
+                       holdout=opts.get("holdout", 0.0))  # campaigns stored before hold-outs had none
         except PNMixError:
             raise
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -842,9 +848,52 @@ class CampaignRunner:
         floor = self.space.min_bits(self.head_dim)
         expected = self.spec.n_trials * sum(1 for b in self.spec.budgets if b >= floor)
         if done >= expected and not running:
+            self.score_holdout()
             self.set_progress(status="done", trials_done=done)
         else:
             self.set_progress(trials_done=done)
+
+    def score_holdout(self) -> None:
+        """Scores each budget's recommended point (storage.recommend within this campaign, as
+        `pnmix recommend --bits BUDGET` answers) and pnmix-paper, where it fits the budget, on the
+        held-out units, and stores the result with the point. Runs once, when the campaign is done:
+        points that already hold a held-out score are skipped, so a resumed campaign pays nothing."""
+        from pnmix.storage import HoldoutIn, recommend, set_holdout
+        from pnmix.storage.errors import NoFeasiblePointError
+        from pnmix.tuner.stats import paired
+
+        counts = self.evaluator.unit_counts("holdout") if self.spec.holdout > 0 else {}
+        if not counts:
+            return
+        paper = self.space.recast(preset("pnmix-paper"))
+        scored: dict[str, Any] = {}  # config key -> held-out Score, shared by budgets that pick the same config
+
+        def held_out(config: AnyConfig) -> Any:
+            key = record.config_key(config)
+            if key not in scored:
+                self.progress(f"held-out units: scoring {config.label}")
+                scored[key] = self.evaluator.evaluate(config, measure=False, which="holdout")
+            return scored[key]
+
+        for budget in sorted(self.spec.budgets):
+            with self.db.session(readonly=True) as s:
+                try:
+                    point = recommend(s, self.spec.model, budget, campaign_id=self.campaign_id,
+                                      bits_of=self.space.budget_on)
+                except NoFeasiblePointError:
+                    continue
+                point_id, config, done = point.id, point.config, point.holdout_accuracy is not None
+            if done:
+                continue
+            mine = held_out(config)
+            against = None
+            if self.space.cost(paper, self.head_dim) <= budget + 1e-9:
+                theirs = held_out(paper)
+                diff, diff_se = paired(mine.units, theirs.units)["accuracy"]
+                against = {"accuracy": theirs.accuracy, "accuracy_se": theirs.accuracy_se, "diff": diff,
+                           "diff_se": diff_se}
+            with self.db.session() as s:
+                set_holdout(s, point_id, HoldoutIn(mine.accuracy, mine.accuracy_se, dict(mine.items), against))
 
     def _guarded(self, what: str, step: Callable[[], Any]) -> Any:
         """Runs `step`, again after a transient database fault (bounded, with backoff).

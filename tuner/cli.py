@@ -31,8 +31,9 @@ from pnmix.inputs import Choice, InputFile, Int, ModelName, Names, Number, Outpu
 from pnmix.names import BACKENDS
 from pnmix.storage import vocabulary
 from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, METHODS, DatabaseUrl, Host, Shard
+from pnmix.tuner.holdout import DEFAULT_SHARE, HOLDOUT
 from pnmix.tuner.profiles import PROFILES, EvalError
-from pnmix.tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS
+from pnmix.tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS, FILE_TASKS
 from pnmix.tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS, LAYERED
 
 SWEPT = tuple(m for m in METHODS if m not in (LAYERED, ALLOCATED))  # a sweep covers a uniform space
@@ -62,6 +63,46 @@ LmEvalTaskOpt = Annotated[str | None, typer.Option("--lm-eval-task", help="an lm
                                                    "the lm-eval extra", parser=inputs.Text(1, inputs.MAX_PATH))]
 LmEvalLimitOpt = Annotated[int | None, typer.Option("--lm-eval-limit", help="the task's first N documents "
                                                     "(before filtering against fp16)", parser=Int(inputs.COUNT))]
+ItemsOpt = Annotated[str | None, typer.Option(help="JSONL items as a task: {question, answer} with a numeric answer, "
+                                              "or {prompt, answer} with a string answer (\"match\": \"regex\" for a "
+                                              "regular expression)", parser=InputFile())]
+TextsOpt = Annotated[str | None, typer.Option(help="your own texts as a task (plain text, one document per "
+                                              "blank-line-separated block, or JSONL with a \"text\" field): each "
+                                              "document's continuation is teacher-forced after its prefix",
+                                              parser=InputFile())]
+TextPrefixOpt = Annotated[int | None, typer.Option(help="texts: tokens of each document's prefix (default: the "
+                                                   "model's context / 8, at most 1024; with --text-tokens)",
+                                                   parser=Int(inputs.NEW_TOKENS))]
+TextTokensOpt = Annotated[int | None, typer.Option(help="texts: tokens predicted after the prefix (default: the "
+                                                   "model's context / 16, at most 512; with --text-prefix)",
+                                                   parser=Int(inputs.NEW_TOKENS))]
+TaskListOpt = Annotated[str | None, typer.Option("--tasks", help="comma-separated: passkey, kv_lookup, fidelity, "
+                                                 "items, texts (the last two with their files)",
+                                                 parser=Names((*CAMPAIGN_TASKS, *FILE_TASKS, "lm_eval"),
+                                                              with_arguments=ARGUMENT_TASKS))]
+
+
+def texts_task(texts: str | None, prefix: int | None, tokens: int | None) -> Any:
+    """The texts task of the options (tuner/texts.py), or None; one line for lengths without a file."""
+    from pnmix.tuner.texts import TextsTask
+
+    if texts is None:
+        if prefix is not None or tokens is not None:
+            raise EvalError("--text-prefix and --text-tokens need --texts")
+        return None
+    return TextsTask(texts, prefix, tokens)
+
+
+def task_list(tasks: str | None, items: str | None, texts: Any) -> tuple[str, ...] | None:
+    """The task list a campaign stores: the named tasks (default: the built-in ones) and the user's
+    files as entries items:PATH and texts:PATH[@PREFIX+TOKENS], which workers read (tuner/queue.py)."""
+    from pnmix.tuner.evaluate import DEFAULT_TASKS
+
+    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None
+    files = (*((f"items:{Path(items).resolve()}",) if items else ()), *((texts.entry(),) if texts else ()))
+    if not files:
+        return chosen
+    return (*(t for t in chosen or DEFAULT_TASKS if t not in FILE_TASKS), *files)
 
 
 def eval_config(
@@ -78,11 +119,11 @@ def eval_config(
     criterion: CriterionOpt = None,
     profile_name: ProfileOpt = "quick",
     seed: SeedOpt = 0,
-    gsm8k: Annotated[str | None, typer.Option(help="JSONL file of {question, answer} to add as a task",
-                                              parser=InputFile())] = None,
-    tasks: Annotated[str | None, typer.Option(help="comma-separated: passkey, kv_lookup, fidelity, gsm8k",
-                                              parser=Names((*CAMPAIGN_TASKS, "gsm8k", *ARGUMENT_TASKS),
-                                                           with_arguments=ARGUMENT_TASKS))] = None,
+    items: ItemsOpt = None,
+    texts: TextsOpt = None,
+    text_prefix: TextPrefixOpt = None,
+    text_tokens: TextTokensOpt = None,
+    tasks: TaskListOpt = None,
     compare: Annotated[str | None, typer.Option(help="comma-separated presets or peers (hf-quanto-2, hf-quanto-4, "
                                                 "hf-hqq-2, hf-hqq-4) to score side by side",
                                                 parser=Names(_compare_names))] = None,
@@ -106,6 +147,7 @@ def eval_config(
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
+    text_task = texts_task(texts, text_prefix, text_tokens)
     if config_file:
         if compare:
             raise EvalError("give --config or --compare, not both")
@@ -130,8 +172,8 @@ def eval_config(
             bar.update(task, description=message)
 
         chosen = tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None
-        evaluator = Evaluator(model, prof, seed, gsm8k, progress=say, tasks=chosen, lm_eval_task=lm_eval_task,
-                              lm_eval_limit=lm_eval_limit)
+        evaluator = Evaluator(model, prof, seed, items, progress=say, tasks=chosen, lm_eval_task=lm_eval_task,
+                              lm_eval_limit=lm_eval_limit, texts=text_task)
         evaluator.prepare()
         from pnmix.tuner import peers
         from pnmix.tuner.stats import paired
@@ -155,7 +197,7 @@ def eval_config(
         return
     table = Table(title=f"{model}, profile {prof.name}, seed {seed} ({evaluator.backend} on {evaluator.device}); "
                         "mean +- standard error")
-    part_names = [p for p in ("passkey", "kv_lookup", "gsm8k", "lm_eval", "fidelity")
+    part_names = [p for p in ("passkey", "kv_lookup", "items", "lm_eval", "fidelity", "texts")
                   if any(p in s.parts for s in scores.values())]
     for col in ("config", "key bits", "accuracy", *part_names, "fid. top-1", "fid. KL", "proxy KL", "KV KiB",
                 "decode tok/s", "s"):
@@ -223,11 +265,11 @@ ReadStorageOpt = Annotated[str | None, typer.Option("--storage", help=_STORAGE_H
 
 
 def _evaluator(spec: CampaignSpec, progress: Callable[[str], None]) -> Any:
-    return _load_evaluator(spec.model, spec.profile, spec.seed, spec.tasks, spec.backend, progress)
+    return _load_evaluator(spec.model, spec.profile, spec.seed, spec.tasks, spec.backend, progress, spec.holdout)
 
 
 def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, ...] | None, backend: str,
-                    progress: Callable[[str], None]) -> Any:
+                    progress: Callable[[str], None], holdout: float = 0.0) -> Any:
     import torch
 
     from pnmix.tuner.evaluate import Evaluator
@@ -240,7 +282,8 @@ def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, 
         from pnmix import backend as pnmix_backend
 
         pnmix_backend.set_backend(backend)
-    return Evaluator(model, profile(profile_name), seed, progress=progress, tasks=tasks, device=device)
+    return Evaluator(model, profile(profile_name), seed, progress=progress, tasks=tasks, device=device,
+                     holdout=holdout)
 
 
 def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str = "local") -> dict[float, Any]:
@@ -328,8 +371,14 @@ def tune(
         help="screen candidates with the attention-KL proxy before scoring them (off by default: on the "
              "GPU it pruned configs of the true front)")] = False,
     racing: Annotated[bool, typer.Option(help="race candidates on growing shares of the items")] = False,
-    tasks: Annotated[str | None, typer.Option(help=f"comma-separated: {', '.join(CAMPAIGN_TASKS)}",
-                                              parser=Names(CAMPAIGN_TASKS, with_arguments=ARGUMENT_TASKS))] = None,
+    tasks: TaskListOpt = None,
+    items: ItemsOpt = None,
+    texts: TextsOpt = None,
+    text_prefix: TextPrefixOpt = None,
+    text_tokens: TextTokensOpt = None,
+    holdout: Annotated[float, typer.Option(help="share of every task's items and documents held back from the "
+                                           "search; each budget's pick is scored on them at the end (0: none)",
+                                           parser=Number(HOLDOUT))] = DEFAULT_SHARE,
     lm_eval_task: LmEvalTaskOpt = None,
     lm_eval_limit: LmEvalLimitOpt = None,
     storage: StorageOpt = None,
@@ -345,7 +394,7 @@ def tune(
     from pnmix.tuner.session import find_or_create_campaign, open_db
     from pnmix.tuner.space import SearchSpace
 
-    chosen = _objectives(tasks) if tasks else None
+    chosen = task_list(tasks, items, texts_task(texts, text_prefix, text_tokens))
     if lm_eval_task or lm_eval_limit is not None:
         from pnmix.tuner import harness
         from pnmix.tuner.evaluate import DEFAULT_TASKS
@@ -360,7 +409,7 @@ def tune(
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
                         space=SearchSpace(method=method, budget_on=budget_on, search_values=search_values,
                                           layer_groups=layer_groups),
-                        tasks=chosen)
+                        tasks=chosen, holdout=holdout)
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # what a worker could not load: one line before the database
@@ -579,7 +628,8 @@ def recommend(
                     "throughput": q.throughput, "campaign": q.campaign_id, "trial": q.trial_number}
 
         row = {"model": model, "budget": bits, "bits_of": bits_of, "min_accuracy": floor, **row_of(p),
-               "ties": [row_of(q) for q in ties]}
+               "holdout": p.holdout_summary(), "ties": [row_of(q) for q in ties]}
+        held = holdout_line(p)
         others = [(q.config, q.bits(bits_of), q.accuracy, q.accuracy_se) for q in ties if q is not p]
     if as_json:
         print(json.dumps(row))
@@ -589,8 +639,26 @@ def recommend(
                   f"{_pm(row['accuracy'], row['accuracy_se'])} "
                   f"(campaign {row['campaign']}, trial {row['trial']})"
                   + (f"; accuracy floor {floor:.3f}" if floor else ""))
+    console.print(held)
     _print_ties(others)
     console.print(config.to_json())
+
+
+def holdout_line(p: Any) -> str:
+    """One sentence on a point's held-out score, its gap to the in-search score and pnmix-paper's."""
+    held = p.holdout_summary()
+    if held is None:
+        return ("held-out: not scored (the campaign held nothing back, had not finished, or did not recommend "
+                "this point for one of its budgets)")
+    units = ", ".join(f"{n} {part}" for part, n in held["units"].items())
+    text = (f"held-out ({units}): accuracy {_pm(held['accuracy'], held['accuracy_se'])}, minus the in-search "
+            f"score {_diff(held['minus_in_search'], held['minus_in_search_se'])}")
+    text += (": holds (not more than 2 SE below)" if held["holds"] else
+             ": FALLS more than 2 SE below the in-search score; the pick may not hold on unseen data")
+    paper = held["pnmix_paper"]
+    if paper:
+        text += f"; minus pnmix-paper on the held-out units, paired: {_diff(paper['diff'], paper['diff_se'])}"
+    return text
 
 
 def _optimize_names() -> tuple[str, ...]:
@@ -760,7 +828,8 @@ def run_main_job(
     storage: StorageOpt = None,
 ) -> None:
     """The main job: bit-budget table, then a small real allocator campaign (quick profile, budgets 3.0
-    and 2.25 key bits), its fronts, the recommendation at <= 2.3 bits beside pnmix-paper, and a plot."""
+    and 2.25 key bits; a quarter of the items held out), its fronts, the recommendation at <= 2.25 bits
+    beside pnmix-paper with its held-out score, and a plot."""
     from pathlib import Path
 
     from pnmix.storage import recommend_with_ties
@@ -772,8 +841,8 @@ def run_main_job(
     console.print(budget_table(model))
     db = open_db(storage, upgrade=True)
     # 2.25 key bits lies just under pnmix-paper's 2.263 (d = 64), which the 3.0 budget scores among its
-    # warm starts: a layer-wise config that fills 2.25 bits and ties or beats the paper is the
-    # recommendation at <= 2.3 bits (the fewest bits among tied points), compared with it on the same items.
+    # warm starts: the recommendation at <= 2.25 bits, a layer-wise config, is compared with it on the
+    # same items, in the search and on the held-out items.
     spec = CampaignSpec(model=model, budgets=(3.0, 2.25), n_trials=trials, profile="quick", method=ALLOCATED,
                         space=SearchSpace(method=ALLOCATED))
     campaign_id = find_or_create_campaign(db, spec)
@@ -782,9 +851,10 @@ def run_main_job(
     print_fronts(db, model, campaign_id)
     path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
     with db.session(readonly=True) as s:
-        p, ties = recommend_with_ties(s, model, 2.3, campaign_id=campaign_id)
-        console.print(f"recommendation at <= 2.3 key bits: {p.config.to_json()} "
+        p, ties = recommend_with_ties(s, model, 2.25, campaign_id=campaign_id)
+        console.print(f"recommendation at <= 2.25 key bits: {p.config.to_json()} "
                       f"(key bits {p.key_bits:.3f}, accuracy {_pm(p.accuracy, p.accuracy_se)})")
+        console.print(holdout_line(p))
         _print_ties([(t.config, t.key_bits, t.accuracy, t.accuracy_se) for t in ties if t is not p])
         others = list(studies.values())
         console.print("recommendation " + _against_paper(studies[p.budget], p.trial_number, spec.space, others))

@@ -10,7 +10,8 @@ config's caches from those states (saliency, quantize, pack: the live prefill's 
   quantized), else on the batched
   dynamic cache, which is also the CPU path. Rows stop at the end-of-sequence token, as `generate`
   does for one item.
-- fidelity: all trajectories are teacher-forced together, the whole trajectory in one forward
+- fidelity and texts: all trajectories (fp16 continuations, or the user's documents: tuner/texts.py)
+  of a part are teacher-forced together, the whole trajectory in one forward
   pass where the logits fit (`replay_chunk`), through caches that keep their dequantized view up
   to date as groups are packed (on CUDA the kernels pack; the view is never rebuilt from the
   bytes). A multi-token step attends exactly as token-by-token decode (`pnmix.cache.Flushed`).
@@ -29,7 +30,7 @@ import inspect
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,7 @@ class _PreparedTrajectory:
     tokens: torch.Tensor  # [n] on the host
     ref_logp: torch.Tensor  # [n, V] float32: fp16's next-token log-probabilities
     ref_top: torch.Tensor  # [n] fp16's argmax
+    prompt_ids: list[int]  # what `state` is the prefill of (the one-sequence reference replays it)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -132,7 +134,8 @@ class ScoringEngine:
         self._budget = memory_bytes if memory_bytes is not None else free_bytes(self.device)
         self.items: dict[str, list[Item]] = {}
         self.states: dict[str, list[PrefillState]] = {}
-        self.trajectories: list[_PreparedTrajectory] = []
+        # Teacher-forced sequences by part: "fidelity" (fp16 trajectories), "texts" (the user's documents).
+        self.replays: dict[str, list[_PreparedTrajectory]] = {}
         self._cost_state: PrefillState | None = None
 
     def _check_fits(self, what: str, tokens: int) -> None:
@@ -186,15 +189,21 @@ class ScoringEngine:
         self.items[task] = [self.items[task][i] for i in indices]
         self.states[task] = [self.states[task][i] for i in indices]
 
-    def add_trajectories(self, trajectories: list[Trajectory]) -> None:
+    @property
+    def trajectories(self) -> list[_PreparedTrajectory]:
+        """The fidelity part's trajectories."""
+        return self.replays.get("fidelity", [])
+
+    def add_trajectories(self, trajectories: list[Trajectory], part: str = "fidelity") -> None:
         """Prefills every trajectory's prompt once and keeps its fp16 next-token distributions."""
+        have = len(self.replays.get(part, []))
         for i, traj in enumerate(trajectories):
-            self._check_fits(f"trajectory {i}", len(traj.prompt_ids) + len(traj.tokens))
+            self._check_fits(f"{part} sequence {have + i}", len(traj.prompt_ids) + len(traj.tokens))
         states = self._record([torch.tensor([traj.prompt_ids]) for traj in trajectories])
         for traj, state in zip(trajectories, states, strict=True):
             ref = traj.reference_logits.to(self.device).float()
-            self.trajectories.append(_PreparedTrajectory(state, torch.tensor(traj.tokens), ref.log_softmax(-1),
-                                                         ref.argmax(-1)))
+            self.replays.setdefault(part, []).append(_PreparedTrajectory(
+                state, torch.tensor(traj.tokens), ref.log_softmax(-1), ref.argmax(-1), list(traj.prompt_ids)))
 
     @torch.inference_mode()
     def continuations(self, prompts: list[list[int]], n_tokens: int) -> list[list[int]]:
@@ -222,7 +231,7 @@ class ScoringEngine:
     def state_bytes(self) -> int:
         """Bytes the recorded states hold (items and trajectory prompts)."""
         return sum(s.nbytes() for ss in self.states.values() for s in ss) + sum(
-            t.state.nbytes() for t in self.trajectories)
+            t.state.nbytes() for ts in self.replays.values() for t in ts)
 
     def _batches(self, states: list[PrefillState], new_tokens: int) -> list[range]:
         """Consecutive index ranges whose decode fits the memory budget."""
@@ -252,7 +261,7 @@ class ScoringEngine:
         """1.0 for every item (from index `start` on) answered correctly under `config`, else 0.0."""
         return self.all_outcomes(config, {task: range(start, len(self.items[task]))})[task]
 
-    def all_outcomes(self, config: AnyConfig, spans: dict[str, range]) -> dict[str, list[float]]:
+    def all_outcomes(self, config: AnyConfig, spans: Mapping[str, Sequence[int]]) -> dict[str, list[float]]:
         """`outcomes` of several tasks (task -> the item indices to answer), all those items in one
         batch: one cache build and one captured decode graph for the lot."""
         answers = self._answers(config, spans)
@@ -261,7 +270,7 @@ class ScoringEngine:
                 for task, span in spans.items()}
 
     @torch.inference_mode()
-    def _answers(self, config: AnyConfig, spans: dict[str, range]) -> dict[str, list[str]]:
+    def _answers(self, config: AnyConfig, spans: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
         items = [self.items[task][i] for task, span in spans.items() for i in span]
         states = [self.states[task][i] for task, span in spans.items() for i in span]
         texts: list[str] = []
@@ -341,13 +350,14 @@ class ScoringEngine:
     # -- fidelity --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def fidelity(self, config: AnyConfig, chunk: int | None = None,
-                 rows: range | None = None) -> list[tuple[float, float]]:
-        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every trajectory (or those of `rows`)
-        under `config`.
+    def fidelity(self, config: AnyConfig, chunk: int | None = None, rows: Sequence[int] | None = None,
+                 part: str = "fidelity") -> list[tuple[float, float]]:
+        """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every sequence of `part` (or those of
+        `rows`) under `config`.
 
         chunk: tokens a forward pass (default `replay_chunk`); any size gives the same scores."""
-        trajs = self.trajectories if rows is None else [self.trajectories[i] for i in rows]
+        every = self.replays.get(part, [])
+        trajs = every if rows is None else [every[i] for i in rows]
         if not trajs:
             return []
         n = int(trajs[0].tokens.numel())

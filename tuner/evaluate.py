@@ -2,7 +2,10 @@
 
 `Evaluator` loads the model once and prepares, per (model, profile, seed), the task items the
 unquantized model answers correctly and the fp16 trajectories for long-output fidelity; both are
-cached on disk (as text and token ids) under the cache directory. Scoring runs through the
+cached on disk (as text and token ids) under the cache directory. The user's data joins as parts
+of their own: an items file (tuner/tasks.py, `items_file`) and a texts file (tuner/texts.py).
+With a held-out share (tuner/holdout.py), every part's units are split once: `evaluate` and
+`rung` score the search units, `evaluate(..., which="holdout")` the held-out ones. Scoring runs through the
 batched engine (tuner/engine.py): every prompt is prefilled once per evaluator, and a trial
 pays only for its config's decode. `evaluate_reference` scores the same items one at a time
 through `generate`, the path the engine is tested and benchmarked against.
@@ -29,15 +32,21 @@ from pnmix.families import rope_pairing
 from pnmix.layerwise import AnyConfig
 from pnmix.tuner import fidelity, stats
 from pnmix.tuner import tasks as tasks_module
+from pnmix.tuner import texts as texts_module
 from pnmix.tuner.engine import ScoringEngine, Trajectory
+from pnmix.tuner.holdout import MAX_SHARE, split, total_for
 from pnmix.tuner.profiles import EvalError, Profile
+from pnmix.tuner.texts import TextsTask
 
 Progress = Callable[[str], None]
 
-TASKS = ("passkey", "kv_lookup", "fidelity", "gsm8k", "lm_eval")
+TASKS = ("passkey", "kv_lookup", "fidelity", "items", "texts", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
+FILE_TASKS = ("items", "texts")  # parts from the user's files, named `items:PATH` or `texts:PATH` in a task list
+REPLAYED = ("fidelity", "texts")  # parts scored by teacher forcing (the engine's `fidelity`), not by answers
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
-PREPARATION_VERSION = 5
+PREPARATION_VERSION = 6
+Split = str  # "search" (what trials see) or "holdout" (tuner/holdout.py)
 
 
 @dataclass
@@ -64,12 +73,13 @@ class Score:
     # Seconds by part and "cost"; on CUDA also "kernel_compile", the compiler's share of those seconds,
     # and "kernels_compiled", the kernel specialisations this score compiled (first uses).
     timings: dict[str, float] = field(default_factory=dict)
+    texts_kl: float = float("nan")  # the texts part's mean KL(p_fp16 || p_quant) per token (its score: agreement)
 
     @classmethod
     def from_units(cls, units: dict[str, list[float]], agreements: list[float], timings: dict[str, float],
-                   cost: tuple[int, float, int | None], **fields: Any) -> Score:
+                   cost: tuple[int, float, int | None], text_kls: list[float] | None = None, **fields: Any) -> Score:
         """The Score of per-unit outcomes: the parts, the combined accuracy, their standard errors and
-        the fidelity means all follow from `units` (and `agreements`); `cost` is (bytes held, decode
+        the fidelity means all follow from `units` (and `agreements`, `text_kls`); `cost` is (bytes held, decode
         tokens/s, peak device bytes); `fields` the rest (config, key_bits, backend, device, versions,
         seconds, profile). PN-Mix configs and transformers' peers are scored into it alike."""
         if not units:
@@ -90,6 +100,7 @@ class Score:
             parts_se={name: stats.part_se(name, u) for name, u in units.items()},
             units=units,
             timings=timings,
+            texts_kl=sum(text_kls) / len(text_kls) if text_kls else float("nan"),
             **fields,
         )
 
@@ -104,6 +115,7 @@ class Rung:
     units: dict[str, list[float]]
     agreements: list[float]
     seconds: float
+    text_kls: list[float] = field(default_factory=list)  # each scored document's mean KL (texts part)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,30 +128,49 @@ def versions() -> dict[str, str]:
 
 
 class Evaluator:
-    def __init__(self, model: str, profile: Profile, seed: int = 0, gsm8k: str | Path | None = None,
+    def __init__(self, model: str, profile: Profile, seed: int = 0, items: str | Path | None = None,
                  progress: Progress | None = None, tasks: tuple[str, ...] | None = None,
-                 device: str = "cpu", lm_eval_task: str | None = None, lm_eval_limit: int | None = None) -> None:
+                 device: str = "cpu", lm_eval_task: str | None = None, lm_eval_limit: int | None = None,
+                 texts: TextsTask | None = None, holdout: float = 0.0) -> None:
         from pnmix.tuner import harness
 
-        # An lm-eval task (tuner/harness.py) comes as keywords or as a task-list entry lm_eval:TASK[@LIMIT].
-        entries = [t for t in tasks or () if t.startswith(harness.PART + ":")]
-        if entries:
-            lm_eval_task, lm_eval_limit = harness.parse_entry(entries[-1])
-            tasks = tuple(harness.PART if t.startswith(harness.PART + ":") else t for t in tasks or ())
-        chosen = tuple(tasks) if tasks else (*DEFAULT_TASKS, *(("gsm8k",) if gsm8k else ()))
+        # An lm-eval task (tuner/harness.py) comes as keywords or as a task-list entry lm_eval:TASK[@LIMIT];
+        # the user's files as keywords or as entries items:PATH and texts:PATH[@PREFIX+TOKENS].
+        named: list[str] = []
+        for entry in tasks or ():
+            name = entry.partition(":")[0] if ":" in entry else entry
+            if entry.startswith(harness.PART + ":"):
+                lm_eval_task, lm_eval_limit = harness.parse_entry(entry)
+            elif entry.startswith("items:"):
+                items = entry.partition(":")[2]
+            elif entry.startswith("texts:"):
+                texts = TextsTask.parse(entry)
+            named.append(name)
+        chosen = tuple(dict.fromkeys(named)) if named else (
+            *DEFAULT_TASKS, *(("items",) if items else ()), *(("texts",) if texts else ()))
         if lm_eval_task and harness.PART not in chosen:
             chosen = (*chosen, harness.PART)
         for name in chosen:
             if name not in TASKS:
                 raise EvalError(f"unknown task {name!r}: allowed {', '.join(TASKS)}")
-        if "gsm8k" in chosen and not gsm8k:
-            raise EvalError("task gsm8k needs a JSONL file (--gsm8k PATH)")
+        if "items" in chosen and not items:
+            raise EvalError("task items needs a JSONL file (--items PATH)")
+        if "texts" in chosen and not texts:
+            raise EvalError("task texts needs a texts file (--texts PATH)")
         if harness.PART in chosen:
             if not lm_eval_task:
                 raise EvalError("task lm_eval needs an lm-eval task (--lm-eval-task TASK)")
             harness.check_extra()  # a missing extra is one line, before the model loads
         self.tasks = chosen
-        self._gsm8k = tasks_module.gsm8k_items(gsm8k) if gsm8k else None  # checked before the model loads
+        # The user's files are read and checked before the model loads.
+        self._items = tasks_module.items_file(items) if items and "items" in chosen else None
+        self.texts = texts if "texts" in chosen else None
+        if self.texts is not None:
+            texts_module.documents(self.texts.path)
+        if not 0 <= holdout <= MAX_SHARE:
+            raise EvalError(f"invalid hold-out share {holdout}: allowed [0, {MAX_SHARE}]")
+        self.holdout = holdout
+        self._split: dict[str, tuple[list[int], list[int]]] = {}
         self.model_name = model
         self.profile = profile
         self.seed = seed
@@ -166,7 +197,7 @@ class Evaluator:
 
         safe = self.model_name.replace("/", "_")
         # The profile's knobs are part of the key: a changed profile never reads another's items.
-        knobs = hashlib.sha256(repr(asdict(self.profile)).encode()).hexdigest()[:10]
+        knobs = hashlib.sha256(repr((asdict(self.profile), self.holdout)).encode()).hexdigest()[:10]
         name = f"{self.profile.name}-{knobs}-seed{self.seed}-v{PREPARATION_VERSION}.json"
         return models.cache_dir() / "eval" / safe / name
 
@@ -202,16 +233,25 @@ class Evaluator:
         else:
             for name, items in data["items"].items():
                 engine.add_items(name, items)
-        if self._gsm8k is not None:
-            data["items"]["gsm8k"] = self._gsm8k
-            engine.add_items("gsm8k", self._gsm8k)
+        if self._items is not None:
+            data["items"]["items"] = self._items
+            engine.add_items("items", self._items)
         if "fidelity" in self.tasks:
             self.progress("fp16 reference distributions")
             engine.add_trajectories([
                 Trajectory(prompt, tokens, fidelity.reference_logits(self.model, torch.tensor([prompt]), tokens))
                 for prompt, tokens in data["trajectories"]])
+        if self.texts is not None:
+            prefix, n = self.texts.lengths(engine.context)
+            docs = texts_module.cut(self.tokenizer, self.texts.path, prefix, n)
+            self.progress(f"texts: {len(docs)} documents, fp16 reference distributions")
+            engine.add_trajectories([
+                Trajectory(head, tail, fidelity.reference_logits(self.model, torch.tensor([head]), tail))
+                for head, tail in docs], part="texts")
         self._engine = engine
         self._prepared = data
+        counts = self._all_counts()
+        self._split = {name: split(n, self.holdout, self.seed, name) for name, n in counts.items()}
         return data
 
     @property
@@ -224,12 +264,13 @@ class Evaluator:
         """Candidates answered by fp16 in the engine (kept: those it gets right), and fp16 trajectories."""
         p, fp16 = self.profile, preset("fp16")
         pools = {
-            "passkey": tasks_module.passkey_items(p.pool_factor * p.passkey_items, self.seed, p.passkey_filler,
-                                                  p.passkey_digits, p.passkey_distractors),
-            "kv_lookup": tasks_module.kv_lookup_items(p.pool_factor * p.kv_items, self.seed, p.kv_pairs,
-                                                      p.kv_digits, p.kv_near_miss),
+            "passkey": tasks_module.passkey_items(p.pool_factor * total_for(p.passkey_items, self.holdout), self.seed,
+                                                  p.passkey_filler, p.passkey_digits, p.passkey_distractors),
+            "kv_lookup": tasks_module.kv_lookup_items(p.pool_factor * total_for(p.kv_items, self.holdout), self.seed,
+                                                      p.kv_pairs, p.kv_digits, p.kv_near_miss),
         }
-        wanted = {"passkey": p.passkey_items, "kv_lookup": p.kv_items}
+        # With a held-out share, the search keeps the profile's counts and the held-out units come on top.
+        wanted = {"passkey": total_for(p.passkey_items, self.holdout), "kv_lookup": total_for(p.kv_items, self.holdout)}
         kept: dict[str, list[tasks_module.Item]] = {}
         for name, pool in pools.items():
             # Keep only items the unquantized model gets right, so a miss is the cache's fault.
@@ -255,8 +296,12 @@ class Evaluator:
             kept[name] = engine.items[name]
         from pnmix.models import chat_ids
 
+        n_prompts = total_for(p.fidelity_prompts, self.holdout)
+        if n_prompts > len(fidelity.FIDELITY_PROMPTS):
+            raise EvalError(f"profile {p.name} with a hold-out share of {self.holdout:g} needs {n_prompts} fidelity "
+                            f"prompts; there are {len(fidelity.FIDELITY_PROMPTS)}: use a smaller share")
         prompts = [chat_ids(self.tokenizer, prompt)["input_ids"][0].tolist()
-                   for prompt in fidelity.FIDELITY_PROMPTS[: p.fidelity_prompts]]
+                   for prompt in fidelity.FIDELITY_PROMPTS[:n_prompts]]
         self.progress(f"generating {len(prompts)} fp16 trajectories")
         tokens = engine.continuations(prompts, p.fidelity_tokens) if prompts else []
         return {"items": kept, "trajectories": list(zip(prompts, tokens, strict=True))}
@@ -345,74 +390,101 @@ class Evaluator:
 
     # -- full evaluation -----------------------------------------------------------------------
 
-    def unit_counts(self) -> dict[str, int]:
-        """Units of every part that runs: items per task, trajectories for fidelity."""
-        data = self.prepare()
+    def _all_counts(self) -> dict[str, int]:
+        """Units of every part that runs, held-out ones included: items per task, sequences for the
+        replayed parts (fidelity trajectories, texts documents), kept lm-eval documents."""
+        data, engine = self._prepared, self._engine
+        assert data is not None and engine is not None
         counts = {name: len(items) for name, items in data["items"].items() if items and name in self.tasks}
-        if "fidelity" in self.tasks and data["trajectories"]:
-            counts["fidelity"] = len(data["trajectories"])
+        for part in REPLAYED:
+            if part in self.tasks and engine.replays.get(part):
+                counts[part] = len(engine.replays[part])
         if self.harness is not None and self.harness.kept():
             counts["lm_eval"] = len(self.harness.kept())
         return counts
 
-    def _units(self, config: AnyConfig, reference: bool = False, have: Rung | None = None,
-               upto: dict[str, int] | None = None) -> tuple[dict[str, list[float]], list[float], dict[str, float]]:
-        """Per-unit outcomes of every part that runs, the trajectories' agreements, seconds by part.
+    def indices(self, part: str, which: Split = "search") -> list[int]:
+        """The units of `part` that `which` scores (tuner/holdout.py): all of them without a hold-out."""
+        self.prepare()
+        search, held = self._split[part]
+        if which not in ("search", "holdout"):
+            raise ValueError(f"unknown split {which!r}")
+        return search if which == "search" else held
 
-        have/upto (engine only): the units already scored (a race's earlier rungs) and how many of
-        each part to hold afterwards (default all); only the units in between are scored, and the
-        outcomes returned are `have`'s followed by the new ones."""
+    def unit_counts(self, which: Split = "search") -> dict[str, int]:
+        """Units of every part that `which` scores (a part with none is left out)."""
+        self.prepare()
+        counts = {name: len(self.indices(name, which)) for name in self._split}
+        return {name: n for name, n in counts.items() if n}
+
+    def _units(self, config: AnyConfig, reference: bool = False, have: Rung | None = None,
+               upto: dict[str, int] | None = None, which: Split = "search") -> tuple[Rung, dict[str, float]]:
+        """Per-unit outcomes of every part that runs (with the trajectories' agreements and the
+        documents' KLs, as a Rung without seconds), and seconds by part.
+
+        Positions count the units of `which` (their indices: `indices`). have/upto (engine only):
+        the units already scored (a race's earlier rungs) and how many of each part to hold
+        afterwards (default all); only the units in between are scored, and the outcomes returned
+        are `have`'s followed by the new ones."""
         data, engine = self.prepare(), self.engine
-        counts = self.unit_counts()
+        counts = self.unit_counts(which)
         upto = upto or counts
         held = {name: len(u) for name, u in (have.units if have else {}).items()}
         units: dict[str, list[float]] = {name: list(u) for name, u in (have.units if have else {}).items()}
+        chosen = {name: self.indices(name, which)[held.get(name, 0):upto.get(name, n)] for name, n in counts.items()}
         timings: dict[str, float] = {}
-        spans = {name: range(held.get(name, 0), upto.get(name, n)) for name, n in counts.items()
-                 if name not in ("fidelity", "lm_eval")}
+        spans = {name: rows for name, rows in chosen.items() if name not in (*REPLAYED, "lm_eval")}
         if spans:
-            self.progress("items: " + ", ".join(f"{len(span)} {name}" for name, span in spans.items()))
+            self.progress("items: " + ", ".join(f"{len(rows)} {name}" for name, rows in spans.items()))
             t0 = time.perf_counter()
             if reference:
-                for name, span in spans.items():
-                    units[name] = [float(data["items"][name][i].is_correct(
-                        tasks_module.answer(self.model, self.tokenizer, config, data["items"][name][i]))) for i in span]
+                for name, rows in spans.items():
+                    units[name] = units.get(name, []) + [float(data["items"][name][i].is_correct(
+                        tasks_module.answer(self.model, self.tokenizer, config, data["items"][name][i]))) for i in rows]
             else:  # every task's items in one batch
                 for name, outcomes in engine.all_outcomes(config, spans).items():
                     units[name] = units.get(name, []) + outcomes
             timings["items"] = time.perf_counter() - t0
-        if "lm_eval" in counts and self.harness is not None:  # through the harness (tuner/harness.py)
+        if "lm_eval" in chosen and self.harness is not None:  # through the harness (tuner/harness.py)
             t0 = time.perf_counter()
-            units["lm_eval"] = units.get("lm_eval", []) + self.harness.outcomes(
-                config, range(held.get("lm_eval", 0), upto.get("lm_eval", counts["lm_eval"])))
+            units["lm_eval"] = units.get("lm_eval", []) + self.harness.outcomes(config, chosen["lm_eval"])
             timings["lm_eval"] = time.perf_counter() - t0
         agreements: list[float] = list(have.agreements) if have else []
-        if "fidelity" in counts:
-            rows = range(held.get("fidelity", 0), upto.get("fidelity", counts["fidelity"]))
-            self.progress(f"long-output fidelity: {len(rows)} trajectories")
+        text_kls: list[float] = list(have.text_kls) if have else []
+        for part in REPLAYED:
+            if part not in chosen:
+                continue
+            rows = chosen[part]
+            self.progress(f"{part}: {len(rows)} teacher-forced sequences")
             t0 = time.perf_counter()
             if reference:
-                trajs = data["trajectories"]
-                fids = [fidelity.replay(self.model, torch.tensor([trajs[i][0]]), trajs[i][1], config,
-                                        engine.trajectories[i].ref_logp) for i in rows]
+                seqs = engine.replays[part]
+                fids = [fidelity.replay(self.model, torch.tensor([seqs[i].prompt_ids]), seqs[i].tokens.tolist(), config,
+                                        seqs[i].ref_logp) for i in rows]
                 pairs = [(f.agreement, f.mean_kl) for f in fids]
             else:
-                pairs = engine.fidelity(config, rows=rows) if len(rows) else []
-            timings["fidelity"] = time.perf_counter() - t0
-            agreements += [a for a, _ in pairs]
-            units["fidelity"] = units.get("fidelity", []) + [kl for _, kl in pairs]
-        return units, agreements, timings
+                pairs = engine.fidelity(config, rows=rows, part=part) if rows else []
+            timings[part] = time.perf_counter() - t0
+            if part == "fidelity":  # a trajectory's unit is its mean KL (tuner/stats.py)
+                agreements += [a for a, _ in pairs]
+                units[part] = units.get(part, []) + [kl for _, kl in pairs]
+            else:  # a document's unit is its top-1 agreement; its KL is reported beside it
+                text_kls += [kl for _, kl in pairs]
+                units[part] = units.get(part, []) + [a for a, _ in pairs]
+        return Rung(units, agreements, 0.0, text_kls), timings
 
     def rung(self, config: AnyConfig, upto: dict[str, int], have: Rung | None = None) -> Rung:
-        """A race's next rung: `have` extended to the first `upto[part]` units of every part."""
+        """A race's next rung: `have` extended to the first `upto[part]` search units of every part."""
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()
-        units, agreements, _ = self._units(config, have=have, upto=upto)
-        return Rung(units, agreements, (have.seconds if have else 0.0) + time.perf_counter() - start)
+        got, _ = self._units(config, have=have, upto=upto)
+        got.seconds = (have.seconds if have else 0.0) + time.perf_counter() - start
+        return got
 
     def evaluate(self, config: AnyConfig, reference: bool = False, measure: bool = True,
-                 have: Rung | None = None) -> Score:
-        """Scores `config` through the engine (reference=True: item by item through `generate`).
+                 have: Rung | None = None, which: Split = "search") -> Score:
+        """Scores `config` on the units of `which` through the engine (reference=True: item by item
+        through `generate`, sequence by sequence through `model(...)`).
 
         measure=False skips the cost workload (bytes, tokens/s), e.g. for accuracy-only comparisons.
         have: the units a race already scored (`rung`); only the rest are scored now, and the
@@ -424,9 +496,9 @@ class Evaluator:
         start = time.perf_counter()
         log = watch() if self.model.device.type == "cuda" else None
         before = log.copy() if log else None
-        units, agreements, timings = self._units(config, reference, have=have)
+        got, timings = self._units(config, reference, have=have, which=which)
         cost: tuple[int, float, int | None] = (0, float("nan"), None)
-        if measure and units:
+        if measure and got.units:
             self.progress("measuring bytes and decode throughput")
             t0 = time.perf_counter()
             cost = self.measure_cost(config)
@@ -436,7 +508,7 @@ class Evaluator:
             timings["kernel_compile"] = new.seconds
             timings["kernels_compiled"] = new.compiled
         return Score.from_units(
-            units, agreements, timings, cost,
+            got.units, got.agreements, timings, cost, text_kls=got.text_kls,
             config=config.to_dict(),
             key_bits=mean_key_bits(config, self.num_layers, self.head_dim),
             backend=self.backend,

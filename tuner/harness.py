@@ -194,7 +194,7 @@ class HarnessPart:
 
     # -- scoring -------------------------------------------------------------------------------
 
-    def outcomes(self, config: AnyConfig | None, span: range, make_cache: Any = None) -> list[float]:
+    def outcomes(self, config: AnyConfig | None, span: Sequence[int], make_cache: Any = None) -> list[float]:
         """Outcomes of the kept documents in `span` (their positions among the kept), in that order."""
         docs = [self.kept()[i] for i in span]
         if not docs:

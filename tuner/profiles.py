@@ -1,7 +1,8 @@
 """Evaluation profiles: how much work one trial's accuracy costs, and how parts are weighted.
 
 The combined accuracy is a weighted mean of the parts that ran:
-    passkey 0.25, kv_lookup 0.25, fidelity 0.5 (gsm8k 0.25 when a JSONL file is given, lm_eval 0.25
+    passkey 0.25, kv_lookup 0.25, fidelity 0.5 (items 0.25 when an items file is given, texts 0.5
+    when a texts file is: the user's workload weighs as much as long-output fidelity; lm_eval 0.25
     when an lm-evaluation-harness task is: tuner/harness.py)
 Long-output fidelity weighs most: PN-Mix is for long generation, where the keys of generated
 tokens are themselves quantized. The fidelity part's score is exp(-mean KL(p_fp16 || p_quant))
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from pnmix.errors import PNMixError
 
-WEIGHTS = {"passkey": 0.25, "kv_lookup": 0.25, "fidelity": 0.5, "gsm8k": 0.25, "lm_eval": 0.25}
+WEIGHTS = {"passkey": 0.25, "kv_lookup": 0.25, "fidelity": 0.5, "items": 0.25, "texts": 0.5, "lm_eval": 0.25}
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,14 @@ from pnmix.inputs import shorten
 from pnmix.names import BACKENDS
 from pnmix.tuner.profiles import EvalError
 
-# A campaign's tasks: gsm8k needs a JSONL file, which a queued campaign does not carry to its worker.
+# A campaign's built-in tasks.
 CAMPAIGN_TASKS = ("passkey", "kv_lookup", "fidelity")
-# Tasks named with an argument in a task list, `name:ARGUMENT` (lm_eval:TASK[@LIMIT], tuner/harness.py);
-# the part that runs them checks the argument before the model loads.
-ARGUMENT_TASKS = ("lm_eval",)
+# Tasks named with an argument in a task list, `name:ARGUMENT`: lm_eval:TASK[@LIMIT] (tuner/harness.py),
+# items:PATH (tuner/tasks.py) and texts:PATH[@PREFIX+TOKENS] (tuner/texts.py). A queued campaign
+# stores the reference, not the file: the file is checked where the campaign is enqueued and read
+# again by the worker, which must see it at the same path.
+ARGUMENT_TASKS = ("lm_eval", "items", "texts")
+FILE_TASKS = ("items", "texts")
 
 
 class CannotRunHere(EvalError):
@@ -40,10 +43,21 @@ def check_tasks(tasks: Sequence[Any]) -> None:
     for task in tasks:
         name, colon, argument = task.partition(":") if isinstance(task, str) else ("", "", "")
         if task in CAMPAIGN_TASKS or (colon and argument.strip() and name in ARGUMENT_TASKS):
+            if name in FILE_TASKS and colon:
+                check_file_task(task)
             continue
         raise EvalError(f"invalid task {shorten(task)} for a campaign: allowed {', '.join(CAMPAIGN_TASKS)} "
-                        f"or {', '.join(n + ':ARGUMENT' for n in ARGUMENT_TASKS)} (gsm8k needs a file, which a "
-                        "queued campaign does not carry to its worker)")
+                        f"or {', '.join(n + ':ARGUMENT' for n in ARGUMENT_TASKS)}")
+
+
+def check_file_task(entry: str) -> None:
+    """An items:PATH or texts:PATH entry names a readable file of its kind (one line where not)."""
+    from pnmix.tuner import tasks, texts
+
+    if entry.startswith("items:"):
+        tasks.items_file(entry.partition(":")[2])
+    else:
+        texts.documents(texts.TextsTask.parse(entry).path)
 
 
 def runnable_backends() -> tuple[str, ...]:

@@ -2,9 +2,11 @@
 
 Every part of a score is a mean over units that every config sees alike, so each part is kept as
 its per-unit outcomes and everything below is computed from them:
-- item tasks (passkey, kv_lookup, gsm8k): a unit is an item, its outcome 1 (answered) or 0. The
-  part is the share answered; its standard error is the binomial one, sd / sqrt(n), with the
+- item tasks (passkey, kv_lookup, items, lm_eval): a unit is an item, its outcome 1 (answered) or
+  0. The part is the share answered; its standard error is the binomial one, sd / sqrt(n), with the
   sample standard deviation of the 0/1 outcomes.
+- texts: a unit is a document, its outcome the document's top-1 agreement with the unquantized
+  model; the part is the mean over documents, its standard error sd / sqrt(n) over documents.
 - fidelity: a unit is a trajectory (the tokens of one trajectory are strongly correlated, so
   tokens or blocks of one trajectory would understate the error), its outcome the trajectory's
   mean KL(p_fp16 || p_quant). The part is exp(-mean KL); its standard error follows by the delta

@@ -6,11 +6,13 @@ with difficulty knobs that the profiles (tuner/profiles.py) set:
   the model's useful context, optionally among near-miss "locker codes";
 - kv_lookup: the number of one word among many "The <word> number is <n>." facts, some of them
   near misses of the asked number;
-- gsm8k: a JSONL file of {"question", "answer"} with numeric answers; the last number in the
-  model's output is its answer.
-An item is correct when the answer appears as a whole number in the greedy output (gsm8k: equals
-its last number). `answer` and `accuracy` answer one item at a time through `generate`: the
-reference that the batched scoring engine (tuner/engine.py) is tested against.
+- items: the user's JSONL file (`items_file`), one item a line: {"question", "answer"} with a
+  numeric answer (GSM8K's form; the last number in the model's output is its answer), or
+  {"prompt", "answer"} with a string answer, matched after normalising whitespace and case, or
+  as a regular expression where the line says `"match": "regex"`.
+A built-in item is correct when its answer appears as a whole number in the greedy output.
+`answer` and `accuracy` answer one item at a time through `generate`: the reference that the
+batched scoring engine (tuner/engine.py) is tested against.
 """
 
 from __future__ import annotations
@@ -77,22 +79,39 @@ def _near_miss(rng: random.Random, value: str) -> str:
     return value[:at] + rng.choice(choices) + value[at + 1 :]
 
 
+# How an item's answer is found in the model's output (`Item.match`).
+MATCHES = ("whole_number", "last_number", "text", "regex")
+STRING_MATCHES = ("text", "regex")  # what a {"prompt", "answer"} line may ask for
+STRING_NEW_TOKENS = 32  # greedy tokens for a string answer unless the line says "max_new_tokens"
+MAX_ITEM_NEW_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class Item:
     task: str
     prompt: str
     answer: str
     max_new_tokens: int = 16
+    match: str = "whole_number"
 
     def is_correct(self, output: str) -> bool:
-        if self.task == "gsm8k":
+        if self.match == "last_number":
             found = NUMBER.findall(output)
             return bool(found) and _same_number(found[-1], self.answer)
+        if self.match == "text":  # the answer as a whole phrase of the output, whitespace and case aside
+            return re.search(rf"(?<!\w){re.escape(_normal(self.answer))}(?!\w)", _normal(output)) is not None
+        if self.match == "regex":
+            return re.search(self.answer, output) is not None
         # The answer as a whole number in the output: a longer number that contains it is a miss.
         return re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", output) is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.task, "prompt": self.prompt, "answer": self.answer, "max_new_tokens": self.max_new_tokens}
+        return {"task": self.task, "prompt": self.prompt, "answer": self.answer, "max_new_tokens": self.max_new_tokens,
+                "match": self.match}
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split()).casefold()
 
 
 def passkey_items(n: int, seed: int, filler_sentences: tuple[int, int] = (40, 120), digits: int = 7,
@@ -157,28 +176,80 @@ def kv_lookup_items(n: int, seed: int, pairs: tuple[int, int] = (20, 60), digits
     return items
 
 
-def gsm8k_items(path: str | Path, n: int | None = None) -> list[Item]:
-    """Items from a JSONL file, one {"question": str, "answer": number or str} per line."""
+def read_user_file(path: str | Path, what: str) -> str:
+    """The text of a user's data file; one line (EvalError) when it is missing, empty, binary or not UTF-8."""
     path = Path(path)
     if not path.is_file():
-        raise EvalError(f"gsm8k file {path} does not exist")
-    items = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        raise EvalError(f"{what} {path} does not exist or is not a regular file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise EvalError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if b"\x00" in data:
+        raise EvalError(f"{what} {path} holds binary data (a NUL byte at offset {data.index(0)}): "
+                        "give a UTF-8 text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EvalError(f"{what} {path} is not UTF-8 text (byte {exc.start}): give a UTF-8 text file") from None
+    if not text.strip():
+        raise EvalError(f"{what} {path} is empty")
+    return text
+
+
+def json_lines(path: str | Path, what: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a JSONL file; one line for a line that is not
+    a JSON object."""
+    rows = []
+    for lineno, line in enumerate(read_user_file(path, what).splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise EvalError(f"{path}:{lineno}: not valid JSON") from None
-        if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-            raise EvalError(f"{path}:{lineno}: needs the fields \"question\" and \"answer\"")
-        answer = str(row["answer"]).split("####")[-1].strip()
-        if not NUMBER.fullmatch(answer.replace(" ", "")):
-            raise EvalError(f"{path}:{lineno}: answer {answer!r} is not a number")
-        prompt = str(row["question"]) + "\nSolve it step by step and end with the final number."
-        items.append(Item("gsm8k", prompt, answer, max_new_tokens=256))
+        if not isinstance(row, dict):
+            raise EvalError(f"{path}:{lineno}: each line must be a JSON object, not {type(row).__name__}")
+        rows.append((lineno, row))
+    return rows
+
+
+def items_file(path: str | Path, n: int | None = None) -> list[Item]:
+    """Items of the task `items` from a JSONL file, one object a line:
+    {"question": str, "answer": number} (the output's last number must equal it; GSM8K's "#### 4"
+    answers too) or {"prompt": str, "answer": str[, "match": "text" | "regex"][, "max_new_tokens": n]}."""
+    items = []
+    for lineno, row in json_lines(path, "items file"):
+        has_prompt, has_question = isinstance(row.get("prompt"), str), isinstance(row.get("question"), str)
+        if "answer" not in row or has_prompt == has_question:
+            raise EvalError(f'{path}:{lineno}: needs "answer" and one of "prompt" (a string answer) or '
+                            '"question" (a numeric answer), as strings')
+        if has_question:
+            answer = str(row["answer"]).split("####")[-1].strip()
+            if not NUMBER.fullmatch(answer.replace(" ", "")):
+                raise EvalError(f"{path}:{lineno}: answer {answer!r} of a \"question\" is not a number "
+                                "(string answers go with \"prompt\")")
+            prompt = str(row["question"]) + "\nSolve it step by step and end with the final number."
+            items.append(Item("items", prompt, answer, max_new_tokens=256, match="last_number"))
+            continue
+        answer, match = row["answer"], row.get("match", "text")
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
+            raise EvalError(f"{path}:{lineno}: \"answer\" must be a non-empty string or a number")
+        if match not in STRING_MATCHES:
+            raise EvalError(f"{path}:{lineno}: invalid \"match\" {str(match)[:40]!r}: allowed "
+                            f"{', '.join(STRING_MATCHES)}")
+        if match == "regex":
+            try:
+                re.compile(str(answer))
+            except re.error as exc:
+                raise EvalError(f"{path}:{lineno}: \"answer\" is not a regular expression: {exc}") from None
+        new = row.get("max_new_tokens", STRING_NEW_TOKENS)
+        if isinstance(new, bool) or not isinstance(new, int) or not 1 <= new <= MAX_ITEM_NEW_TOKENS:
+            raise EvalError(f"{path}:{lineno}: invalid \"max_new_tokens\" {str(new)[:40]!r}: allowed an integer "
+                            f"in [1, {MAX_ITEM_NEW_TOKENS}]")
+        items.append(Item("items", row["prompt"], str(answer).strip(), max_new_tokens=new, match=match))
     if not items:
-        raise EvalError(f"gsm8k file {path} holds no items")
+        raise EvalError(f"items file {path} holds no items")
     return items[:n] if n else items
 
 

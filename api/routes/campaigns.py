@@ -50,7 +50,8 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
     campaign = write.create_campaign(
         session, body.model, body.budgets, body.n_trials, method=body.method, profile=body.profile,
         objectives=body.objectives, backend=body.backend, budget_on=body.budget_on,
-        search_space=space.to_dict(), options={"space": space.to_options(), "multi_fidelity": False},
+        search_space=space.to_dict(),
+        options={"space": space.to_options(), "multi_fidelity": False, "tasks": body.tasks, "holdout": body.holdout},
     )
     try:  # refused inside the write session: it rolls back, nothing is stored
         check_budgets_reachable(space, body.budgets, campaign.model.head_dim, body.model)

@@ -1,0 +1,48 @@
+"""The held-out share of a campaign's units: items and documents that no trial sees.
+
+A search picks the best of many noisy scores, so the pick's in-search score is biased upwards
+(the winner's curse). A campaign therefore holds back a seeded share of every part's units
+(`DEFAULT_SHARE`; 0 turns it off). Its trials are scored on the rest; when it finishes, each
+budget's recommended point and pnmix-paper are scored once on the held-out units, and that score
+is stored beside the front point (tuner/campaign.py, `CampaignRunner.score_holdout`).
+
+For the built-in tasks, the profile's counts are what the search sees: the preparation builds
+`total_for(count)` units, so that the search keeps the profile's statistics and the held-out
+units come on top. For the user's files (items, texts, lm-eval documents), the units they hold
+are split. The split depends only on (seed, part, unit count): every worker of a campaign draws
+the same one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from pnmix.inputs import Range
+
+DEFAULT_SHARE = 0.25
+MAX_SHARE = 0.5  # beyond half, the search would see fewer units than it leaves out
+HOLDOUT = Range(0.0, MAX_SHARE)  # the shares a campaign may hold back
+
+
+def held_count(n: int, share: float) -> int:
+    """Units held back of n: round(share * n), at least one on each side once there are two."""
+    if share <= 0 or n < 2:
+        return 0
+    return min(n - 1, max(1, math.floor(share * n + 0.5)))
+
+
+def total_for(search: int, share: float) -> int:
+    """Units to prepare so that `search` remain for the search after the held-out share."""
+    if share <= 0 or search < 1:
+        return search
+    total = math.ceil(search / (1 - share))
+    while total - held_count(total, share) < search:
+        total += 1
+    return total
+
+
+def split(n: int, share: float, seed: int, part: str) -> tuple[list[int], list[int]]:
+    """(search indices, held-out indices) of a part's n units, both ascending."""
+    held = set(random.Random(f"holdout-{seed}-{part}-{n}").sample(range(n), held_count(n, share)))
+    return [i for i in range(n) if i not in held], sorted(held)
