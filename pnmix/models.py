@@ -251,6 +251,22 @@ def load(
     return LoadedModel(source, model, tokenizer)
 
 
+def load_tokenizer(name: str) -> tuple[Any, int | None]:
+    """(tokenizer, context length) of a model without its weights, for checks before a long run."""
+    source = resolve(name, "accuracy")
+    from transformers import AutoConfig, AutoTokenizer
+
+    location = str(_converted_dir(source)) if source.kind == "embedded" else source.location
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.local_only)
+        config = AutoConfig.from_pretrained(location, local_files_only=source.local_only)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer of {name!r} from {location}: "
+                         f"{str(exc).strip().splitlines()[0][:200]}") from None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return tokenizer, getattr(text, "max_position_embeddings", None)
+
+
 def chat_ids(tokenizer: Any, prompt: str) -> dict:
     """Tokenized single-turn chat (plain text when the tokenizer has no chat template)."""
     if getattr(tokenizer, "chat_template", None):

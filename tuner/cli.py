@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -136,7 +137,6 @@ def eval_config(
 ) -> None:
     """Score PN-Mix configs by real inference: accuracy parts, key bits, bytes held, decode tokens/s."""
     import json
-    import math
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -222,6 +222,85 @@ def eval_config(
         for name, d in diffs.items():
             paired_table.add_row(name, *[_diff(*d[p]) if p in d else "-" for p in ("accuracy", *part_names)])
         console.print(paired_table)
+
+
+def validate(
+    config_file: Annotated[str, typer.Option("--config", help="the config to check: a PNMixConfig or layer-wise "
+                                             "JSON file, e.g. from `pnmix export`", parser=InputFile())],
+    against: Annotated[str, typer.Option(help="comma-separated presets to compare with, paired on the same units",
+                                         parser=Names(tuple(PRESETS)))] = "fp16,pnmix-paper",
+    texts: TextsOpt = None,
+    items: ItemsOpt = None,
+    text_prefix: TextPrefixOpt = None,
+    text_tokens: TextTokensOpt = None,
+    tasks: TaskListOpt = None,
+    model: ModelOpt = "smollm2-135m",
+    profile_name: ProfileOpt = "quick",
+    seed: SeedOpt = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Check a config on your data: it and the baselines scored on the same texts and items, with
+    standard errors and paired differences. With --texts or --items only those parts run (else the
+    built-in tasks of the profile). Exits 0 whatever the verdict."""
+    import json
+
+    from pnmix.config import preset
+
+    text_task = texts_task(texts, text_prefix, text_tokens)
+    from pnmix import models
+
+    models.resolve(model, purpose="accuracy")
+    config = load_config_file(config_file)
+    baselines = {name: preset(name) for name in against.split(",")}
+    named = tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None
+    if named is None and (items or text_task):
+        named = (*(("items",) if items else ()), *(("texts",) if text_task else ()))
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.stats import paired
+
+    def say(message: str) -> None:
+        if not as_json:
+            console.print(f"[dim]{message}[/dim]")
+
+    evaluator = Evaluator(model, profile(profile_name), seed, items, progress=say, tasks=named, texts=text_task)
+    config.check_head_dim(evaluator.head_dim)
+    scores = {"config": evaluator.evaluate(config, measure=False)}
+    for name, cfg in baselines.items():
+        scores[name] = evaluator.evaluate(cfg, measure=False)
+    diffs = {name: paired(scores["config"].units, scores[name].units) for name in baselines}
+    if as_json:
+        out = {"model": model, "config": config.to_dict(), "tasks": list(evaluator.tasks),
+               "units": scores["config"].items,
+               "scores": {name: {"key_bits": sc.key_bits, "accuracy": sc.accuracy, "accuracy_se": sc.accuracy_se,
+                                 "parts": sc.parts, "parts_se": sc.parts_se,
+                                 "texts_kl": None if math.isnan(sc.texts_kl) else sc.texts_kl}
+                          for name, sc in scores.items()},
+               "config_minus": {name: {part: {"diff": v, "se": se, "beyond_2se": se is not None and abs(v) > 2 * se}
+                                       for part, (v, se) in d.items()} for name, d in diffs.items()}}
+        print(json.dumps(out))
+        return
+    parts = list(scores["config"].parts)
+    table = Table(title=f"{config_file} on {model} ({', '.join(f'{n} {k}' for k, n in scores['config'].items.items())}"
+                        f"; {evaluator.backend}): mean +- standard error")
+    for col in ("", "key bits", "accuracy", *parts, *(("texts KL",) if "texts" in parts else ())):
+        table.add_column(col, justify="right")
+    for name, sc in scores.items():
+        table.add_row(name, _num(sc.key_bits, ".3f"), _pm(sc.accuracy, sc.accuracy_se),
+                      *[_pm(sc.parts[p], sc.parts_se.get(p)) for p in parts],
+                      *((f"{sc.texts_kl:.4f}",) if "texts" in parts else ()))
+    console.print(table)
+    diff_table = Table(title="config minus each baseline, paired on the same units: diff +- SE; * where |diff| > 2 SE")
+    for col in ("minus", "accuracy", *parts):
+        diff_table.add_column(col, justify="right")
+    for name, d in diffs.items():
+        diff_table.add_row(name, *[_diff(*d[p]) for p in ("accuracy", *parts)])
+    console.print(diff_table)
+    for name, d in diffs.items():
+        diff, se = d["accuracy"]
+        verdict = ("above it" if diff > 0 else "below it") if se is not None and abs(diff) > 2 * se else (
+            "not distinguishable from it (within 2 SE)")
+        console.print(f"against {name}: {verdict}")
 
 
 def _num(value: float, fmt: str) -> str:
@@ -416,6 +495,11 @@ def tune(
     from pnmix.tuner.queue import check_budgets_reachable
 
     check_budgets_reachable(spec.space, spec.budgets, models.model_shape(model).head_dim, model)
+    from pnmix.tuner.texts import TextsTask, check_usable
+
+    for entry in spec.tasks or ():  # a texts file without a usable document: one line, before the database
+        if entry.startswith("texts:"):
+            check_usable(model, TextsTask.parse(entry))
     db = open_db(storage, create=True, create_folder=not enqueue)  # a queued campaign's workers write elsewhere
     campaign_id = find_or_create_campaign(db, spec, status="queued" if enqueue else "running")
     from pnmix.tuner.campaign import optuna_storage

@@ -222,7 +222,9 @@ class Evaluator:
         engine = ScoringEngine(self.model, self.tokenizer, progress=self.progress)
         path = self._cache_file()
         data = self._read_cached(path) if path.is_file() else None
-        if data is None:
+        if not any(name in self.tasks for name in DEFAULT_TASKS):  # only the user's data: nothing built in
+            data = {"items": {}, "trajectories": []}
+        elif data is None:
             data = self._build(engine)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -232,7 +234,8 @@ class Evaluator:
             tmp.replace(path)
         else:
             for name, items in data["items"].items():
-                engine.add_items(name, items)
+                if name in self.tasks:
+                    engine.add_items(name, items)
         if self._items is not None:
             data["items"]["items"] = self._items
             engine.add_items("items", self._items)

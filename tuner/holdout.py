@@ -34,10 +34,8 @@ def held_count(n: int, share: float) -> int:
 
 def total_for(search: int, share: float) -> int:
     """Units to prepare so that `search` remain for the search after the held-out share."""
-    if share <= 0 or search < 1:
-        return search
-    total = math.ceil(search / (1 - share))
-    while total - held_count(total, share) < search:
+    total = search
+    while total - held_count(total, share) < search:  # grows by at most one a step: lands on `search`
         total += 1
     return total
 

@@ -45,6 +45,8 @@ class TextsTask:
     tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if (self.prefix is None) != (self.tokens is None):
+            raise EvalError("give --text-prefix and --text-tokens together (or neither: sized to the model's context)")
         for name, value, low in (("--text-prefix", self.prefix, 1), ("--text-tokens", self.tokens, MIN_TOKENS)):
             if value is not None and not low <= value <= 1 << 20:
                 raise EvalError(f"invalid {name} {value}: allowed an integer in [{low}, {1 << 20}]")
@@ -106,3 +108,12 @@ def cut(tokenizer: Any, path: str | Path, prefix: int, tokens: int) -> list[tupl
                         f"(a prefix of {prefix} and {tokens} to predict); the longest holds {longest}: give longer "
                         "documents, or a shorter --text-prefix or --text-tokens")
     return out
+
+
+def check_usable(model: str, task: TextsTask) -> int:
+    """How many documents of `task` the model's tokenizer cuts (one line when none): what a campaign
+    checks before it stores anything, so that a file without a usable document costs no campaign."""
+    from pnmix import models
+
+    tokenizer, context = models.load_tokenizer(model)
+    return len(cut(tokenizer, task.path, *task.lengths(context)))
