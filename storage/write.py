@@ -176,11 +176,16 @@ class HoldoutIn:
                                                           for k, v in self.paper.items()}}
 
 
-def set_holdout(session: Session, point_id: int, holdout: HoldoutIn) -> FrontPoint:
-    """Stores a front point's held-out score (rewriting its front later keeps it: `replace_front`)."""
-    point = session.get(FrontPoint, point_id)
+def set_holdout(session: Session, campaign_id: int, budget: float, trial_number: int,
+                holdout: HoldoutIn) -> FrontPoint:
+    """Stores the held-out score of the front point of (campaign, budget, trial); rewriting its front
+    later keeps it (`replace_front`). NotFoundError when that front no longer holds the trial
+    (another worker replaced it meanwhile)."""
+    point = session.scalars(select(FrontPoint).where(
+        FrontPoint.campaign_id == campaign_id, FrontPoint.budget == budget,
+        FrontPoint.trial_number == trial_number)).one_or_none()
     if point is None:
-        raise NotFoundError(f"no front point with id {point_id}")
+        raise NotFoundError(f"no front point of campaign {campaign_id}, budget {budget:g}, trial {trial_number}")
     if not isinstance(holdout, HoldoutIn):
         raise InvalidValueError(f"a held-out score must be a HoldoutIn, got {type(holdout).__name__}")
     point.holdout_accuracy = float(holdout.accuracy)

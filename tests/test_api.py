@@ -414,3 +414,45 @@ def test_service_on_postgres():
             assert_problem(client.post("/v1/campaigns", json={"model": "x", "budgets": [2.0]}, headers=AUTH), 404)
             assert client.get("/v1/campaigns").json()["total"] == 4
         db.dispose()
+
+
+def test_the_recommendation_carries_its_held_out_score(env):
+    from pnmix.storage import HoldoutIn, recommend, set_holdout
+
+    client, db, _ = env
+    params = {"model": "smollm2-135m", "target_bits": 2.3}
+    assert client.get("/v1/recommend", params=params).json()["point"]["holdout"] is None
+    with db.session() as s:
+        p = recommend(s, "smollm2-135m", 2.3)
+        held = HoldoutIn(p.accuracy - 0.01, 0.02, {"passkey": 25, "fidelity": 3}, None)
+        set_holdout(s, p.campaign_id, p.budget, p.trial_number, held)
+        in_search, se = p.accuracy, p.accuracy_se
+    held = client.get("/v1/recommend", params=params).json()["point"]["holdout"]
+    assert held["accuracy"] == pytest.approx(in_search - 0.01) and held["units"] == {"passkey": 25, "fidelity": 3}
+    assert held["minus_in_search"] == pytest.approx(-0.01) and held["pnmix_paper"] is None
+    assert held["minus_in_search_se"] == (None if se is None else pytest.approx((0.02**2 + se**2) ** 0.5))
+
+
+def test_a_campaign_names_its_files_and_hold_out_share_checked_at_enqueue(env, tmp_path):
+    client, db, _ = env
+    docs = tmp_path / "docs.txt"
+    docs.write_text("One long document.\n\nAnother.\n")
+    body = {"model": "smollm2-135m", "budgets": [2.5], "tasks": ["fidelity", f"texts:{docs}@512+128"],
+            "holdout": 0.3}
+    r = client.post("/v1/campaigns", json=body, headers=AUTH)
+    assert r.status_code == 201, r.text
+    from pnmix.storage import get_campaign
+    from pnmix.tuner.campaign import CampaignSpec
+
+    with db.session(readonly=True) as s:
+        spec = CampaignSpec.from_campaign(get_campaign(s, r.json()["id"]))
+    assert spec.tasks == ("fidelity", f"texts:{docs}@512+128") and spec.holdout == 0.3
+    before = campaigns_dump(db)
+    (tmp_path / "empty.txt").write_text("")
+    for bad, needle in (({"tasks": [f"texts:{tmp_path / 'missing.txt'}"]}, "does not exist"),
+                        ({"tasks": [f"texts:{tmp_path / 'empty.txt'}"]}, "is empty"),
+                        ({"tasks": [f"items:{docs}"]}, "not valid JSON"),
+                        ({"holdout": 0.9}, "holdout"), ({"holdout": True}, "holdout")):
+        r = client.post("/v1/campaigns", json={"model": "smollm2-135m", "budgets": [2.5], **bad}, headers=AUTH)
+        assert r.status_code == 422 and needle in r.text, (bad, r.text)
+    assert campaigns_dump(db) == before

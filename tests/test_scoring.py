@@ -34,11 +34,11 @@ def test_items_are_deterministic_per_seed():
     assert len(a[0].prompt) < len(a[-1].prompt)
 
 
-def test_gsm8k_file_and_last_number_rule(tmp_path):
+def test_numeric_items_file_and_last_number_rule(tmp_path):
     path = tmp_path / "math.jsonl"
     rows = [{"question": "2 + 3?", "answer": 5}, {"question": "Half of 9?", "answer": "#### 4.5"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    items = tasks.gsm8k_items(path)
+    items = tasks.items_file(path)
     assert [it.answer for it in items] == ["5", "4.5"]
     assert items[0].is_correct("First 2, then 3, so the answer is 5.")
     assert not items[0].is_correct("It is 5, no wait, 6")
@@ -49,17 +49,17 @@ def test_gsm8k_file_and_last_number_rule(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("", "holds no items"),
-        ('{"question": "x"}\n', "needs the fields"),
+        ("", "is empty"),
+        ('{"question": "x"}\n', 'needs "answer"'),
         ("{not json}\n", "not valid JSON"),
         ('{"question": "x", "answer": "many"}\n', "not a number"),
     ],
 )
-def test_bad_gsm8k_files_are_refused(tmp_path, content, message):
+def test_bad_numeric_items_files_are_refused(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(EvalError, match=message):
-        tasks.gsm8k_items(path)
+        tasks.items_file(path)
 
 
 def test_combined_accuracy_weights():
@@ -183,7 +183,7 @@ def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedd
         (("--profile", "huge"), "invalid --profile 'huge': allowed one of quick, full, smoke"),
         (("--tasks", "passkey,poetry"), "invalid --tasks 'passkey,poetry': allowed distinct names among passkey"),
         (("--model", "no-such-model"), "unknown model"),
-        (("--tasks", "gsm8k"), "needs a JSONL file"),
+        (("--tasks", "items"), "needs a JSONL file"),
     ],
 )
 def test_eval_bad_input_is_one_line(args, needle):
@@ -194,9 +194,9 @@ def test_eval_bad_input_is_one_line(args, needle):
     assert len(lines) == 1 and needle in lines[0], out.stderr
 
 
-def test_eval_empty_gsm8k_file_is_one_line(tmp_path):
+def test_eval_empty_items_file_is_one_line(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("")
-    out = subprocess.run([*PNMIX, "eval", "--gsm8k", str(path)], capture_output=True,
+    out = subprocess.run([*PNMIX, "eval", "--items", str(path)], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 2 and "holds no items" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "is empty" in out.stderr and "Traceback" not in out.stderr

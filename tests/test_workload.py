@@ -257,7 +257,7 @@ def test_the_migration_from_the_previous_head_keeps_points_and_adds_held_out_sco
         point = s.query(FrontPoint).one()
         assert (point.holdout_accuracy, point.holdout, point.holdout_gap(), point.holdout_summary()) == (
             None, None, None, None)
-        set_holdout(s, point.id, HoldoutIn(0.6, 0.04, {"passkey": 30}, {"accuracy": 0.5, "accuracy_se": 0.05,
+        set_holdout(s, 1, 2.5, 0, HoldoutIn(0.6, 0.04, {"passkey": 30}, {"accuracy": 0.5, "accuracy_se": 0.05,
                                                                           "diff": 0.1, "diff_se": 0.03}))
     with db.session(readonly=True) as s:
         summary = s.query(FrontPoint).one().holdout_summary()

@@ -423,6 +423,21 @@ def print_fronts(db: Any, model: str, campaign_id: int | None = None) -> None:
     console.print(table if points else f"no front points stored for {model}")
 
 
+def print_holdout(db: Any, model: str, campaign_id: int, budgets: Sequence[float], bits_of: str) -> None:
+    """Each budget's recommendation in the campaign and its held-out score (`holdout_line`)."""
+    from pnmix.storage import recommend
+    from pnmix.storage.errors import NoFeasiblePointError
+
+    with db.session(readonly=True) as s:
+        for budget in sorted(budgets):
+            try:
+                p = recommend(s, model, budget, campaign_id=campaign_id, bits_of=bits_of)
+            except NoFeasiblePointError:
+                continue
+            console.print(f"at <= {budget:g} {bits_of} bits: {p.config.label} ({p.bits(bits_of):.3f} bits, in-search "
+                          f"accuracy {_pm(p.accuracy, p.accuracy_se)}); {holdout_line(p)}")
+
+
 def tune(
     model: ModelOpt = "smollm2-135m",
     budgets: Annotated[list[float] | None, typer.Option("--budgets", help="bit budgets (repeat or space), on "
@@ -512,6 +527,7 @@ def tune(
                   f"{trials} trials each, profile {profile_name}, storage {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
+    print_holdout(db, model, campaign_id, spec.budgets, budget_on)
     path = pareto_plot(studies, Path(plot or f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}",
                        budget_on=budget_on)
     console.print(f"Pareto plot: {path}")

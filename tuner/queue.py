@@ -42,6 +42,8 @@ def check_tasks(tasks: Sequence[Any]) -> None:
     """The tasks a campaign may name."""
     for task in tasks:
         name, colon, argument = task.partition(":") if isinstance(task, str) else ("", "", "")
+        if task in FILE_TASKS:
+            raise EvalError(f"task {task} needs its file: --{task} PATH (in a task list, {task}:PATH)")
         if task in CAMPAIGN_TASKS or (colon and argument.strip() and name in ARGUMENT_TASKS):
             if name in FILE_TASKS and colon:
                 check_file_task(task)

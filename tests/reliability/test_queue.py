@@ -69,7 +69,7 @@ def test_enqueue_refuses_what_no_worker_can_run(pg_url):
         assert r.status_code == 201, r.text
     # The command line refuses the same campaigns in one line, before the database is touched.
     for args, needle in ((("--tasks", "bogus"), "invalid --tasks 'bogus'"),
-                         (("--tasks", "gsm8k"), "invalid --tasks 'gsm8k'"),
+                         (("--tasks", "items"), "task items needs its file: --items PATH"),
                          (("--model", "qwen3-8b-shape"), "random weights"),
                          (("--backend", "cuda"), "invalid --backend 'cuda'"),
                          (("--trials", "0"), "invalid --trials '0'")):
