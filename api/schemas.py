@@ -105,7 +105,8 @@ class HoldoutPublic(BaseModel):
     units: dict[str, int] = Field(description="held-out units per part")
     minus_in_search: float = Field(description="held-out minus in-search accuracy (disjoint units)")
     minus_in_search_se: float | None = Field(description="its standard error, sqrt(se_held^2 + se_search^2)")
-    holds: bool = Field(description="false when the held-out score falls more than 2 SE below the in-search one")
+    holds: bool | None = Field(description="false when the held-out score falls more than 2 SE below the in-search "
+                               "one; null when the gap has no SE (a part with one held-out unit)")
     pnmix_paper: PaperHoldout | None = Field(description="pnmix-paper on the same held-out units, where it fits "
                                              "the budget")
 

@@ -229,7 +229,8 @@ class FrontPoint(Base):
 
     def holdout_summary(self) -> dict[str, Any] | None:
         """The held-out score as `recommend --json` and the API give it; None without one. `holds`:
-        the held-out score is not more than 2 standard errors (of the gap) below the in-search one."""
+        the held-out score is not more than 2 standard errors (of the gap) below the in-search one;
+        None when the gap has no standard error (a part with a single held-out unit)."""
         gap = self.holdout_gap()
         if gap is None:
             return None
@@ -237,7 +238,7 @@ class FrontPoint(Base):
         diff, se = gap
         return {"accuracy": self.holdout_accuracy, "accuracy_se": self.holdout_accuracy_se,
                 "units": detail.get("units", {}), "minus_in_search": diff, "minus_in_search_se": se,
-                "holds": se is None or diff >= -2 * se, "pnmix_paper": detail.get("paper")}
+                "holds": None if se is None else diff >= -2 * se, "pnmix_paper": detail.get("paper")}
 
     def bits(self, of: str) -> float:
         """The point's key bits (`of="key"`) or KV bits (`"kv"`)."""

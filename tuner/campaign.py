@@ -884,12 +884,15 @@ class CampaignRunner:
                     except NoFeasiblePointError:
                         break
                     where = (point.budget, point.trial_number)
-                    config, done = point.config, point.holdout_accuracy is not None
+                    fits = self.space.cost(paper, self.head_dim) <= budget + 1e-9
+                    # Scored already under a lower budget: again only to add pnmix-paper, which fits this one.
+                    config, done = point.config, point.holdout_accuracy is not None and (
+                        not fits or bool((point.holdout or {}).get("paper")))
                 if done:
                     break
                 mine = held_out(config)
                 against = None
-                if self.space.cost(paper, self.head_dim) <= budget + 1e-9:
+                if fits:
                     theirs = held_out(paper)
                     diff, diff_se = paired(mine.units, theirs.units)["accuracy"]
                     against = {"accuracy": theirs.accuracy, "accuracy_se": theirs.accuracy_se, "diff": diff,

@@ -753,8 +753,10 @@ def holdout_line(p: Any) -> str:
     units = ", ".join(f"{n} {part}" for part, n in held["units"].items())
     text = (f"held-out ({units}): accuracy {_pm(held['accuracy'], held['accuracy_se'])}, minus the in-search "
             f"score {_diff(held['minus_in_search'], held['minus_in_search_se'])}")
-    text += (": holds (not more than 2 SE below)" if held["holds"] else
-             ": FALLS more than 2 SE below the in-search score; the pick may not hold on unseen data")
+    text += {True: ": holds (not more than 2 SE below)",
+             False: ": FALLS more than 2 SE below the in-search score; the pick may not hold on unseen data",
+             None: ": no standard error (a part has one held-out unit; the full profile holds out more), no verdict",
+             }[held["holds"]]
     paper = held["pnmix_paper"]
     if paper:
         text += f"; minus pnmix-paper on the held-out units, paired: {_diff(paper['diff'], paper['diff_se'])}"
