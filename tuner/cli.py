@@ -547,6 +547,10 @@ def sweep(
                                               parser=Int(vocabulary.LIMIT))] = None,
     measure: Annotated[bool, typer.Option(help="also measure bytes held and decode tokens/s")] = False,
     backend: BackendOpt = "auto",
+    texts: TextsOpt = None,
+    items: ItemsOpt = None,
+    text_prefix: TextPrefixOpt = None,
+    text_tokens: TextTokensOpt = None,
 ) -> None:
     """Score every config of a method's search space (the ground truth a search is measured against)."""
     from pathlib import Path
@@ -562,13 +566,15 @@ def sweep(
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")
-    start_file(Path(out), sweep_header(model, space, profile_name, seed, DEFAULT_TASKS))  # before the model loads
+    chosen = task_list(None, items, texts_task(texts, text_prefix, text_tokens))
+    names = tuple(dict.fromkeys(t.partition(":")[0] for t in chosen)) if chosen else DEFAULT_TASKS
+    start_file(Path(out), sweep_header(model, space, profile_name, seed, names))  # before the model loads
 
     def prepare(message: str) -> None:  # preparation takes minutes on the full profile: say what it does
         console.print(f"[dim]{message}[/dim]")
 
     prepare(f"loading {model} and preparing the {profile_name} profile's tasks")
-    evaluator = _load_evaluator(model, profile_name, seed, None, backend, progress=prepare)
+    evaluator = _load_evaluator(model, profile_name, seed, chosen, backend, progress=prepare)
 
     def say(k: int, n: int, cfg: Any, row: dict[str, Any]) -> None:
         console.print(f"[{k}/{n}] {cfg.label}: {row['key_bits']:.3f} bits, accuracy "

@@ -5,8 +5,8 @@ unquantized model answers correctly and the fp16 trajectories for long-output fi
 cached on disk (as text and token ids) under the cache directory. The user's data joins as parts
 of their own: an items file (tuner/tasks.py, `items_file`) and a texts file (tuner/texts.py).
 With a held-out share (tuner/holdout.py), every part's units are split once: `evaluate` and
-`rung` score the search units, `evaluate(..., which="holdout")` the held-out ones. Scoring runs through the
-batched engine (tuner/engine.py): every prompt is prefilled once per evaluator, and a trial
+`rung` score the search units, `evaluate(..., which="holdout")` the held-out ones. Scoring runs
+through the batched engine (tuner/engine.py): every prompt is prefilled once per evaluator, and a trial
 pays only for its config's decode. `evaluate_reference` scores the same items one at a time
 through `generate`, the path the engine is tested and benchmarked against.
 """
@@ -34,7 +34,7 @@ from pnmix.tuner import fidelity, stats
 from pnmix.tuner import tasks as tasks_module
 from pnmix.tuner import texts as texts_module
 from pnmix.tuner.engine import ScoringEngine, Trajectory
-from pnmix.tuner.holdout import MAX_SHARE, split, total_for
+from pnmix.tuner.holdout import HOLDOUT, split, total_for
 from pnmix.tuner.profiles import EvalError, Profile
 from pnmix.tuner.texts import TextsTask
 
@@ -42,7 +42,6 @@ Progress = Callable[[str], None]
 
 TASKS = ("passkey", "kv_lookup", "fidelity", "items", "texts", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
-FILE_TASKS = ("items", "texts")  # parts from the user's files, named `items:PATH` or `texts:PATH` in a task list
 REPLAYED = ("fidelity", "texts")  # parts scored by teacher forcing (the engine's `fidelity`), not by answers
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
 PREPARATION_VERSION = 6
@@ -167,8 +166,8 @@ class Evaluator:
         self.texts = texts if "texts" in chosen else None
         if self.texts is not None:
             texts_module.documents(self.texts.path)
-        if not 0 <= holdout <= MAX_SHARE:
-            raise EvalError(f"invalid hold-out share {holdout}: allowed [0, {MAX_SHARE}]")
+        if not HOLDOUT.contains(holdout):
+            raise EvalError(f"invalid holdout={holdout}: allowed {HOLDOUT.allowed}")
         self.holdout = holdout
         self._split: dict[str, tuple[list[int], list[int]]] = {}
         self.model_name = model
