@@ -6,7 +6,15 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from pnmix.inputs import BUDGET
 from pnmix.names import BACKENDS
@@ -16,7 +24,7 @@ from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, LAYER_GROUPS, ME
 from pnmix.storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
 from pnmix.tuner.holdout import DEFAULT_SHARE, HOLDOUT
 from pnmix.tuner.profiles import PROFILES, EvalError
-from pnmix.tuner.queue import check_tasks
+from pnmix.tuner.queue import TASK_PATTERN, check_tasks
 from pnmix.tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
 
 # The ranges are pnmix.inputs' and storage.vocabulary's, the command line's too: `pnmix recommend --bits`
@@ -268,10 +276,12 @@ class CampaignCreate(BaseModel):
     search_values: bool = Field(default=False, description="search value bits and value group size too (needs "
                                 "budget_on=kv: under a key budget values cost nothing); method pnmix-alloc: "
                                 "each layer's own")
-    tasks: list[str] | None = Field(default=None, min_length=1, max_length=8, description=(
+    tasks: list[Annotated[str, StringConstraints(pattern=TASK_PATTERN, max_length=4096)]] | None = Field(
+        default=None, min_length=1, max_length=8, description=(
         "the campaign's tasks (default: passkey, kv_lookup, fidelity): those names, lm_eval:TASK[@LIMIT], "
         "items:PATH (a JSONL items file) or texts:PATH[@PREFIX+TOKENS] (a texts file). A file is a path on the "
-        "service's machine, checked now; the worker reads it again and must see it at the same path"))
+        "service's machine, checked now (404 when it is not there, 422 when it is not a file of its kind); the "
+        "worker reads it again and must see it at the same path"))
     holdout: float = Field(default=DEFAULT_SHARE, ge=HOLDOUT.low, le=HOLDOUT.high, description=(
         "share of every task's items and documents held back from the search; each budget's pick is scored on "
         "them when the campaign finishes (0: none)"))
@@ -289,7 +299,7 @@ class CampaignCreate(BaseModel):
     def _tasks(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
             try:
-                check_tasks(v)
+                check_tasks(v, files=False)  # the files: by the route (a missing one is a 404)
             except EvalError as exc:
                 raise ValueError(str(exc)) from None
         return v

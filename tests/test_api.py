@@ -449,10 +449,11 @@ def test_a_campaign_names_its_files_and_hold_out_share_checked_at_enqueue(env, t
     assert spec.tasks == ("fidelity", f"texts:{docs}@512+128") and spec.holdout == 0.3
     before = campaigns_dump(db)
     (tmp_path / "empty.txt").write_text("")
-    for bad, needle in (({"tasks": [f"texts:{tmp_path / 'missing.txt'}"]}, "does not exist"),
-                        ({"tasks": [f"texts:{tmp_path / 'empty.txt'}"]}, "is empty"),
-                        ({"tasks": [f"items:{docs}"]}, "not valid JSON"),
-                        ({"holdout": 0.9}, "holdout"), ({"holdout": True}, "holdout")):
+    for bad, status, needle in (({"tasks": [f"texts:{tmp_path / 'missing.txt'}"]}, 404, "does not exist"),
+                                ({"tasks": [f"texts:{tmp_path / 'empty.txt'}"]}, 422, "is empty"),
+                                ({"tasks": [f"items:{docs}"]}, 422, "not valid JSON"),
+                                ({"tasks": ["items:  "]}, 422, "pattern"), ({"tasks": ["gsm8k"]}, 422, "pattern"),
+                                ({"holdout": 0.9}, 422, "holdout"), ({"holdout": True}, 422, "holdout")):
         r = client.post("/v1/campaigns", json={"model": "smollm2-135m", "budgets": [2.5], **bad}, headers=AUTH)
-        assert r.status_code == 422 and needle in r.text, (bad, r.text)
+        assert r.status_code == status and needle in r.text, (bad, r.text)
     assert campaigns_dump(db) == before

@@ -155,7 +155,8 @@ def bad_values(parser: Any, places: Places) -> list[str]:
 
 
 # Valid values for the options a command requires, so that the option under test is what is refused.
-REQUIRED = {"prompt": "hi", "out": "sweep.jsonl"}
+REQUIRED = {"prompt": "hi", "out": "sweep.jsonl",
+            "config_file": str(Path(__file__).resolve().parent / "data" / "config.json")}  # pnmix-paper
 
 
 def cases(places: Places) -> list[tuple[tuple[str, ...], list[str]]]:

@@ -38,14 +38,19 @@ class CannotRunHere(EvalError):
     """This worker lacks what the campaign needs (a GPU); another worker may run it."""
 
 
-def check_tasks(tasks: Sequence[Any]) -> None:
-    """The tasks a campaign may name."""
+# A task-list entry as the service's schema states it (`check_tasks` is the check itself).
+TASK_PATTERN = r"^(passkey|kv_lookup|fidelity|(lm_eval|items|texts):.*\S.*)$"
+
+
+def check_tasks(tasks: Sequence[Any], files: bool = True) -> None:
+    """The tasks a campaign may name; with `files`, the files that items:PATH and texts:PATH name
+    are read and checked too (`check_file_task`)."""
     for task in tasks:
         name, colon, argument = task.partition(":") if isinstance(task, str) else ("", "", "")
         if task in FILE_TASKS:
             raise EvalError(f"task {task} needs its file: --{task} PATH (in a task list, {task}:PATH)")
         if task in CAMPAIGN_TASKS or (colon and argument.strip() and name in ARGUMENT_TASKS):
-            if name in FILE_TASKS and colon:
+            if files and name in FILE_TASKS and colon:
                 check_file_task(task)
             continue
         raise EvalError(f"invalid task {shorten(task)} for a campaign: allowed {', '.join(CAMPAIGN_TASKS)} "

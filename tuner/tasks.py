@@ -176,11 +176,15 @@ def kv_lookup_items(n: int, seed: int, pairs: tuple[int, int] = (20, 60), digits
     return items
 
 
+class MissingFile(EvalError):
+    """A user's data file that is not there (the service answers 404, as for an unknown model)."""
+
+
 def read_user_file(path: str | Path, what: str) -> str:
     """The text of a user's data file; one line (EvalError) when it is missing, empty, binary or not UTF-8."""
     path = Path(path)
     if not path.is_file():
-        raise EvalError(f"{what} {path} does not exist or is not a regular file")
+        raise MissingFile(f"{what} {path} does not exist or is not a regular file")
     try:
         data = path.read_bytes()
     except OSError as exc:

@@ -10,7 +10,8 @@ from pnmix.api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Stat
 from pnmix.storage import read, write
 from pnmix.storage.vocabulary import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.queue import check_budgets_reachable
+from pnmix.tuner.queue import FILE_TASKS, check_budgets_reachable, check_file_task
+from pnmix.tuner.tasks import MissingFile
 
 router = APIRouter(tags=["campaigns"])
 
@@ -47,6 +48,14 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
     The model must be in the database or be a registry model (`smollm2-135m`, `qwen3-8b-shape`, ...).
     """
     space = body.space()
+    for entry in body.tasks or ():  # the files a campaign names, before anything is stored
+        if entry.partition(":")[0] in FILE_TASKS:
+            try:
+                check_file_task(entry)
+            except MissingFile as exc:
+                raise ProblemError(404, "Not Found", str(exc)) from None
+            except EvalError as exc:
+                raise ProblemError(422, "Unprocessable Content", str(exc)) from None
     campaign = write.create_campaign(
         session, body.model, body.budgets, body.n_trials, method=body.method, profile=body.profile,
         objectives=body.objectives, backend=body.backend, budget_on=body.budget_on,
