@@ -11,7 +11,7 @@ As with our own item tasks, the documents the unquantized model (`fp16`) gets wr
 first, so a miss is the cache's fault: the first `limit` documents (default all) are answered by
 fp16, and those it answers are kept, re-answered as one scoring run until fp16 passes all of them
 (a batch changes float sums). The kept document ids are cached per model, task and limit under
-`PNMIX_CACHE_DIR/eval/`. The part weighs 0.25, like gsm8k (tuner/profiles.py).
+`PNMIX_CACHE_DIR/eval/`. The part weighs 0.25, like items (tuner/profiles.py).
 
 In a campaign's task list the part is one entry, `lm_eval:TASK` or `lm_eval:TASK@LIMIT`
 (`spec_entry`), so workers and resumed campaigns score the same documents.
