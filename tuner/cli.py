@@ -281,21 +281,17 @@ def validate(
         print(json.dumps(out))
         return
     parts = list(scores["config"].parts)
-    table = Table(title=f"{config_file} on {model} ({', '.join(f'{n} {k}' for k, n in scores['config'].items.items())}"
-                        f"; {evaluator.backend}): mean +- standard error")
-    for col in ("", "key bits", "accuracy", *parts, *(("texts KL",) if "texts" in parts else ())):
+    units = ", ".join(f"{n} {k}" for k, n in scores["config"].items.items())
+    table = Table(title=f"{config_file} on {model} ({units}; {evaluator.backend}): mean +- standard error; last "
+                        "column: config minus that row, paired on the same units, * where beyond 2 SE")
+    for col in ("", "key bits", "accuracy", *parts, *(("texts KL",) if "texts" in parts else ()), "config minus it"):
         table.add_column(col, justify="right")
     for name, sc in scores.items():
         table.add_row(name, _num(sc.key_bits, ".3f"), _pm(sc.accuracy, sc.accuracy_se),
                       *[_pm(sc.parts[p], sc.parts_se.get(p)) for p in parts],
-                      *((f"{sc.texts_kl:.4f}",) if "texts" in parts else ()))
+                      *((f"{sc.texts_kl:.4f}",) if "texts" in parts else ()),
+                      _diff(*diffs[name]["accuracy"]) if name in diffs else "")
     console.print(table)
-    diff_table = Table(title="config minus each baseline, paired on the same units: diff +- SE; * where |diff| > 2 SE")
-    for col in ("minus", "accuracy", *parts):
-        diff_table.add_column(col, justify="right")
-    for name, d in diffs.items():
-        diff_table.add_row(name, *[_diff(*d[p]) for p in ("accuracy", *parts)])
-    console.print(diff_table)
     for name, d in diffs.items():
         diff, se = d["accuracy"]
         verdict = ("above it" if diff > 0 else "below it") if se is not None and abs(diff) > 2 * se else (
