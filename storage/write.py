@@ -180,19 +180,23 @@ def set_holdout(session: Session, campaign_id: int, budget: float, trial_number:
                 holdout: HoldoutIn) -> FrontPoint:
     """Stores the held-out score of the front point of (campaign, budget, trial); rewriting its front
     later keeps it (`replace_front`). NotFoundError when that front no longer holds the trial
-    (another worker replaced it meanwhile)."""
-    point = session.scalars(select(FrontPoint).where(
-        FrontPoint.campaign_id == campaign_id, FrontPoint.budget == budget,
-        FrontPoint.trial_number == trial_number)).one_or_none()
-    if point is None:
-        raise NotFoundError(f"no front point of campaign {campaign_id}, budget {budget:g}, trial {trial_number}")
+    (another worker replaced it meanwhile).
+
+    The campaign row is locked first, as `replace_front` locks it: a front replaced by another
+    worker at the same moment either carries this score over or is replaced before it is set."""
     if not isinstance(holdout, HoldoutIn):
         raise InvalidValueError(f"a held-out score must be a HoldoutIn, got {type(holdout).__name__}")
-    point.holdout_accuracy = float(holdout.accuracy)
-    point.holdout_accuracy_se = None if holdout.accuracy_se is None else float(holdout.accuracy_se)
-    point.holdout = holdout.to_dict()
-    session.flush()
-    return point
+    if session.get(Campaign, campaign_id, with_for_update=True, populate_existing=True) is None:
+        raise NotFoundError(f"no campaign with id {campaign_id}")
+    where = (FrontPoint.campaign_id == campaign_id, FrontPoint.budget == budget,
+             FrontPoint.trial_number == trial_number)
+    result = session.execute(update(FrontPoint).where(*where).values(
+        holdout_accuracy=float(holdout.accuracy),
+        holdout_accuracy_se=None if holdout.accuracy_se is None else float(holdout.accuracy_se),
+        holdout=holdout.to_dict()).execution_options(synchronize_session=False))
+    if not result.rowcount:  # type: ignore[attr-defined]
+        raise NotFoundError(f"no front point of campaign {campaign_id}, budget {budget:g}, trial {trial_number}")
+    return session.scalars(select(FrontPoint).where(*where).execution_options(populate_existing=True)).one()
 
 
 def upsert_model(session: Session, model: ModelIn) -> Model:
