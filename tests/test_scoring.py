@@ -14,7 +14,7 @@ from pnmix.config import PNMixConfig, preset
 from pnmix.tuner import tasks
 from pnmix.tuner.evaluate import Evaluator
 from pnmix.tuner.fidelity import reference_logits, replay, trajectory
-from pnmix.tuner.profiles import EvalError, Profile
+from pnmix.tuner.profiles import Profile
 from pnmix.tuner.proxy import proxy_kl
 from pnmix.tuner.stats import combine
 
@@ -44,22 +44,6 @@ def test_numeric_items_file_and_last_number_rule(tmp_path):
     assert not items[0].is_correct("It is 5, no wait, 6")
     assert items[1].is_correct("the result: 4.50")
     assert not items[1].is_correct("no number here")
-
-
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        ("", "is empty"),
-        ('{"question": "x"}\n', 'needs "answer"'),
-        ("{not json}\n", "not valid JSON"),
-        ('{"question": "x", "answer": "many"}\n', "not a number"),
-    ],
-)
-def test_bad_numeric_items_files_are_refused(tmp_path, content, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    with pytest.raises(EvalError, match=message):
-        tasks.items_file(path)
 
 
 def test_combined_accuracy_weights():

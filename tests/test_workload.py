@@ -102,6 +102,8 @@ def test_string_answers_and_regular_expressions(tmp_path):
         ("", "is empty"),
         ('"just a string"\n', ":1: each line must be a JSON object, not str"),
         ('{"prompt": "x"}\n', ':1: needs "answer" and one of "prompt"'),
+        ('{"question": "x"}\n', ':1: needs "answer" and one of "prompt"'),
+        ("{not json}\n", ":1: not valid JSON"),
         ('{"prompt": "x", "question": "y", "answer": "z"}\n', ':1: needs "answer" and one of "prompt"'),
         ('{"prompt": "x", "answer": "  "}\n', ':1: "answer" must be a non-empty string'),
         ('{"prompt": "x", "answer": "(", "match": "regex"}\n', ":1: \"answer\" is not a regular expression"),
