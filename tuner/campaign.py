@@ -876,6 +876,7 @@ class CampaignRunner:
             return scored[key]
 
         for budget in sorted(self.spec.budgets):
+            fits = self.space.cost(paper, self.head_dim) <= budget + 1e-9
             for _ in range(3):  # another worker may replace the front between the read and the write
                 with self.db.session(readonly=True) as s:
                     try:
@@ -884,7 +885,6 @@ class CampaignRunner:
                     except NoFeasiblePointError:
                         break
                     where = (point.budget, point.trial_number)
-                    fits = self.space.cost(paper, self.head_dim) <= budget + 1e-9
                     # Scored already under a lower budget: again only to add pnmix-paper, which fits this one.
                     config, done = point.config, point.holdout_accuracy is not None and (
                         not fits or bool((point.holdout or {}).get("paper")))
