@@ -97,6 +97,21 @@ def test_emulated_kernel_with_eight_value_groups_per_head():
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
+@pytest.mark.parametrize("case", [
+    Case(b_low=1, b_high=3, group_size=128, head_dim=128, value_bits=2, value_group=128, gqa=4, splits=2),
+    Case(b_low=2, b_high=2, group_size=256, head_dim=64, value_bits=8, value_group=64, gqa=3, splits=2),
+    Case(b_low=2, b_high=4, group_size=64, head_dim=64, value_bits=1, value_group=64, gqa=2, splits=3),
+    Case(b_low=1, b_high=2, group_size=32, head_dim=128, value_bits=4, value_group=128, gqa=1, splits=2),
+], ids=["block-d128-v2", "block-d64-v8", "words-d64-v1", "words-d128-v4"])
+def test_emulated_kernel_with_one_value_group_per_head(case):
+    # One stored scale and zero a token: the kernels compute two halves of the head that share them.
+    q, cache = build(case, fresh_generator())
+    assert launch.shape_supported(cache, q) and cache.v_scale.shape[-1] == 1
+    out, want = assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
+    per_seq = (out.float() - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))
+    assert (per_seq <= 2e-2).all(), f"per-sequence relative errors {per_seq.tolist()}"
+
+
 def test_emulated_block_kernel_with_eight_value_groups_per_head():
     # 16-channel value groups at d 128 in the block kernel (the shared CASES reach 4 groups there).
     case = Case(b_low=2, b_high=4, group_size=128, head_dim=128, value_bits=4, value_group=16, gqa=2, splits=2)
@@ -225,7 +240,7 @@ def test_emulated_kernel_reads_only_held_tokens():
 
 @pytest.mark.parametrize("value_group,head_dim,admitted_here", [
     (32, 64, True), (16, 128, True), (64, 128, True),  # 2 to 8 value groups of whole MMA tiles
-    (64, 64, False), (128, 128, False),  # one group per head: scales are read as words of two groups
+    (64, 64, True), (128, 128, True),  # one group per head: computed as two halves sharing its scale
     (8, 64, False),  # a group smaller than an MMA tile
 ])
 def test_value_group_limits_send_other_configs_to_the_triton_kernel(value_group, head_dim, admitted_here):
@@ -243,6 +258,8 @@ COMPILED = [
     (64, 256, 2, 4, 16, 4, 16, 2, "*fp16"),  # two blocks per group, 16 salient channels
     (128, 128, 3, 3, 0, 1, 64, 8, "*bf16"),  # no high planes, 1-bit values, GQA 8
     (128, 128, 2, 4, 32, 4, 16, 2, "*fp16"),  # the block kernel with 8 value groups per head
+    (128, 128, 1, 3, 64, 4, 128, 4, "*bf16"),  # one value group per head (ONE_SCALE), block kernel
+    (64, 64, 2, 3, 32, 1, 64, 3, "*fp16"),  # one value group per head, word kernel, 1-bit values
 ]
 
 

@@ -53,7 +53,7 @@ CONSTANTS: dict[str, int] = {}  # compile-time constants besides the shared ones
 
 
 @functools.cache
-def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> dict[str, Any]:
+def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int, one_scale: bool) -> dict[str, Any]:
     """The kernel's layout arguments: `common.shared_layouts` and the block's own.
 
     RUNS_LO, RUNS_HI: a plane's words of a block as int16 [channels, 8 runs] (a channel's 16 bytes),
@@ -78,11 +78,13 @@ def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> dict[str,
     wsb = nvg.bit_length() - 2  # word bits of a token's scales
     s_bits = ([[0, 2 << j] for j in range(wsb)] + [[0, 8 << wsb], [1, 0], [2, 0], [4, 0], [0, 1], [0, 2 << wsb],
                                                    [0, 4 << wsb]])
+    cp_s = linear_layout(s_bits[5:], s_bits[:5], [8, 8 * nvg])
+    if one_scale:  # [8 tiles, 8 words]: word r of tile t is the block's word t + 8 r (tile-major lanes)
+        cp_s = linear_layout([[0, 4]], [[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], [8, 8])
     own = dict(RUNS_LO=runs(d), RUNS_HI=runs(n_sc_p),
                SMEM2=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
-               CP_KEYS=gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]),
-               CP_S=linear_layout(s_bits[5:], s_bits[:5], [8, 8 * nvg]), CP_SAL=flat_layout(1))
-    return shared_layouts(d, value_bits, value_group, n_sc_p) | own
+               CP_KEYS=gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]), CP_S=cp_s, CP_SAL=flat_layout(1))
+    return shared_layouts(d, value_bits, value_group, n_sc_p, one_scale) | own
 
 
 def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
@@ -182,7 +184,7 @@ def _run_offsets(C: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
 def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze,
                  ksc, kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr,
                  B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, n_sc, SAL: gl.constexpr, NW: gl.constexpr,
-                 NVG: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
+                 SW: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
     """Starts the asynchronous copies of block `blk` (128 tokens): into the one-slot key buffers
     its 16 bytes of every channel's (low) and salient channel's (high) plane words, and at a
     group's first block the group's key scale and zero rows; into value slot `slot` the value
@@ -202,8 +204,8 @@ def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks
     for tile in gl.static_range(8):
         _async_load(buf_v.index(slot * 8 + tile), vp + (blk * 128 + 2 * tile) * NW + off_v,
                     mask=(off_v >= 0) & valid)
-    _async_load(buf_sc.index(slot), vsc + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
-    _async_load(buf_ze.index(slot), vze + blk * (128 * (NVG // 2)) + off_s, mask=(off_s >= 0) & valid)
+    _async_load(buf_sc.index(slot), vsc + blk * (8 * SW) + off_s, mask=(off_s >= 0) & valid)
+    _async_load(buf_ze.index(slot), vze + blk * (8 * SW) + off_s, mask=(off_s >= 0) & valid)
     first = (off_k >= 0) & valid & (q8 == 0)
     _async_load(buf_ks.index(0), ksc + g * D + off_k, mask=first)
     _async_load(buf_ks.index(1), kze + g * D + off_k, mask=first)
@@ -258,7 +260,8 @@ def _rows_view(buf, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
 
 @gluon.jit
 def _softmax_values(s0, s1, m, row0, acc, acc_z, l_t, buf_v, buf_sc, buf_ze, sel, mask, D: gl.constexpr,
-                    NVG: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
+                    NVG: gl.constexpr, ONE_SCALE: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr,
+                    A_OP: gl.constexpr,
                     B_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr,
                     PAIRS4: gl.constexpr):
     """A step's probabilities P = 2^(s - m) of its two tiles' scores s0, s1 (rows of the value
@@ -266,7 +269,7 @@ def _softmax_values(s0, s1, m, row0, acc, acc_z, l_t, buf_v, buf_sc, buf_ze, sel
     p0 = gl.exp2(s0 - m[None, :])
     p1 = gl.exp2(s1 - m[None, :])
     acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, row0, _pt_pairs(p0), _pt_pairs(p1), acc, acc_z, sel, mask, D,
-                              NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+                              NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
     return acc, acc_z, l_t + p0 + p1
 
 
@@ -279,7 +282,7 @@ def _block_kernel(
     qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
     B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, NSC_P: gl.constexpr,
-    BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
+    BV: gl.constexpr, GV: gl.constexpr, ONE_SCALE: gl.constexpr, BLOCK_R: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
     PAIRS_HI: gl.constexpr, RUNS_LO: gl.constexpr, RUNS_HI: gl.constexpr,
@@ -312,6 +315,7 @@ def _block_kernel(
     NW: gl.constexpr = D // CPW  # value words per token
     WPG: gl.constexpr = GV // CPW  # value words per value group
     NVG: gl.constexpr = D // GV
+    SW: gl.constexpr = 8 if ONE_SCALE else 8 * NVG  # words of a tile's value scales (or zeros)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
     part = bh.to(gl.int64) * n_parts + split
@@ -333,10 +337,10 @@ def _block_kernel(
         buf_v = gl.allocate_shared_memory(gl.int32, [2 * 8, 16 * NW], SMEM1)  # (slot, tile): [member, pair, word]
         # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member] a
         # tile; copied a block at a time, read a tile (row) at a time
-        buf_sc = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
-        buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, 8 * NVG], SMEM2)
-        sc_rows = _rows_view(buf_sc, [16, 8 * NVG], SMEM1)
-        ze_rows = _rows_view(buf_ze, [16, 8 * NVG], SMEM1)
+        buf_sc = gl.allocate_shared_memory(gl.int32, [2, 8, SW], SMEM2)
+        buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, SW], SMEM2)
+        sc_rows = _rows_view(buf_sc, [16, SW], SMEM1)
+        ze_rows = _rows_view(buf_ze, [16, SW], SMEM1)
         buf_ks = gl.allocate_shared_memory(gl.float16, [2, D], SMEM1)  # key scale row, zero row
         buf_ss = gl.allocate_shared_memory(gl.int32, [1, NSC_P], SMEM1)  # the words of the salient scales
         # Element offsets of the copies, from the block's first word / token / row.
@@ -351,9 +355,12 @@ def _block_kernel(
         # [tile, (pair i, word w, member e)] -> word w of the tile's token 2 i + e (tile h of step s
         # starts at token 4 s + 2 h = 2 tile)
         tile_s = gl.arange(0, 8, layout=gl.SliceLayout(1, CP_S))
-        n_s = gl.arange(0, 8 * NVG, layout=gl.SliceLayout(0, CP_S))
-        off_s = ((2 * tile_s[:, None] + _token_of_row((n_s[None, :] // NVG) * 2 + n_s[None, :] % 2)) * (NVG // 2)
-                 + (n_s[None, :] // 2) % (NVG // 2))
+        n_s = gl.arange(0, SW, layout=gl.SliceLayout(0, CP_S))
+        if ONE_SCALE:  # word r: the two tokens of rows r and 8 + r, 2 tile + 16 r and the next
+            off_s = tile_s[:, None] + 8 * n_s[None, :]
+        else:
+            off_s = ((2 * tile_s[:, None] + _token_of_row((n_s[None, :] // NVG) * 2 + n_s[None, :] % 2))
+                     * (NVG // 2) + (n_s[None, :] // 2) % (NVG // 2))
         off_k = gl.arange(0, D, layout=CP_K)
         # Block 0's copies first, before the lengths and the query are read: they overlap those
         # round trips to memory. Every split's first block lies within the capacity, so the copy
@@ -362,7 +369,7 @@ def _block_kernel(
         b_start = g_start * (G32 // 4)
         _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
                      vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                     G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
+                     G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
         async_copy.commit_group()
         n_groups = gl.load(ops.n_groups_ptr + b)
         g_end = gl.minimum(g_start + groups_per_split, n_groups)
@@ -428,7 +435,7 @@ def _block_kernel(
             _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
             _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo,
                          khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v,
-                         off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
+                         off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
             _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
             async_copy.commit_group()
             # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
@@ -446,18 +453,18 @@ def _block_kernel(
             m_new = gl.maximum(m_h, gl.max(s_max, axis=0))
             acc, acc_z, l_t = _rescaled(acc, acc_z, l_t, gl.exp2(m_h - m_new), ROW)
             m_h = m_new
-            acc, acc_z, l_t = _softmax_values(s00, s01, m_new, slot * 8, acc, acc_z, l_t, buf_v, sc_rows, ze_rows,
-                                              v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
-                                              PAIRS4)
+            acc, acc_z, l_t = _softmax_values(s00, s01, m_new, slot * 8, acc, acc_z, l_t, buf_v, sc_rows,
+                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
+                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
             acc, acc_z, l_t = _softmax_values(s10, s11, m_new, slot * 8 + 2, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                              VS_WORDS, PAIRS4)
+                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
+                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
             acc, acc_z, l_t = _softmax_values(s20, s21, m_new, slot * 8 + 4, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                              VS_WORDS, PAIRS4)
+                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
+                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
             acc, acc_z, l_t = _softmax_values(s30, s31, m_new, slot * 8 + 6, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                              VS_WORDS, PAIRS4)
+                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
+                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
         async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         acc, c_r, m_fin, l_fin = _packed_partials(acc, acc_z, l_t, m_h, D, GV, BV, MMA)
     else:

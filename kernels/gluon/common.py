@@ -48,9 +48,10 @@ def flat_layout(vec: int) -> Any:
 
 
 @functools.cache
-def shared_layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> dict[str, Any]:
+def shared_layouts(d: int, value_bits: int, value_group: int, n_sc_p: int, one_scale: bool) -> dict[str, Any]:
     """The layout arguments both kernels take, by name: head dim d, values of b_V bits in groups of
-    G_V channels (16 tokens a tile), n_sc_p (padded) salient channels.
+    G_V channels (16 tokens a tile; `launch.kernel_value_group`: half the head where one stored group
+    spans it, `one_scale`), n_sc_p (padded) salient channels.
 
     Per warp, mma.sync m16n8k16 operands have (Gluon's `to_linear_layout`): A [M, K]: register
     bases k+1, m+8, k+8, then the M tiles; lane bases k+2, k+4, m+1, m+2, m+4. B [K, N]: register
@@ -127,6 +128,8 @@ def shared_layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> di
     # groups as registers (`_value_products`).
     scale_words = layout([[0, 0, 0, 1]] + [[0, 0, g, 0] for g in group_bits[:-1]] + [[1, 0, 0, 0]],
                          [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], [2, 4, nvg // 2, 2])
+    if one_scale:  # one stored group a head: a tile's 8 words of two tokens' scales, [4 pairs, member]
+        scale_words = layout([[0, 1]], [[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]], [4, 2])
     pairs4 = layout([[0, 0, 0, g] for g in group_bits] + [[1, 0, 0, 0]],
                     [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [2, 8, 4, nvg])
 
@@ -230,16 +233,26 @@ def _value_codes(buf_v, row, sel, mask, D: gl.constexpr, NVG: gl.constexpr, WPG:
 
 
 @gluon.jit
-def _value_scale_pairs(buf, row, NVG: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+def _value_scale_pairs(buf, row, NVG: gl.constexpr, ONE_SCALE: gl.constexpr, VS_WORDS: gl.constexpr,
+                       PAIRS4: gl.constexpr):
     """Scale (or zero) fp16 pairs [2, 1, 4, NVG] of 16 tokens for `_value_products`: element
-    (j, 0, b, g) holds value group g of tokens 8j + 2b (low half) and 8j + 2b + 1.
+    (j, 0, b, g) holds value group g of the tile's rows 8j + 2b (low half) and 8j + 2b + 1.
 
     The ring row holds int32 words (two groups of one token) ordered (token pair, word, member),
     so one load gives a thread both members' words, and one prmt per pair takes a group's
-    halves of both."""
-    ev, od = gl.split(buf.index(row).reshape([2, 4, NVG // 2, 2]).load(VS_WORDS))
-    x = gl.reshape(gl.join(_byte_perm(ev, od, 0x5410), _byte_perm(ev, od, 0x7632)), [2, 4, NVG])
-    return gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, PAIRS4), assert_trivial=True), 1)
+    halves of both. ONE_SCALE (one stored group a head, computed as NVG = 2 halves): the row
+    holds the tile's 8 stored words, word r the scales of rows r and 8 + r (two adjacent
+    tokens in both kernels' row orders); one prmt per j takes rows 8j + 2b and 8j + 2b + 1
+    from words 2b and 2b + 1, and both halves of the head get the pair."""
+    if ONE_SCALE:
+        ev, od = gl.split(buf.index(row).reshape([4, 2]).load(VS_WORDS))  # words 2b, 2b + 1
+        x = gl.permute(gl.join(_byte_perm(ev, od, 0x5410), _byte_perm(ev, od, 0x7632)), [1, 0])  # [j, b]
+        x = gl.convert_layout(gl.join(x, x), gl.SliceLayout(1, PAIRS4))  # registers reordered, no lanes
+    else:
+        ev, od = gl.split(buf.index(row).reshape([2, 4, NVG // 2, 2]).load(VS_WORDS))
+        x = gl.reshape(gl.join(_byte_perm(ev, od, 0x5410), _byte_perm(ev, od, 0x7632)), [2, 4, NVG])
+        x = gl.convert_layout(x, gl.SliceLayout(1, PAIRS4), assert_trivial=True)
+    return gl.expand_dims(x, 1)
 
 
 @gluon.jit
@@ -323,8 +336,9 @@ def _value_products(codes, xs, xz, acc, acc_z, pair: gl.constexpr, NVG: gl.const
 
 @gluon.jit
 def _step_values(buf_v, buf_sc, buf_ze, row0, x0, x1, acc, acc_z, sel, mask, D: gl.constexpr, NVG: gl.constexpr,
-                 WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
-                 VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+                 ONE_SCALE: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
+                 B_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr,
+                 PAIRS4: gl.constexpr):
     """The value product of a step: its two tiles, rows row0 and row0 + 1 of the ring's value
     buffers, with their P^T pairs x0, x1 (`_pt_pairs`)."""
     for half in gl.static_range(2):
@@ -332,8 +346,8 @@ def _step_values(buf_v, buf_sc, buf_ze, row0, x0, x1, acc, acc_z, sel, mask, D: 
         x = x0 if half == 0 else x1
         x = gl.expand_dims(gl.convert_layout(gl.reshape(x, [2, 8, 4]), gl.SliceLayout(3, PAIRS4),
                                              assert_trivial=True), 3)
-        xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, VS_WORDS, PAIRS4))
-        xz = _mul_pairs(x, _value_scale_pairs(buf_ze, row, NVG, VS_WORDS, PAIRS4))
+        xs = _mul_pairs(x, _value_scale_pairs(buf_sc, row, NVG, ONE_SCALE, VS_WORDS, PAIRS4))
+        xz = _mul_pairs(x, _value_scale_pairs(buf_ze, row, NVG, ONE_SCALE, VS_WORDS, PAIRS4))
         codes = _value_codes(buf_v, row, sel, mask, D, NVG, WPG, A_OP, V5, VWP_LOAD)
         acc, acc_z = _value_products(codes, xs, xz, acc, acc_z, 0, NVG, MMA, A_OP, B_OP)
     return acc, acc_z

@@ -45,17 +45,28 @@ def available() -> bool:
 
 def shape_supported(cache: DecodeCache, q: torch.Tensor) -> bool:
     """Whether the kernels' limits admit this cache and query, on any device: G a multiple of 32,
-    head dim a multiple of 16 (>= 32), at most 8 query heads per KV head, value groups of whole
-    32-bit words (G_V * b_V >= 32) and whole MMA tiles (G_V a multiple of 16), 2 to 8 value groups
-    per head (scales are read as words of two groups; the zeros' sums have 8 columns)."""
+    head dim a multiple of 16 (>= 32), at most 8 query heads per KV head, value groups (as the
+    kernels compute them, `kernel_value_group`) of whole 32-bit words (G_V * b_V >= 32) and whole
+    MMA tiles (G_V a multiple of 16), 1 to 8 value groups per head (the zeros' sums have 8 columns)."""
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
-    return (d % 16 == 0 and d >= 32 and hq % hkv == 0 and hq // hkv <= MAX_GQA
+    if d % 16 or d < 32 or cache.value_group_size <= 0 or d % cache.value_group_size:
+        return False
+    gv = kernel_value_group(d, cache.value_group_size)
+    return (hq % hkv == 0 and hq // hkv <= MAX_GQA
             and cache.group_size % 32 == 0
             and cache.value_bits in (1, 2, 4, 8) and (d * cache.value_bits) % 32 == 0
-            and cache.value_group_size * cache.value_bits >= 32 and d % cache.value_group_size == 0
-            and cache.value_group_size % 16 == 0 and 2 <= d // cache.value_group_size <= 8
+            and gv * cache.value_bits >= 32 and gv % 16 == 0 and d // gv <= 8
             and cache.k_low.shape[-1] % 4 == 0)
+
+
+def kernel_value_group(d: int, value_group: int) -> int:
+    """The value group the kernels compute with: the stored one, or half the head where one group
+    spans the head (`ONE_SCALE`). The kernels read a token's value scales as words of two groups and
+    sum the zeros two groups at a time; with one group a head, the two halves of the head are those
+    two groups, both given the token's one scale and zero, and the stored words (two tokens' scales)
+    are split into them in registers (`common._value_scale_pairs`)."""
+    return d // 2 if value_group == d else value_group
 
 
 def supports(cache: DecodeCache, q: torch.Tensor) -> bool:
@@ -198,7 +209,8 @@ def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_
     share a compiled kernel."""
     nsc_p = next_pow2(max(n_salient, 16))
     return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, SAL=n_salient > 0,
-                FULL=n_salient == nsc_p, NSC_P=nsc_p, BV=value_bits, GV=value_group, BLOCK_R=TAIL_TOKENS,
+                FULL=n_salient == nsc_p, NSC_P=nsc_p, BV=value_bits, GV=kernel_value_group(d, value_group),
+                ONE_SCALE=value_group == d, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
                 **kernel_module(group_size).CONSTANTS)
 
@@ -254,7 +266,7 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: Launch
             plan.tail_start, FP16_PAIR_1024, cache.n_salient_channels)
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high,
                                   cache.n_salient_channels, cache.value_bits, cache.value_group_size)
-    layouts = kernel.layouts(d, cache.value_bits, cache.value_group_size, constexprs["NSC_P"])
+    layouts = kernel.layouts(d, cache.value_bits, constexprs["GV"], constexprs["NSC_P"], constexprs["ONE_SCALE"])
     return SplitLaunch((bsz * hkv, plan.n_parts), kernel.KERNEL, args, constexprs, layouts, plan, pm, pl, pa)
 
 
@@ -289,7 +301,7 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
 
     kernel = kernel_module(group_size)
     const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group)
-    const.update(kernel.layouts(d, value_bits, value_group, const["NSC_P"]))
+    const.update(kernel.layouts(d, value_bits, const["GV"], const["NSC_P"], const["ONE_SCALE"]))
     planes = "*i16" if kernel.PLANE_DTYPE == torch.int16 else "*i32"
     operand_types = {"klo_ptr": planes, "khi_ptr": planes, "vp_ptr": "*i32", "vsc_ptr": "*i32",
                      "vze_ptr": "*i32", "order_ptr": "*i32", "sink_len_ptr": "*i32", "n_groups_ptr": "*i32",

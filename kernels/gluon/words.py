@@ -49,7 +49,7 @@ CONSTANTS = {"STAGES": STAGES}  # compile-time constants besides the shared ones
 
 
 @functools.cache
-def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> dict[str, Any]:
+def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int, one_scale: bool) -> dict[str, Any]:
     """The kernel's layout arguments: `common.shared_layouts` and the ring's own (key plane slots
     and their copies, the value scales' per-step copies)."""
     # 32 lanes on 32 consecutive channels (parity fastest): a copy spans 32 x G / 8 bytes of memory
@@ -65,10 +65,10 @@ def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int) -> dict[str,
         regs = [[1, 0]] + [[0, 4 << i] for i in range((channels // 2).bit_length() - 3)]
         return linear_layout(regs, [[0, 1], [0, 2], [0, 0], [0, 0], [0, 0]], [2, channels // 2])
 
-    nvg = d // value_group
+    scale_words = 8 if one_scale else 8 * (d // value_group)  # a half step's (`SW` in the kernel)
     own = dict(ROWS_LO=slot_rows(d), ROWS_HI=slot_rows(n_sc_p), PAR_LO=par_load(d), PAR_HI=par_load(n_sc_p),
-               CP_LO=cp_rows, CP_HI=cp_rows, CP_S=gl.BlockedLayout([max(1, 8 * nvg // 32)], [32], [1], [0]))
-    return shared_layouts(d, value_bits, value_group, n_sc_p) | own
+               CP_LO=cp_rows, CP_HI=cp_rows, CP_S=gl.BlockedLayout([max(1, scale_words // 32)], [32], [1], [0]))
+    return shared_layouts(d, value_bits, value_group, n_sc_p, one_scale) | own
 
 
 def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
@@ -162,7 +162,7 @@ def _parity_offsets(C2: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze, ksc,
                 kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr, B_LOW: gl.constexpr,
-                D: gl.constexpr, NH: gl.constexpr, n_sc, SAL: gl.constexpr, NW: gl.constexpr, NVG: gl.constexpr,
+                D: gl.constexpr, NH: gl.constexpr, n_sc, SAL: gl.constexpr, NW: gl.constexpr, SW: gl.constexpr,
                 PL_P: gl.constexpr, PH_P: gl.constexpr):
     """Starts the asynchronous copies of word step `step` (32 tokens) into ring slot `stage`: the
     plane words of every channel (low) and salient channel (high), the value words, scales and
@@ -186,9 +186,9 @@ def _issue_step(step, valid, stage, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_k
         t0 = step * 32 + half * 16
         _async_load(buf_v.index(stage * 2 + half), vp + t0 * NW + off_v,
                                                mask=(off_v >= 0) & valid)
-        _async_load(buf_sc.index(stage * 2 + half), vsc + t0 * (NVG // 2) + off_s,
+        _async_load(buf_sc.index(stage * 2 + half), vsc + (t0 // 2) * (SW // 8) + off_s,
                                                mask=(off_s >= 0) & valid)
-        _async_load(buf_ze.index(stage * 2 + half), vze + t0 * (NVG // 2) + off_s,
+        _async_load(buf_ze.index(stage * 2 + half), vze + (t0 // 2) * (SW // 8) + off_s,
                                                mask=(off_s >= 0) & valid)
     first = (off_k >= 0) & valid & (wd == 0)
     _async_load(buf_ks.index(stage * 2), ksc + g * D + off_k, mask=first)
@@ -229,7 +229,7 @@ def _words_kernel(
     qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
     B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, NSC_P: gl.constexpr,
-    BV: gl.constexpr, GV: gl.constexpr, BLOCK_R: gl.constexpr,
+    BV: gl.constexpr, GV: gl.constexpr, ONE_SCALE: gl.constexpr, BLOCK_R: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
     PAIRS_HI: gl.constexpr, ROWS_LO: gl.constexpr, ROWS_HI: gl.constexpr, PAR_LO: gl.constexpr,
@@ -261,6 +261,7 @@ def _words_kernel(
     NW: gl.constexpr = D // CPW  # value words per token
     WPG: gl.constexpr = GV // CPW  # value words per value group
     NVG: gl.constexpr = D // GV
+    SW: gl.constexpr = 8 if ONE_SCALE else 8 * NVG  # words of a half step's value scales (or zeros)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     # Query-side operands are computed in the accumulator layout (reductions need it) and moved
     # to the A-operand layout, which for 16-bit data holds the same elements in the same registers.
@@ -305,8 +306,8 @@ def _words_kernel(
         buf_hi = gl.allocate_shared_memory(gl.int32, [STAGES * PH_P, 2, NSC_P // 2], ROWS_HI)
         buf_v = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 16 * NW], SMEM1)  # half: [member, pair, word]
         # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member]
-        buf_sc = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
-        buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, 8 * NVG], SMEM1)
+        buf_sc = gl.allocate_shared_memory(gl.int32, [STAGES * 2, SW], SMEM1)
+        buf_ze = gl.allocate_shared_memory(gl.int32, [STAGES * 2, SW], SMEM1)
         buf_ks = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], SMEM1)  # key scale row, zero row
         # Element offsets of one row's copy, from the step's first word / token / row.
         off_lo = _parity_offsets(D // 2, G32, CP_LO)
@@ -317,21 +318,24 @@ def _words_kernel(
         n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
         v_rows = 2 * ((n_v // NW) % 8) + n_v // (8 * NW)
         off_v = _token_of_row(v_rows) * NW + n_v % NW
-        n_s = gl.arange(0, 8 * NVG, layout=CP_S)  # (pair i, word w, member e) -> word w of token 2i + e
-        off_s = _token_of_row((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
+        n_s = gl.arange(0, SW, layout=CP_S)
+        if ONE_SCALE:  # word r: the two tokens of rows r and 8 + r, 2 r and 2 r + 1
+            off_s = n_s
+        else:  # (pair i, word w, member e) -> word w of token 2i + e
+            off_s = _token_of_row((n_s // NVG) * 2 + n_s % 2) * (NVG // 2) + (n_s // 2) % (NVG // 2)
         off_k = gl.arange(0, D, layout=CP_K)
         w_start = g_start * G32
         w_end = g_end * G32
         # The slot of the step before the first: the loop's first value product reads it with
         # P = 0, so its scales and zeros must be finite (0 x NaN would be NaN); codes always are.
         for half in gl.static_range(2):
-            buf_sc.index((STAGES - 1) * 2 + half).store(gl.zeros([8 * NVG], gl.int32, layout=CP_S))
-            buf_ze.index((STAGES - 1) * 2 + half).store(gl.zeros([8 * NVG], gl.int32, layout=CP_S))
+            buf_sc.index((STAGES - 1) * 2 + half).store(gl.zeros([SW], gl.int32, layout=CP_S))
+            buf_ze.index((STAGES - 1) * 2 + half).store(gl.zeros([SW], gl.int32, layout=CP_S))
         for i in gl.static_range(STAGES - 2):
             _issue_step(w_start + i, w_start + i < w_end, i, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off,
                         off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                        G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
+                        G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
         u = gl.zeros([D, 8], gl.float16, layout=B_OP)  # u^T, u_hi^T: the first 8 heads
         u_hi = gl.zeros([NSC_P, 8], gl.float16, layout=B_OP)
         bias = gl.zeros([8], gl.float32, layout=HEADS)
@@ -350,7 +354,7 @@ def _words_kernel(
             _issue_step(nxt, nxt < w_end, (nxt - w_start) % STAGES, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off,
                         off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                        G32, B_LOW, D, NH, n_sc, SAL, NW, NVG, PL_P, PH_P)
+                        G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
             g = w // G32
             if w % G32 == 0:  # a new group: its scales fold into the query, its zeros into a bias
                 s_row = buf_ks.index(stage * 2).load(gl.SliceLayout(0, MMA)).to(gl.float32)
@@ -377,7 +381,7 @@ def _words_kernel(
             s1 = _half_scores(u, u_hi, c0, bias, lw, hw, sel_lo, sel_hi, bits_lo, bits_hi, inv_pos, 1, magic, B_LOW,
                               NH, SAL, D, NSC_P, MMA, A_OP)
             acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, before * 2, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG,
-                                      WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+                                      ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             m_new = gl.maximum(m_h, gl.max(gl.maximum(s0, s1), axis=0))
             alpha = gl.exp2(m_h - m_new)
             p0 = gl.exp2(s0 - m_new[None, :])
@@ -392,8 +396,8 @@ def _words_kernel(
         async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         # The last step's values (or, for an empty split, the zeroed slot before the first step).
         last = (gl.maximum(w_end - w_start, 0) + STAGES - 1) % STAGES
-        acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, last * 2, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG, WPG,
-                                  MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+        acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, last * 2, x0, x1, acc, acc_z, v_sel, v_mask, D, NVG,
+                                  ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
         acc, c_r, m_fin, l_fin = _packed_partials(acc, acc_z, l_t, m_h, D, GV, BV, MMA)
     else:
         acc, c_r, m_fin, l_fin = _fp16_tail(ops, b, h, split - tail_start, n_tail, qk_scale, GQ, D, BLOCK_R,
