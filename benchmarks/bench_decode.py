@@ -8,7 +8,7 @@ For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pn
 1. draws fresh random bf16 keys/values, packs them with the Triton quantize+pack kernels (checked
    bit for bit against `pnmix.packing` on a slice);
 2. runs each fused decode kernel (`KERNELS`: the Gluon kernels of `kernels.gluon`, the default on
-   CUDA, as planned and with registers capped at 168 a thread, and the Triton fallback of
+   CUDA, as planned, with registers capped at 168 a thread and with 3 value slots, and the Triton fallback of
    `kernels.decode`) and checks it against
    `pnmix.backend.decode_reference` (dequantize-then-attend in fp32) on a few sequences, output
    poisoned before the run;
@@ -63,9 +63,11 @@ SHAPES = [(1, 32768), (32, 8192), (32, 32768), (110, 8192)]
 # and the Triton kernel, the fallback for shapes the Gluon kernels do not take.
 # "gluon-168": the same kernel with its registers capped at 168 a thread (3 warps per scheduler,
 # 12 an SM by registers, where the uncapped kernel's 213-217 allow 8), spilling the rest.
-GLUON_REGISTERS = {"gluon": None, "gluon-168": 168}
-KERNELS = {**{name: functools.partial(gluon.decode_attention, max_registers=cap)
-              for name, cap in GLUON_REGISTERS.items()}, "triton": decode_attention}
+# "gluon-3slot": the block kernel with 3 value slots (a block's value products beside the next
+# block's scores; `LaunchPlan.value_slots`).
+GLUON_PLANS = {"gluon": {}, "gluon-168": {"max_registers": 168}, "gluon-3slot": {"value_slots": 3}}
+KERNELS = {**{name: functools.partial(gluon.decode_attention, **options) for name, options in GLUON_PLANS.items()},
+           "triton": decode_attention}
 
 
 def attend(kernel: str, q: torch.Tensor, cache: DecodeCache, scale: float, out=None) -> torch.Tensor:
@@ -199,6 +201,8 @@ SWEEP = [
     (3, 3, 128, 0.0, 2, 32, 64, 4),
     (1, 1, 64, 0.0, 2, 16, 128, 3),
     (2, 3, 128, 0.5, 4, 32, 64, 1),
+    (1, 3, 128, 0.5, 2, 128, 128, 4),  # one value group per head (the kernels' ONE_SCALE)
+    (2, 4, 64, 0.25, 1, 64, 64, 2),
 ]
 
 
@@ -230,11 +234,13 @@ def sweep_correctness(gen: torch.Generator, fh) -> list[dict]:
         if not gluon.supports(cache, q):
             row["gluon"] = None  # outside the Gluon kernels' limits: the Triton kernel serves it
         else:
-            try:
-                run = functools.partial(gluon.decode_attention, q, cache, d**-0.5, num_splits=2)
-                row["gluon"] = poisoned_rel_err(run, q, ref)
-            except Exception as exc:  # reported, not fatal: the Triton kernel's figures still come back
-                row["gluon"] = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+            for name, slots in (("gluon", 2), ("gluon-3slot", 3)):
+                try:
+                    run = functools.partial(gluon.decode_attention, q, cache, d**-0.5, num_splits=2,
+                                            value_slots=slots)
+                    row[name] = poisoned_rel_err(run, q, ref)
+                except Exception as exc:  # reported, not fatal: the Triton kernel's figures still come back
+                    row[name] = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
         log(f"sweep {json.dumps(row)}", fh)
         results.append(row)
     return results
@@ -303,8 +309,8 @@ def bench_shape(bsz: int, ctx: int, gen: torch.Generator, kernels: list[str], co
         row["kernels"][kernel] = {"us": us, "eager_us": t["eager"], "host_us": t["host"], "rel_err": err,
                                   "finite": finite, "passed": err <= 1e-2 and finite, "GBps": gbps,
                                   "copy_share": gbps / copy_gbps, "speedup": t_sdpa / us}
-        if kernel in GLUON_REGISTERS:  # what the compiler gave the split kernel, and the plan's splits
-            plan = gluon.launch.plan_launch(q, cache, max_registers=GLUON_REGISTERS[kernel])
+        if kernel in GLUON_PLANS:  # what the compiler gave the split kernel, and the plan's splits
+            plan = gluon.launch.plan_launch(q, cache, **GLUON_PLANS[kernel])
             compiled = gluon.launch.split_launch(q, cache, scale, plan).run()
             row["kernels"][kernel] |= {"registers": compiled.n_regs, "spilled": compiled.n_spills,
                                        "splits": plan.num_splits, "tail_programs": plan.n_tail}

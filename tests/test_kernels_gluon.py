@@ -37,10 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def emulated(q: torch.Tensor, cache, scale: float, splits: int | None, n_tail: int | None = None,
-             tail_last: bool = False, max_groups: int | None = None) -> torch.Tensor:
+             tail_last: bool = False, max_groups: int | None = None, value_slots: int = 2) -> torch.Tensor:
     """The kernel's output through the emulator, with the plan's tail programs set (n_tail None: as
     planned) and launched first or last."""
-    plan = dataclasses.replace(launch.plan_launch(q, cache, splits, max_groups), tail_last=tail_last,
+    plan = dataclasses.replace(launch.plan_launch(q, cache, splits, max_groups, value_slots=value_slots),
+                               tail_last=tail_last,
                                **({"n_tail": n_tail} if n_tail else {}))
     split = launch.split_launch(q, cache, scale, plan)
     assert split.grid[1] == plan.n_parts == plan.num_splits + plan.n_tail
@@ -67,10 +68,10 @@ def test_the_cases_cover_the_kernel_branches():
     assert {c.group_size for c in MMA_CASES} == {32, 64, 128} and {c.gqa for c in MMA_CASES} == {1, 3, 4}
 
 
-def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None, tail_last=False):
+def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None, tail_last=False, value_slots=2):
     """Runs the emulated kernel; asserts every output finite and within 1e-2 relative error of the
     fp32 dequantize-then-attend reference. Returns both outputs."""
-    out = emulated(q, cache, scale, splits, n_tail, tail_last)
+    out = emulated(q, cache, scale, splits, n_tail, tail_last, value_slots=value_slots)
     assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
     want = decode_reference(q, cache, scale)
     err = ((out.float() - want).norm() / want.norm()).item()
@@ -136,6 +137,25 @@ def test_emulated_block_kernel_with_two_blocks_per_group():
     q, cache = build(case, fresh_generator())
     assert launch.kernel_module(cache.group_size) is block and cache.k_low.shape[2] >= 2
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
+
+
+THREE_SLOT_CASES = [c for c in MMA_CASES if c.group_size % 128 == 0] + [
+    Case(b_low=1, b_high=3, group_size=256, head_dim=64, gqa=3, splits=2),  # 6 blocks: the slots wrap around
+    Case(b_low=1, b_high=3, group_size=128, head_dim=128, value_bits=2, value_group=128, gqa=4, splits=2),
+]
+
+
+@pytest.mark.parametrize("case", THREE_SLOT_CASES, ids=lambda c: (
+    f"b{c.b_low}{c.b_high}-G{c.group_size}-r{c.ratio}-d{c.head_dim}-v{c.value_bits}g{c.value_group}"))
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-split", "empty-splits"])
+def test_emulated_block_kernel_with_three_value_slots(case, splits):
+    # Value products one block behind the scores: the zeroed slot before block 0, the last block's
+    # products after the loop, splits with no block (4 splits of at most 3 groups) and 6 blocks in
+    # one split (G 256), where every slot is refilled.
+    q, cache = build(case, fresh_generator())
+    assert launch.kernel_module(cache.group_size) is block
+    out, want = assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, splits, value_slots=3)
+    assert torch.allclose(out, emulated(q, cache, case.head_dim**-0.5, splits), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("case,n_tail", [
@@ -248,18 +268,21 @@ def test_value_group_limits_send_other_configs_to_the_triton_kernel(value_group,
     assert launch.shape_supported(cache, q) is admitted_here
 
 
-# (head_dim, G, b_low, b_high, salient channels, value bits, value group, GQA, activation pointer type)
+# (head_dim, G, b_low, b_high, salient channels, value bits, value group, GQA, activation pointer type,
+#  the block kernel's value slots)
 COMPILED = [
-    (128, 128, 1, 3, 64, 2, 32, 4, "*bf16"),  # pnmix-paper on an 8B-shaped layer
-    (64, 32, 2, 4, 64, 1, 32, 1, "*fp16"),  # every channel salient, 1-bit values
-    (64, 64, 4, 4, 0, 8, 32, 3, "*fp32"),  # no high planes, 8-bit values
-    (128, 32, 2, 3, 32, 4, 16, 2, "*fp16"),  # 8 value groups per head (the deepest group split)
-    (64, 32, 1, 3, 16, 2, 32, 4, "*bf16"),  # 16 salient channels: one tile of high-plane pairs
-    (64, 256, 2, 4, 16, 4, 16, 2, "*fp16"),  # two blocks per group, 16 salient channels
-    (128, 128, 3, 3, 0, 1, 64, 8, "*bf16"),  # no high planes, 1-bit values, GQA 8
-    (128, 128, 2, 4, 32, 4, 16, 2, "*fp16"),  # the block kernel with 8 value groups per head
-    (128, 128, 1, 3, 64, 4, 128, 4, "*bf16"),  # one value group per head (ONE_SCALE), block kernel
-    (64, 64, 2, 3, 32, 1, 64, 3, "*fp16"),  # one value group per head, word kernel, 1-bit values
+    (128, 128, 1, 3, 64, 2, 32, 4, "*bf16", 2),  # pnmix-paper on an 8B-shaped layer
+    (64, 32, 2, 4, 64, 1, 32, 1, "*fp16", 2),  # every channel salient, 1-bit values
+    (64, 64, 4, 4, 0, 8, 32, 3, "*fp32", 2),  # no high planes, 8-bit values
+    (128, 32, 2, 3, 32, 4, 16, 2, "*fp16", 2),  # 8 value groups per head (the deepest group split)
+    (64, 32, 1, 3, 16, 2, 32, 4, "*bf16", 2),  # 16 salient channels: one tile of high-plane pairs
+    (64, 256, 2, 4, 16, 4, 16, 2, "*fp16", 2),  # two blocks per group, 16 salient channels
+    (128, 128, 3, 3, 0, 1, 64, 8, "*bf16", 2),  # no high planes, 1-bit values, GQA 8
+    (128, 128, 2, 4, 32, 4, 16, 2, "*fp16", 2),  # the block kernel with 8 value groups per head
+    (128, 128, 1, 3, 64, 4, 128, 4, "*bf16", 2),  # one value group per head (ONE_SCALE), block kernel
+    (64, 64, 2, 3, 32, 1, 64, 3, "*fp16", 2),  # one value group per head, word kernel, 1-bit values
+    (128, 128, 1, 3, 64, 2, 32, 4, "*bf16", 3),  # pnmix-paper with 3 value slots
+    (64, 256, 2, 3, 32, 4, 64, 2, "*fp16", 3),  # 3 value slots, one value group per head, two blocks per group
 ]
 
 
@@ -270,7 +293,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
         "import json, sys\n"
         "from pnmix.kernels.gluon.launch import compile_offline\n"
         "for config in json.loads(sys.argv[1]):\n"
-        "    k = compile_offline(*config)\n"
+        "    k = compile_offline(*config[:9], value_slots=config[9])\n"
         "    ptx = k.asm['ptx']\n"
         "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx]))\n"
     )
@@ -280,7 +303,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
-    want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1]), True, True] for c in COMPILED]
+    want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1], c[9]), True, True] for c in COMPILED]
     assert rows == want, (rows, done.stderr[-2000:])
 
 

@@ -49,7 +49,12 @@ from pnmix.kernels.layout import next_pow2
 
 BLOCK_TOKENS = 128  # tokens of a key plane's 16 bytes per channel: the unit of copies and softmax updates
 PLANE_DTYPE = torch.int16  # the key planes as the kernel reads them: a channel's 16-token runs
-CONSTANTS: dict[str, int] = {}  # compile-time constants besides the shared ones (`launch.kernel_constants`)
+# Value slots of the ring (`VSLOTS`, from the launch plan): with 2 a block's value products follow
+# its own scores; with 3 they run one block later, beside the next block's scores (independent
+# chains for the scheduler), while the copies of the block after fill the third slot.
+VALUE_SLOTS = 2
+# compile-time constants besides the shared ones (`launch.kernel_constants`); VSLOTS from the plan
+CONSTANTS: dict[str, int] = {"VSLOTS": VALUE_SLOTS}
 
 
 @functools.cache
@@ -87,17 +92,18 @@ def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int, one_scale: b
     return shared_layouts(d, value_bits, value_group, n_sc_p, one_scale) | own
 
 
-def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int) -> int:
+def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
+               value_slots: int = VALUE_SLOTS) -> int:
     """Shared memory of one program: its block buffers and the query (see the kernel's buffers)."""
     nsc_p = next_pow2(max(n_salient, 16))
     key_words = next_pow2(b_low) * d  # 16 bytes per (plane, channel); the high planes' only where used
     if b_high > b_low and n_salient:
         key_words += next_pow2(b_high - b_low) * nsc_p
-    # Value words, scales and zeros: two slots. Key plane words, scale and zero rows and the words of
-    # the salient channels' scales: one (read into registers at a block's start, then refilled).
+    # Value words, scales and zeros: `value_slots` slots. Key plane words, scale and zero rows and the
+    # words of the salient channels' scales: one (read into registers at a block's start, then refilled).
     values = BLOCK_TOKENS * d * value_bits // 8 + 2 * 2 * BLOCK_TOKENS * (d // value_group)
     keys = 16 * key_words + 2 * 2 * d + 4 * nsc_p
-    return 2 * values + keys + 2 * MAX_GQA * (d + nsc_p)  # + the query's channels and salient channels
+    return value_slots * values + keys + 2 * MAX_GQA * (d + nsc_p)  # + the query's (salient) channels
 
 
 @gluon.jit
@@ -259,18 +265,29 @@ def _rows_view(buf, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_values(s0, s1, m, row0, acc, acc_z, l_t, buf_v, buf_sc, buf_ze, sel, mask, D: gl.constexpr,
-                    NVG: gl.constexpr, ONE_SCALE: gl.constexpr, WPG: gl.constexpr, MMA: gl.constexpr,
-                    A_OP: gl.constexpr,
-                    B_OP: gl.constexpr, V5: gl.constexpr, VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr,
-                    PAIRS4: gl.constexpr):
-    """A step's probabilities P = 2^(s - m) of its two tiles' scores s0, s1 (rows of the value
-    buffers row0, row0 + 1), their value product into acc, acc_z, and their sums into l_t."""
+def _probabilities(s0, s1, m, l_t):
+    """A step's probabilities P = 2^(s - m) of its two tiles' scores s0, s1, as the value product's
+    P^T pairs (`_pt_pairs`), and the softmax sums l_t with them added."""
     p0 = gl.exp2(s0 - m[None, :])
     p1 = gl.exp2(s1 - m[None, :])
-    acc, acc_z = _step_values(buf_v, buf_sc, buf_ze, row0, _pt_pairs(p0), _pt_pairs(p1), acc, acc_z, sel, mask, D,
-                              NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
-    return acc, acc_z, l_t + p0 + p1
+    return _pt_pairs(p0), _pt_pairs(p1), l_t + p0 + p1
+
+
+@gluon.jit
+def _block_values(buf_v, sc_rows, ze_rows, row0, x00, x01, x10, x11, x20, x21, x30, x31, acc, acc_z, sel, mask,
+                  D: gl.constexpr, NVG: gl.constexpr, ONE_SCALE: gl.constexpr, WPG: gl.constexpr,
+                  MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
+                  VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+    """The value products of a block's 4 steps (value rows row0 ..), P^T pairs x00 .. x31 by tile."""
+    acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, row0, x00, x01, acc, acc_z, sel, mask, D, NVG, ONE_SCALE,
+                              WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+    acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, row0 + 2, x10, x11, acc, acc_z, sel, mask, D, NVG, ONE_SCALE,
+                              WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+    acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, row0 + 4, x20, x21, acc, acc_z, sel, mask, D, NVG, ONE_SCALE,
+                              WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+    acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, row0 + 6, x30, x31, acc, acc_z, sel, mask, D, NVG, ONE_SCALE,
+                              WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+    return acc, acc_z
 
 
 # Runtime sizes are never specialised: one compile serves every salient count of a size class and
@@ -283,6 +300,7 @@ def _block_kernel(
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
     B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, NSC_P: gl.constexpr,
     BV: gl.constexpr, GV: gl.constexpr, ONE_SCALE: gl.constexpr, BLOCK_R: gl.constexpr,
+    VSLOTS: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
     VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr, PAIRS_LO: gl.constexpr,
     PAIRS_HI: gl.constexpr, RUNS_LO: gl.constexpr, RUNS_HI: gl.constexpr,
@@ -316,6 +334,7 @@ def _block_kernel(
     WPG: gl.constexpr = GV // CPW  # value words per value group
     NVG: gl.constexpr = D // GV
     SW: gl.constexpr = 8 if ONE_SCALE else 8 * NVG  # words of a tile's value scales (or zeros)
+    DELAY: gl.constexpr = VSLOTS == 3  # a block's value products run in the next block's loop
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     HEADS: gl.constexpr = gl.SliceLayout(0, MMA)  # the columns of acc^T
     part = bh.to(gl.int64) * n_parts + split
@@ -330,17 +349,22 @@ def _block_kernel(
         # Shared memory for blocks of 128 tokens. Block i + 1's copies are issued at block i's
         # start, once its key words, key scale rows and salient scale words are in registers
         # (those buffers have one slot), and waited for at block i + 1's start: a whole block of
-        # cover. The value buffers have two slots (block i's value products read one while the
-        # copies fill the other). Buffers of rows are [slots x rows, row], indexed by one row.
+        # cover. The value buffers have VSLOTS slots: 2, block i's value products read one while
+        # the copies fill the other; 3 (DELAY), block i's scores run beside block i - 1's value
+        # products. Buffers of rows are [slots x rows, row], indexed by one row.
         buf_lo = gl.allocate_shared_memory(gl.int16, [PL_P, D, 8], SMEM2)  # plane: [channel, run]
         buf_hi = gl.allocate_shared_memory(gl.int16, [PH_P, NSC_P, 8], SMEM2)
-        buf_v = gl.allocate_shared_memory(gl.int32, [2 * 8, 16 * NW], SMEM1)  # (slot, tile): [member, pair, word]
+        buf_v = gl.allocate_shared_memory(gl.int32, [VSLOTS * 8, 16 * NW], SMEM1)  # (slot, tile): [e, pair, word]
         # value scales, zeros: int32 words (two groups of a token), [token pair, word, pair member] a
         # tile; copied a block at a time, read a tile (row) at a time
-        buf_sc = gl.allocate_shared_memory(gl.int32, [2, 8, SW], SMEM2)
-        buf_ze = gl.allocate_shared_memory(gl.int32, [2, 8, SW], SMEM2)
-        sc_rows = _rows_view(buf_sc, [16, SW], SMEM1)
-        ze_rows = _rows_view(buf_ze, [16, SW], SMEM1)
+        buf_sc = gl.allocate_shared_memory(gl.int32, [VSLOTS, 8, SW], SMEM2)
+        buf_ze = gl.allocate_shared_memory(gl.int32, [VSLOTS, 8, SW], SMEM2)
+        sc_rows = _rows_view(buf_sc, [VSLOTS * 8, SW], SMEM1)
+        ze_rows = _rows_view(buf_ze, [VSLOTS * 8, SW], SMEM1)
+        if DELAY:  # the slot "before block 0": block 0's loop reads it with P = 0, so its scales and
+            # zeros must be finite (0 x NaN is NaN); codes always are. Block 2's copies refill it.
+            buf_sc.index(VSLOTS - 1).store(gl.zeros([8, SW], gl.int32, layout=CP_S))
+            buf_ze.index(VSLOTS - 1).store(gl.zeros([8, SW], gl.int32, layout=CP_S))
         buf_ks = gl.allocate_shared_memory(gl.float16, [2, D], SMEM1)  # key scale row, zero row
         buf_ss = gl.allocate_shared_memory(gl.int32, [1, NSC_P], SMEM1)  # the words of the salient scales
         # Element offsets of the copies, from the block's first word / token / row.
@@ -405,9 +429,18 @@ def _block_kernel(
         m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
         l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # softmax sums per lane, reduced after the loop
         acc_z = gl.zeros([16, 8], gl.float32, layout=MMA)  # `_value_products`: the zeros' part
+        # P^T pairs, one per tile (with DELAY, the previous block's: none before block 0).
+        x00 = _pt_pairs(gl.zeros([16, 8], gl.float32, layout=MMA))
+        x01 = x00
+        x10 = x00
+        x11 = x00
+        x20 = x00
+        x21 = x00
+        x30 = x00
+        x31 = x00
         for i in range(0, n_blk):  # blocks: 128 tokens, 8 tiles of 16
             blk = b_start + i
-            slot = i % 2
+            prev = (i + VSLOTS - 1) % VSLOTS  # the previous block's value slot (with DELAY)
             async_copy.wait_group(0)  # this block's copies have landed ...
             _thread_barrier()  # ... for every lane, and every lane is done with the previous block's slot
             if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
@@ -433,39 +466,69 @@ def _block_kernel(
             lw = (lw, (lw[0] >> 8, lw[1] >> 8, lw[2] >> 8, lw[3] >> 8))
             hw = (hw, (hw[0] >> 8, hw[1] >> 8, hw[2] >> 8, hw[3] >> 8))
             _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
-            _issue_block(blk + 1, i + 1 < n_blk, 1 - slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo,
-                         khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v,
-                         off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
+            _issue_block(blk + 1, i + 1 < n_blk, (i + 1) % VSLOTS, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi,
+                         off_v, off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
             _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
             async_copy.commit_group()
-            # The block's 8 tiles of scores (16 independent MMA chains), one online-softmax update
-            # for its 128 tokens, then the value products of its 4 steps.
+            # The block's 8 tiles of scores (16 independent MMA chains), with DELAY each step's pair
+            # beside the value product of the previous block's step; one online-softmax update for
+            # the 128 tokens; without DELAY then the value products of its 4 steps.
             s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s01 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            if DELAY:
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8, x00, x01, acc, acc_z, v_sel,
+                                          v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                          PAIRS4)
             s10 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s11 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            if DELAY:
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8 + 2, x10, x11, acc, acc_z, v_sel,
+                                          v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                          PAIRS4)
             s20 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s21 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            if DELAY:
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8 + 4, x20, x21, acc, acc_z, v_sel,
+                                          v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                          PAIRS4)
             s30 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s31 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            if DELAY:
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8 + 6, x30, x31, acc, acc_z, v_sel,
+                                          v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
+                                          PAIRS4)
             s_max = gl.maximum(gl.maximum(gl.maximum(s00, s01), gl.maximum(s10, s11)),
                                gl.maximum(gl.maximum(s20, s21), gl.maximum(s30, s31)))
             m_new = gl.maximum(m_h, gl.max(s_max, axis=0))
-            acc, acc_z, l_t = _rescaled(acc, acc_z, l_t, gl.exp2(m_h - m_new), ROW)
+            acc, acc_z, l_t = _rescaled(acc, acc_z, l_t, gl.exp2(m_h - m_new), ROW)  # all earlier blocks' sums
             m_h = m_new
-            acc, acc_z, l_t = _softmax_values(s00, s01, m_new, slot * 8, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
-                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
-            acc, acc_z, l_t = _softmax_values(s10, s11, m_new, slot * 8 + 2, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
-                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
-            acc, acc_z, l_t = _softmax_values(s20, s21, m_new, slot * 8 + 4, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
-                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
-            acc, acc_z, l_t = _softmax_values(s30, s31, m_new, slot * 8 + 6, acc, acc_z, l_t, buf_v, sc_rows,
-                                              ze_rows, v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP,
-                                              V5, VWP_LOAD, VS_WORDS, PAIRS4)
+            x00, x01, l_t = _probabilities(s00, s01, m_new, l_t)
+            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8, x00, x01, acc, acc_z,
+                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                          VS_WORDS, PAIRS4)
+            x10, x11, l_t = _probabilities(s10, s11, m_new, l_t)
+            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 2, x10, x11, acc, acc_z,
+                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                          VS_WORDS, PAIRS4)
+            x20, x21, l_t = _probabilities(s20, s21, m_new, l_t)
+            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 4, x20, x21, acc, acc_z,
+                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                          VS_WORDS, PAIRS4)
+            x30, x31, l_t = _probabilities(s30, s31, m_new, l_t)
+            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 6, x30, x31, acc, acc_z,
+                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
+                                          VS_WORDS, PAIRS4)
         async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
+        if DELAY:  # the last block's value products (or, for an empty split, P = 0 on the zeroed slot)
+            _thread_barrier()  # (an empty split's loop had no barrier after the zeroed slot's stores)
+            acc, acc_z = _block_values(buf_v, sc_rows, ze_rows, ((n_blk + VSLOTS - 1) % VSLOTS) * 8, x00, x01, x10,
+                                       x11, x20, x21, x30, x31, acc, acc_z, v_sel, v_mask, D, NVG, ONE_SCALE, WPG,
+                                       MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
         acc, c_r, m_fin, l_fin = _packed_partials(acc, acc_z, l_t, m_h, D, GV, BV, MMA)
     else:
         acc, c_r, m_fin, l_fin = _fp16_tail(ops, b, h, split - tail_start, n_tail, qk_scale, GQ, D, BLOCK_R,

@@ -24,8 +24,8 @@ from pnmix.kernels.layout import DecodeCache, next_pow2
 from pnmix.kernels.operands import DecodeOperands, check_operands, decode_operands
 from pnmix.kernels.plan import LOG2E, output_for, planned_groups, sm_count, split_plan
 
-# Registers per thread the kernels take (213-217 for the block kernel, 227 for the word kernel, for
-# sm_90 with Triton 3.6), rounded up to the allocation unit of 8.
+# Registers per thread the kernels take (213-217 for the block kernel, 233 with 3 value slots, 227 for the
+# word kernel, for sm_90 with Triton 3.6), rounded up to the allocation unit of 8.
 REGISTERS = 232
 SHARED_PER_SM = 228 * 1024  # bytes of shared memory of a Hopper SM ...
 SHARED_RESERVED = 1024  # ... of which each resident block takes this much besides its own
@@ -81,9 +81,12 @@ def kernel_module(group_size: int) -> ModuleType:
 
 
 def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
-               group_size: int) -> int:
-    """Shared memory of one program of the kernel for `group_size`."""
-    return kernel_module(group_size).ring_bytes(d, b_low, b_high, n_salient, value_bits, value_group)
+               group_size: int, value_slots: int = block.VALUE_SLOTS) -> int:
+    """Shared memory of one program of the kernel for `group_size` (`value_slots`: the block kernel's)."""
+    kernel = kernel_module(group_size)
+    if kernel is block:
+        return block.ring_bytes(d, b_low, b_high, n_salient, value_bits, value_group, value_slots)
+    return kernel.ring_bytes(d, b_low, b_high, n_salient, value_bits, value_group)
 
 
 def resident_programs(device: torch.device, shared_bytes: int, registers: int = REGISTERS) -> int:
@@ -156,13 +159,16 @@ def tails_last(n_bh: int, num_splits: int, n_tail: int, resident: int) -> bool:
 class LaunchPlan:
     """Per (b, h_kv): num_splits packed splits of groups_per_split groups and n_tail programs for the
     sinks and the residual, launched after the packed splits if tail_last, else before them;
-    max_registers: the registers a thread may take (ptxas spills past it; None: as it allocates)."""
+    max_registers: the registers a thread may take (ptxas spills past it; None: as it allocates);
+    value_slots: the block kernel's value slots (`block.VALUE_SLOTS`; 3 runs a block's value
+    products beside the next block's scores)."""
 
     groups_per_split: int
     num_splits: int
     n_tail: int
     tail_last: bool
     max_registers: int | None = None
+    value_slots: int = block.VALUE_SLOTS
 
     @property
     def n_parts(self) -> int:
@@ -175,19 +181,23 @@ class LaunchPlan:
 
 
 def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = None,
-                max_groups: int | None = None, max_registers: int | None = None) -> LaunchPlan:
+                max_groups: int | None = None, max_registers: int | None = None,
+                value_slots: int = block.VALUE_SLOTS) -> LaunchPlan:
     """The plan for `q` over `cache`: `num_splits` packed splits if given, else `wave_splits` for the
     programs that fit at once; `tail_programs`, `tails_last` and, where the programs do not all fit
     at once and the tail launches first, a shorter last split (`split_groups`). The packed region
     planned for is the capacity, or `max_groups` groups where given: a bound on the groups any
     sequence holds (groups past it are not read). `max_registers` caps the kernel's registers a
-    thread (more programs fit at once; the compiler spills what does not fit)."""
+    thread (more programs fit at once; the compiler spills what does not fit); `value_slots` as in
+    `LaunchPlan` (2 or 3)."""
+    if value_slots not in (2, 3):
+        raise ValueError(f"value_slots {value_slots}: allowed 2 or 3")
     check_operands(q, cache)
     bsz, _, d = q.shape
     n_bh = bsz * cache.k_sink.shape[1]
     ng_cap = planned_groups(cache.k_low.shape[2], max_groups)
     shared = ring_bytes(d, cache.b_low, cache.b_high, cache.n_salient_channels, cache.value_bits,
-                        cache.value_group_size, cache.group_size)
+                        cache.value_group_size, cache.group_size, value_slots)
     resident = resident_programs(q.device, shared, max_registers or REGISTERS)
     if num_splits is None:
         num_splits = wave_splits(n_bh, ng_cap, resident) if ng_cap else 1
@@ -197,7 +207,7 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
     tail_last = tails_last(n_bh, num_splits, n_tail, resident)
     if n_bh * (num_splits + n_tail) > resident and not tail_last:  # packed splits wait for the tail's slots
         groups_per_split = split_groups(ng_cap, num_splits, chunks)
-    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last, max_registers)
+    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last, max_registers, value_slots)
 
 
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
@@ -266,33 +276,35 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: Launch
             plan.tail_start, FP16_PAIR_1024, cache.n_salient_channels)
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high,
                                   cache.n_salient_channels, cache.value_bits, cache.value_group_size)
+    if kernel is block:
+        constexprs["VSLOTS"] = plan.value_slots
     layouts = kernel.layouts(d, cache.value_bits, constexprs["GV"], constexprs["NSC_P"], constexprs["ONE_SCALE"])
     return SplitLaunch((bsz * hkv, plan.n_parts), kernel.KERNEL, args, constexprs, layouts, plan, pm, pl, pa)
 
 
 def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, max_groups: int | None = None,
-                     max_registers: int | None = None) -> torch.Tensor:
+                     max_registers: int | None = None, value_slots: int = block.VALUE_SLOTS) -> torch.Tensor:
     """`kernels.decode.decode_attention` with the Gluon kernels; call only where `supports(cache, q)`.
 
     q [B, H_q, d] -> [B, H_q, d] in q's dtype; num_splits: splits of the packed region per (b, h_kv)
     (by default balanced over whole waves of the GPU, `plan_launch`); `out`, `max_groups` as there;
-    `max_registers` as in `plan_launch`.
+    `max_registers`, `value_slots` as in `plan_launch`.
     """
     out = output_for(q, out)
-    launch = split_launch(q, cache, scale, plan_launch(q, cache, num_splits, max_groups, max_registers))
+    launch = split_launch(q, cache, scale, plan_launch(q, cache, num_splits, max_groups, max_registers, value_slots))
     launch.run()
     return launch.combine(out)
 
 
 def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
                     value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90,
-                    max_registers: int | None = None) -> Any:
+                    max_registers: int | None = None, value_slots: int = block.VALUE_SLOTS) -> Any:
     """Compiles the kernel for these shapes for an NVIDIA GPU of compute capability `arch`, without one.
 
     For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
     the shared memory. Pointers and strides are specialized as divisible by 16, as the JIT does for
-    real caches; `max_registers` as in `plan_launch`. Must run without TRITON_INTERPRET (it replaces
+    real caches; `max_registers`, `value_slots` as in `plan_launch`. Must run without TRITON_INTERPRET (it replaces
     the language's own functions).
     """
     import triton
@@ -301,6 +313,8 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
 
     kernel = kernel_module(group_size)
     const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group)
+    if kernel is block:
+        const["VSLOTS"] = value_slots
     const.update(kernel.layouts(d, value_bits, const["GV"], const["NSC_P"], const["ONE_SCALE"]))
     planes = "*i16" if kernel.PLANE_DTYPE == torch.int16 else "*i32"
     operand_types = {"klo_ptr": planes, "khi_ptr": planes, "vp_ptr": "*i32", "vsc_ptr": "*i32",
