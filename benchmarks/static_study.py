@@ -21,6 +21,10 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
               time, and the same step without torch.compile.
   maxbatch    (b) alone, for fp16, pnmix-paper and each `--config NAME=FILE` (a config JSON, e.g. a
               KV-budget campaign's pick from budget_study.py): the largest feasible batch at 8K.
+  layerwise   each layer-wise `--config` (every layer its own kernel constants in one CUDA graph)
+              against its uniform equivalent of the same mean key bits (`uniform_equivalent`):
+              step times paired at batch 32 and 64 and three cache lengths. `throughput` also
+              covers the `--config` ones whose largest batch `maxbatch` measured.
 
 How time is measured: generating 8K tokens at batch 110 would take minutes per point, so the step
 time t(L) is measured at several cache lengths L (cache lengths set directly on the device, so a
@@ -33,6 +37,8 @@ torch.compile and replays as a CUDA graph (`StaticGenerator`'s defaults on CUDA)
 
     python benchmarks/static_study.py --part memory,throughput --out DIR   # GPU
     python benchmarks/static_study.py --part maxbatch --config kv=DIR/kv_config.json --out DIR
+    python benchmarks/static_study.py --part maxbatch,throughput,layerwise \
+        --config key-2.25=benchmarks/results/allocation/picks/key-2.25.json --out DIR
     python benchmarks/static_study.py --plot DIR/static_study.json        # anywhere: PNGs + table
 """
 
@@ -212,7 +218,8 @@ def bytes_bound_tok_s(method: str, batch: int, weight_bytes: int, gbps: float, n
     from pnmix.config import preset
     from pnmix.models import model_shape
 
-    shape, config = model_shape("qwen3-8b-shape"), preset(method)
+    shape = model_shape("qwen3-8b-shape")
+    config = EXTRA[method] if method in EXTRA else preset(method)  # fp16 is a preset here (16-bit K/V)
     step_bytes = sum(weight_bytes + kv_cache_bytes(config, shape, batch, length).total
                      for length in range(PROMPT + 1, PROMPT + n_new + 1))
     return batch * n_new / (step_bytes / (gbps * 1e9))
@@ -299,8 +306,62 @@ def part_max_batch(model: Any, res: dict) -> None:
         log(f"[b] {method}: {res['max_batch'][method]} = {res['max_batch'][method] / fp16:.2f}x fp16's {fp16}")
 
 
+# The layer-wise comparison (`--part layerwise`): step times of each layer-wise --config and of its
+# uniform equivalent (`uniform_equivalent`) at these batches and cache lengths, paired.
+LAYERWISE_BATCHES = (32, 64)
+LAYERWISE_FILLS = (PROMPT + 1, 4224, PROMPT + 8192)
+
+
+def uniform_equivalent(config: Any, num_layers: int, head_dim: int) -> Any:
+    """The uniform config a layer-wise one's speed is compared with: its default config (bit pair,
+    G, sinks, values) with the salient ratio, in whole channel pairs, whose key bits come nearest
+    the layer-wise config's mean (`pnmix.bits.mean_key_bits`); a default with b_low = b_high gets
+    one more high bit so that the ratio can move its bits."""
+    from pnmix.bits import key_bits, mean_key_bits
+
+    target = mean_key_bits(config, num_layers, head_dim)
+    base = config.default
+    if base.b_high == base.b_low:
+        base = base.with_(b_high=base.b_low + 1)
+    candidates = [base.with_(salient_ratio=2 * n / head_dim) for n in range(head_dim // 2 + 1)]
+    return min(candidates, key=lambda c: abs(key_bits(c, head_dim).total - target))
+
+
+def part_layerwise(model: Any, res: dict) -> None:
+    """Each layer-wise --config (every layer its own kernel constants, one CUDA graph a step)
+    against its uniform equivalent: step times at the same batch and cache lengths, one after the
+    other in one process; `ratio` is layer-wise over uniform per length."""
+    from pnmix.bits import key_bits, mean_key_bits
+    from pnmix.layerwise import LayerwiseConfig
+    from pnmix.models import model_shape
+
+    shape = model_shape("qwen3-8b-shape")
+    rows = res.setdefault("layerwise", [])
+    for name, config in list(EXTRA.items()):
+        if not isinstance(config, LayerwiseConfig):
+            continue
+        twin = f"{name}-uniform"
+        EXTRA[twin] = uniform = uniform_equivalent(config, shape.num_layers, shape.head_dim)
+        for batch in LAYERWISE_BATCHES:
+            layered = try_config(model, name, batch, 8192, LAYERWISE_FILLS)
+            flat = try_config(model, twin, batch, 8192, LAYERWISE_FILLS)
+            row = {"config": name, "batch": batch, "uniform": uniform.to_dict(),
+                   "mean_key_bits": mean_key_bits(config, shape.num_layers, shape.head_dim),
+                   "uniform_key_bits": key_bits(uniform, shape.head_dim).total,
+                   "feasible": layered["feasible"] and flat["feasible"]}
+            if row["feasible"]:
+                row["layerwise_step_ms"], row["uniform_step_ms"] = layered["step_ms"], flat["step_ms"]
+                row["ratio"] = {fill: layered["step_ms"][fill] / flat["step_ms"][fill] for fill in LAYERWISE_FILLS}
+                log(f"[layerwise] {name} ({row['mean_key_bits']:.3f} key bits) vs uniform r = "
+                    f"{uniform.salient_ratio:.3f} ({row['uniform_key_bits']:.3f}) B={batch}: step ratio "
+                    + " ".join(f"{fill}: {r:.3f}" for fill, r in row["ratio"].items()))
+            rows.append(row)
+            if RESULTS is not None:
+                RESULTS.write_text(json.dumps(res, indent=1))
+
+
 def part_throughput(model: Any, res: dict) -> None:
-    from pnmix.config import preset
+    from pnmix.layerwise import as_layerwise
 
     # A step's launch plans are made for its length rounded up to a power of two (pnmix/static.py),
     # so t(L) jumps where L passes one: each bucket is timed near both of its ends (a group past
@@ -313,7 +374,9 @@ def part_throughput(model: Any, res: dict) -> None:
         res["copy_gbps"] = copy_bandwidth()
         free()
     fp16_top = res.get("max_batch", {}).get("fp16") or 20
-    for method in METHODS:
+    # --config ones where their largest batch is known (`--part maxbatch` in the same JSON)
+    extra = [name for name in EXTRA if name in res.get("max_batch", {})]
+    for method in (*METHODS, *extra):
         top = res.get("max_batch", {}).get(method) or {"fp16": 20, "kivi2": 104, "pnmix-paper": 102}[method]
         # every method also at fp16's largest batch, the equal-batch comparison
         batches = sorted({b for b in (1, 8, 16, 32, 64, 96, 128) if b < top} | {top, min(top, fp16_top)})
@@ -323,7 +386,7 @@ def part_throughput(model: Any, res: dict) -> None:
                 continue
             row = try_config(model, method, b, 8192, fills)
             if row["feasible"]:
-                flushes = 0.0 if method == "fp16" else 8192 / preset(method).residual_len
+                flushes = 0.0 if method == "fp16" else 8192 / as_layerwise(method_arg(method)).default.residual_len
                 secs = decode_seconds(row, PROMPT, PROMPT + 8192, flushes)
                 row["decode_s"], row["tok_s"] = secs, b * 8192 / secs
                 row["bound_tok_s"] = bytes_bound_tok_s(method, b, res["weight_bytes"], res["copy_gbps"])
@@ -599,7 +662,8 @@ def main() -> None:
     ap.add_argument("--gguf", help="the embedded model's GGUF (for --part equality)")
     ap.add_argument("--plot", metavar="JSON", help="draw the PNGs and print the RESULTS table from a JSON")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
-                    help="--part maxbatch: a config JSON (single or layer-wise) to measure beside the presets")
+                    help="--part maxbatch, throughput, layerwise: a config JSON (single or layer-wise) to "
+                         "measure beside the presets")
     ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
     args = ap.parse_args()
     from pnmix.layerwise import load_config
@@ -637,8 +701,10 @@ def main() -> None:
         model = models.load("qwen3-8b-shape", purpose="performance", dtype=torch.bfloat16, device="cuda").model
         res["weight_bytes"] = sum(p.nbytes for p in model.parameters())
         log(f"qwen3-8b-shape weights {res['weight_bytes'] / 2**30:.2f} GiB; budget {BUDGET_BYTES / 2**30:.0f} GiB")
-        for part, fn in (("memory", part_memory), ("throughput", part_throughput), ("latency", part_latency),
-                         ("hf", part_hf), ("maxbatch", part_max_batch), ("profile", part_profile)):
+        # maxbatch before throughput: the --config ones' throughput needs their largest batch
+        for part, fn in (("memory", part_memory), ("maxbatch", part_max_batch), ("throughput", part_throughput),
+                         ("latency", part_latency), ("hf", part_hf), ("profile", part_profile),
+                         ("layerwise", part_layerwise)):
             if part in parts:
                 t0 = time.time()
                 fn(model, res)
