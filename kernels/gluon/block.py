@@ -438,9 +438,14 @@ def _block_kernel(
         x21 = x00
         x30 = x00
         x31 = x00
+        # With DELAY the value slots rotate (previous, this block's, the next copies'): carried, so
+        # that no slot number is taken modulo 3 in the loop.
+        s_prev = VSLOTS - 1
+        s_next = 1
         for i in range(0, n_blk):  # blocks: 128 tokens, 8 tiles of 16
             blk = b_start + i
-            prev = (i + VSLOTS - 1) % VSLOTS  # the previous block's value slot (with DELAY)
+            prev = s_prev
+            nxt = s_next if DELAY else (i + 1) % VSLOTS
             async_copy.wait_group(0)  # this block's copies have landed ...
             _thread_barrier()  # ... for every lane, and every lane is done with the previous block's slot
             if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
@@ -466,7 +471,7 @@ def _block_kernel(
             lw = (lw, (lw[0] >> 8, lw[1] >> 8, lw[2] >> 8, lw[3] >> 8))
             hw = (hw, (hw[0] >> 8, hw[1] >> 8, hw[2] >> 8, hw[3] >> 8))
             _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
-            _issue_block(blk + 1, i + 1 < n_blk, (i + 1) % VSLOTS, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
+            _issue_block(blk + 1, i + 1 < n_blk, nxt, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                          klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi,
                          off_v, off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
             _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
@@ -523,6 +528,8 @@ def _block_kernel(
                 acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 6, x30, x31, acc, acc_z,
                                           v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
                                           VS_WORDS, PAIRS4)
+            if DELAY:
+                s_prev, s_next = 3 - s_prev - s_next, s_prev  # this block's slot, the previous one's
         async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends
         if DELAY:  # the last block's value products (or, for an empty split, P = 0 on the zeroed slot)
             _thread_barrier()  # (an empty split's loop had no barrier after the zeroed slot's stores)

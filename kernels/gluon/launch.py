@@ -24,7 +24,7 @@ from pnmix.kernels.layout import DecodeCache, next_pow2
 from pnmix.kernels.operands import DecodeOperands, check_operands, decode_operands
 from pnmix.kernels.plan import LOG2E, output_for, planned_groups, sm_count, split_plan
 
-# Registers per thread the kernels take (213-217 for the block kernel, 233 with 3 value slots, 227 for the
+# Registers per thread the kernels take (213-217 for the block kernel, 220 with 3 value slots, 227 for the
 # word kernel, for sm_90 with Triton 3.6), rounded up to the allocation unit of 8.
 REGISTERS = 232
 SHARED_PER_SM = 228 * 1024  # bytes of shared memory of a Hopper SM ...
