@@ -53,8 +53,8 @@ PLANE_DTYPE = torch.int16  # the key planes as the kernel reads them: a channel'
 # its own scores; with 3 they run one block later, beside the next block's scores (independent
 # chains for the scheduler), while the copies of the block after fill the third slot.
 VALUE_SLOTS = 2
-# compile-time constants besides the shared ones (`launch.kernel_constants`); VSLOTS from the plan
-CONSTANTS: dict[str, int] = {"VSLOTS": VALUE_SLOTS}
+# compile-time constants besides the shared ones and VSLOTS (`launch.kernel_constants`)
+CONSTANTS: dict[str, int] = {}
 
 
 @functools.cache
@@ -265,12 +265,21 @@ def _rows_view(buf, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _probabilities(s0, s1, m, l_t):
-    """A step's probabilities P = 2^(s - m) of its two tiles' scores s0, s1, as the value product's
-    P^T pairs (`_pt_pairs`), and the softmax sums l_t with them added."""
+def _softmax_step(s0, s1, m, l_t, row0, acc, acc_z, buf_v, sc_rows, ze_rows, sel, mask, VALUES: gl.constexpr,
+                  D: gl.constexpr, NVG: gl.constexpr, ONE_SCALE: gl.constexpr, WPG: gl.constexpr,
+                  MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
+                  VWP_LOAD: gl.constexpr, VS_WORDS: gl.constexpr, PAIRS4: gl.constexpr):
+    """A step's probabilities P = 2^(s - m) of its two tiles' scores s0, s1 as the value product's
+    P^T pairs (`_pt_pairs`), the softmax sums l_t with them added, and where VALUES their value
+    product (rows row0, row0 + 1 of the value buffers) into acc, acc_z."""
     p0 = gl.exp2(s0 - m[None, :])
     p1 = gl.exp2(s1 - m[None, :])
-    return _pt_pairs(p0), _pt_pairs(p1), l_t + p0 + p1
+    x0 = _pt_pairs(p0)
+    x1 = _pt_pairs(p1)
+    if VALUES:
+        acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, row0, x0, x1, acc, acc_z, sel, mask, D, NVG, ONE_SCALE,
+                                  WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+    return x0, x1, l_t + p0 + p1, acc, acc_z
 
 
 @gluon.jit
@@ -444,7 +453,6 @@ def _block_kernel(
         s_next = 1
         for i in range(0, n_blk):  # blocks: 128 tokens, 8 tiles of 16
             blk = b_start + i
-            prev = s_prev
             nxt = s_next if DELAY else (i + 1) % VSLOTS
             async_copy.wait_group(0)  # this block's copies have landed ...
             _thread_barrier()  # ... for every lane, and every lane is done with the previous block's slot
@@ -482,25 +490,25 @@ def _block_kernel(
             s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s01 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8, x00, x01, acc, acc_z, v_sel,
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8, x00, x01, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
             s10 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s11 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8 + 2, x10, x11, acc, acc_z, v_sel,
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8 + 2, x10, x11, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
             s20 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s21 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8 + 4, x20, x21, acc, acc_z, v_sel,
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8 + 4, x20, x21, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
             s30 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             s31 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, prev * 8 + 6, x30, x31, acc, acc_z, v_sel,
+                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8 + 6, x30, x31, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
             s_max = gl.maximum(gl.maximum(gl.maximum(s00, s01), gl.maximum(s10, s11)),
@@ -508,26 +516,19 @@ def _block_kernel(
             m_new = gl.maximum(m_h, gl.max(s_max, axis=0))
             acc, acc_z, l_t = _rescaled(acc, acc_z, l_t, gl.exp2(m_h - m_new), ROW)  # all earlier blocks' sums
             m_h = m_new
-            x00, x01, l_t = _probabilities(s00, s01, m_new, l_t)
-            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8, x00, x01, acc, acc_z,
-                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                          VS_WORDS, PAIRS4)
-            x10, x11, l_t = _probabilities(s10, s11, m_new, l_t)
-            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 2, x10, x11, acc, acc_z,
-                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                          VS_WORDS, PAIRS4)
-            x20, x21, l_t = _probabilities(s20, s21, m_new, l_t)
-            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 4, x20, x21, acc, acc_z,
-                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                          VS_WORDS, PAIRS4)
-            x30, x31, l_t = _probabilities(s30, s31, m_new, l_t)
-            if not DELAY:  # each step's probabilities, then its value product (this block's slot)
-                acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, (i % VSLOTS) * 8 + 6, x30, x31, acc, acc_z,
-                                          v_sel, v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD,
-                                          VS_WORDS, PAIRS4)
+            # Each step's probabilities; without DELAY then its value product (this block's slot).
+            x00, x01, l_t, acc, acc_z = _softmax_step(s00, s01, m_new, l_t, (i % VSLOTS) * 8, acc, acc_z, buf_v,
+                                                      sc_rows, ze_rows, v_sel, v_mask, not DELAY, D, NVG, ONE_SCALE,
+                                                      WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+            x10, x11, l_t, acc, acc_z = _softmax_step(s10, s11, m_new, l_t, (i % VSLOTS) * 8 + 2, acc, acc_z, buf_v,
+                                                      sc_rows, ze_rows, v_sel, v_mask, not DELAY, D, NVG, ONE_SCALE,
+                                                      WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+            x20, x21, l_t, acc, acc_z = _softmax_step(s20, s21, m_new, l_t, (i % VSLOTS) * 8 + 4, acc, acc_z, buf_v,
+                                                      sc_rows, ze_rows, v_sel, v_mask, not DELAY, D, NVG, ONE_SCALE,
+                                                      WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
+            x30, x31, l_t, acc, acc_z = _softmax_step(s30, s31, m_new, l_t, (i % VSLOTS) * 8 + 6, acc, acc_z, buf_v,
+                                                      sc_rows, ze_rows, v_sel, v_mask, not DELAY, D, NVG, ONE_SCALE,
+                                                      WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS, PAIRS4)
             if DELAY:
                 s_prev, s_next = 3 - s_prev - s_next, s_prev  # this block's slot, the previous one's
         async_copy.wait_group(0)  # nothing may be left writing shared memory when the program ends

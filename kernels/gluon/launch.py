@@ -211,18 +211,19 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
 
 
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
-                     value_bits: int, value_group: int) -> dict:
+                     value_bits: int, value_group: int, value_slots: int = block.VALUE_SLOTS) -> dict:
     """The kernel's compile-time constants besides its layouts. The salient channel count is not
     one (it is the kernel's run-time `n_sc`): only its size class NSC_P, whether there are any (SAL)
     and whether they fill the class (FULL: then the count is NSC_P itself, and the kernel compiles
     as with the count a constant) are. So configs that differ only in their salient ratio mostly
-    share a compiled kernel."""
+    share a compiled kernel. `value_slots`: the block kernel's VSLOTS (`LaunchPlan`)."""
     nsc_p = next_pow2(max(n_salient, 16))
+    kernel = kernel_module(group_size)
     return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, SAL=n_salient > 0,
                 FULL=n_salient == nsc_p, NSC_P=nsc_p, BV=value_bits, GV=kernel_value_group(d, value_group),
                 ONE_SCALE=value_group == d, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
-                **kernel_module(group_size).CONSTANTS)
+                **kernel.CONSTANTS, **({"VSLOTS": value_slots} if kernel is block else {}))
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -275,9 +276,8 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: Launch
     args = (ops, pm, pl, pa, _view(cache.k_scale), scale * LOG2E, plan.groups_per_split, plan.n_parts, plan.n_tail,
             plan.tail_start, FP16_PAIR_1024, cache.n_salient_channels)
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high,
-                                  cache.n_salient_channels, cache.value_bits, cache.value_group_size)
-    if kernel is block:
-        constexprs["VSLOTS"] = plan.value_slots
+                                  cache.n_salient_channels, cache.value_bits, cache.value_group_size,
+                                  plan.value_slots)
     layouts = kernel.layouts(d, cache.value_bits, constexprs["GV"], constexprs["NSC_P"], constexprs["ONE_SCALE"])
     return SplitLaunch((bsz * hkv, plan.n_parts), kernel.KERNEL, args, constexprs, layouts, plan, pm, pl, pa)
 
@@ -312,9 +312,7 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = kernel_module(group_size)
-    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group)
-    if kernel is block:
-        const["VSLOTS"] = value_slots
+    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group, value_slots)
     const.update(kernel.layouts(d, value_bits, const["GV"], const["NSC_P"], const["ONE_SCALE"]))
     planes = "*i16" if kernel.PLANE_DTYPE == torch.int16 else "*i32"
     operand_types = {"klo_ptr": planes, "khi_ptr": planes, "vp_ptr": "*i32", "vsc_ptr": "*i32",
