@@ -453,7 +453,7 @@ def _block_kernel(
         s_next = 1
         for i in range(0, n_blk):  # blocks: 128 tokens, 8 tiles of 16
             blk = b_start + i
-            nxt = s_next if DELAY else (i + 1) % VSLOTS
+            nxt = s_next if DELAY else 1 - i % 2  # (2 slots: the other one)
             async_copy.wait_group(0)  # this block's copies have landed ...
             _thread_barrier()  # ... for every lane, and every lane is done with the previous block's slot
             if blk % (G32 // 4) == 0:  # a new group: its scales fold into the query, its zeros into a bias
