@@ -9,6 +9,7 @@ by the next `pnmix worker` once the campaign's own heartbeat is stale (it used t
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -35,9 +36,17 @@ def keep_fresh(url: str, campaign_id: int, worker_id: str, stop: threading.Event
     db.dispose()
 
 
+@functools.cache
+def storage(url: str) -> optuna.storages.RDBStorage:
+    """One Optuna storage (one connection pool) per test database: `load` polls, and a storage made
+    from the URL on every call keeps its own pool open until it is collected, which took the
+    server near its 100 connections."""
+    return optuna.storages.RDBStorage(url)
+
+
 def load(url: str, campaign_id: int, budget: float) -> optuna.Study | None:
     try:
-        return optuna.load_study(study_name=study_name(campaign_id, budget), storage=url)
+        return optuna.load_study(study_name=study_name(campaign_id, budget), storage=storage(url))
     except KeyError:
         return None
 
