@@ -17,7 +17,7 @@ from pnmix import cli as method_cli
 from pnmix.api import commands as service_cli
 from pnmix.errors import PNMixError
 from pnmix.inputs import InputError, shorten
-from pnmix.tuner import cli as tuner_cli
+from pnmix.tuner.commands import campaigns, results, scoring
 
 app = typer.Typer(
     name="pnmix",
@@ -30,19 +30,19 @@ app.command("bits")(method_cli.bits)
 app.command("models")(method_cli.list_models)
 app.command("generate")(method_cli.generate)
 app.command("analyze")(method_cli.analyze)
-app.command("run")(tuner_cli.run_main_job)
+app.command("run")(campaigns.run_main_job)
 app.command("serve")(service_cli.serve)
 app.add_typer(service_cli.db_app, name="db")
-app.command("eval")(tuner_cli.eval_config)
-app.command("validate")(tuner_cli.validate)
-app.command("layers")(tuner_cli.layers)
-app.command("sweep")(tuner_cli.sweep)
-app.command("tune")(tuner_cli.tune)
-app.command("worker")(tuner_cli.worker)
-app.command("fronts")(tuner_cli.fronts)
-app.command("recommend")(tuner_cli.recommend)
-app.command("export")(tuner_cli.export)
-app.command("dashboard")(tuner_cli.dashboard)
+app.command("eval")(scoring.eval_config)
+app.command("validate")(scoring.validate)
+app.command("layers")(scoring.layers)
+app.command("sweep")(campaigns.sweep)
+app.command("tune")(campaigns.tune)
+app.command("worker")(campaigns.worker)
+app.command("fronts")(results.fronts)
+app.command("recommend")(results.recommend)
+app.command("export")(results.export)
+app.command("dashboard")(results.dashboard)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -62,7 +62,8 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
 
     from pnmix.storage import Database, upgrade
     from pnmix.tuner import record as trial_record
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, front_trials
+    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.fronts import front_trials
     from pnmix.tuner.profiles import EvalError
     from pnmix.tuner.record import Kind
     from pnmix.tuner.session import find_or_create_campaign
@@ -99,8 +100,8 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
         part["rows"].append({
             "budget": budget, "best": summary(best), "proxy": summary(proxy),
             "origins": {o: sum(1 for r in own if r.origin == o) for o in ("allocation", "proposal", "move")},
-            "trial_seconds": [r.attrs.get("seconds") for r in own],
-            "trial_compile_s": [(r.attrs.get("timings") or {}).get("kernel_compile") for r in own],
+            "trial_seconds": [r.seconds for r in own],
+            "trial_compile_s": [r.timings.get("kernel_compile") for r in own],
             "scored": sum(1 for r in records if r.has_score)})
     res[name] = part
     log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {tables} tables")

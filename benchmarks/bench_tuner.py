@@ -112,14 +112,14 @@ class Replay:
         return dict(self.counts) if which == "search" else {}  # the recorded scores hold no held-out units
 
     def rung(self, config: PNMixConfig, upto: dict[str, int], have: Any = None) -> Any:
-        from pnmix.tuner.evaluate import Rung
+        from pnmix.tuner.score import Rung
 
         r = self.charge(config, upto)
         return Rung(units={name: list(r["units"][name][:n]) for name, n in upto.items()}, agreements=[],
                     seconds=self.cost(r, upto))
 
     def evaluate(self, config: PNMixConfig, measure: bool = True, have: Any = None) -> Any:
-        from pnmix.tuner.evaluate import Score
+        from pnmix.tuner.score import Score
 
         r = self.charge(config)
         return Score(config=config.to_dict(), accuracy=r["accuracy"], parts=r["parts"],

@@ -49,8 +49,10 @@ def campaign_rows(url: str, model: str) -> list[dict[str, Any]]:
     import optuna
 
     from pnmix.storage.read import list_campaigns
-    from pnmix.tuner.campaign import budget_bits, front_trials, study_name
+    from pnmix.tuner import record
+    from pnmix.tuner.fronts import front_trials
     from pnmix.tuner.session import open_db
+    from pnmix.tuner.studies import study_name
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     db = open_db(url)
@@ -61,10 +63,9 @@ def campaign_rows(url: str, model: str) -> list[dict[str, Any]]:
     for cid, method, budget_on, budgets in sorted(campaigns):
         for b in sorted(budgets):
             study = optuna.load_study(study_name=study_name(cid, b), storage=db.url)
-            front = [{"config": t.user_attrs["config"], "bits": budget_bits(t), "key_bits": t.user_attrs["key_bits"],
-                      "kv_bits": t.user_attrs["kv_bits"], "accuracy": t.user_attrs["accuracy"],
-                      "accuracy_se": t.user_attrs["accuracy_se"], "units": t.user_attrs["units"]}
-                     for t in front_trials(study)]
+            front = [{"config": r.config_dict, "bits": r.bits, "key_bits": r.key_bits, "kv_bits": r.kv_bits,
+                      "accuracy": r.accuracy, "accuracy_se": r.accuracy_se, "units": r.units}
+                     for r in map(record.read, front_trials(study))]
             out.append({"campaign": cid, "method": method, "budget_on": budget_on, "budget": b, "front": front})
     db.engine.dispose()
     return out

@@ -15,7 +15,8 @@ from typing import Any
 
 import optuna
 
-from pnmix.tuner.campaign import front_trials
+from pnmix.tuner import record
+from pnmix.tuner.fronts import front_trials
 
 
 def summarize(url: str) -> list[dict[str, Any]]:
@@ -26,29 +27,31 @@ def summarize(url: str) -> list[dict[str, Any]]:
             continue
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
         trials = study.get_trials(deepcopy=False)
-        states = Counter(t.state.name for t in trials if not t.user_attrs.get("surplus"))
-        copied = [t for t in trials if {"reused_from", "score_from"} & t.user_attrs.keys()]  # score of a twin
-        full = [t for t in trials if "seconds" in t.user_attrs and t not in copied]
+        records = [record.read(t) for t in trials]
+        states = Counter(t.state.name for t, r in zip(trials, records, strict=True) if r.kind != record.Kind.SURPLUS)
+        copied = [r for r in records if r.source is not None]  # the score of a twin or of another budget
+        full = [r for r in records if r.seconds is not None and r.source is None]
         starts = [t.datetime_start for t in trials if t.datetime_start]
         ends = [t.datetime_complete for t in trials if t.datetime_complete]
         wall = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
-        front = sorted(front_trials(study), key=lambda t: t.user_attrs["key_bits"])
+        front = sorted(map(record.read, front_trials(study)), key=lambda r: r.key_bits or 0.0)
+        info = record.study_info(study)
         rows.append({
             "study": summary.study_name,
-            "method": study.user_attrs.get("method"),
-            "budget": study.user_attrs.get("budget"),
+            "method": info.method,
+            "budget": info.budget,
             "states": dict(states),
             "full_evaluations": len(full),
-            "over_budget": sum(1 for t in trials if "skipped" in t.user_attrs),
+            "over_budget": sum(1 for r in records if r.kind == record.Kind.SKIPPED),
             "reused": len(copied),
-            "eval_seconds_mean": round(sum(t.user_attrs["seconds"] for t in full) / len(full), 1) if full else None,
+            "eval_seconds_mean": round(sum(r.seconds or 0.0 for r in full) / len(full), 1) if full else None,
             "wall_s": round(wall, 1),
-            "front": [{"trial": t.number, **_config(t.user_attrs["config"]),
-                       "key_bits": round(t.user_attrs["key_bits"], 4),
-                       "accuracy": round(t.user_attrs["accuracy"], 4),
-                       "parts": {k: round(v, 3) for k, v in t.user_attrs.get("parts", {}).items()},
-                       "backend": t.user_attrs.get("backend"), "device": t.user_attrs.get("device")}
-                      for t in front],
+            "front": [{"trial": r.number, **_config(r.config_dict or {}),
+                       "key_bits": round(r.key_bits or 0.0, 4),
+                       "accuracy": round(r.accuracy or 0.0, 4),
+                       "parts": {k: round(v, 3) for k, v in (r.parts or {}).items()},
+                       "backend": r.backend, "device": r.device}
+                      for r in front],
         })
     return rows
 

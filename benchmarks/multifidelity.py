@@ -24,8 +24,10 @@ from pathlib import Path
 import optuna
 
 from pnmix.storage import Database, upgrade
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, front_trials, hypervolume_2d
+from pnmix.tuner import record
+from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
 from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.fronts import front_trials, hypervolume_2d
 from pnmix.tuner.profiles import profile
 from pnmix.tuner.session import find_or_create_campaign
 
@@ -58,14 +60,13 @@ def main() -> None:
         start = time.perf_counter()
         study = CampaignRunner(db, db.url, campaign_id, spec, evaluator).run()[args.budget]
         wall = time.perf_counter() - start
-        full = [t for t in study.trials if "accuracy" in t.user_attrs and "reused_from" not in t.user_attrs]
+        full = [r for r in map(record.read, study.trials) if r.stands_for_its_config]
         pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
-        front = front_trials(study)
-        hv = hypervolume_2d([(t.user_attrs["accuracy"], t.user_attrs["key_bits"]) for t in front], args.budget)
+        front = [record.read(t) for t in front_trials(study)]
+        hv = hypervolume_2d([(r.accuracy or 0.0, r.key_bits or 0.0) for r in front], args.budget)
         row = {"multi_fidelity": multi_fidelity, "wall_s": round(wall, 1), "full_evaluations": len(full),
                "pruned": len(pruned), "trials": len(study.trials), "hypervolume": round(hv, 4),
-               "front": sorted((round(t.user_attrs["key_bits"], 3), round(t.user_attrs["accuracy"], 3))
-                               for t in front)}
+               "front": sorted((round(r.key_bits or 0.0, 3), round(r.accuracy or 0.0, 3)) for r in front)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if len(rows) == 2:

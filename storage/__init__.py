@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         OPTIMIZE,
         ModelSummary,
         Page,
+        Recommendation,
         get_campaign,
         get_model,
         list_campaigns,
@@ -57,7 +58,8 @@ _MODULES = {
     "faults": ("is_transient",),
     "migrations": ("check_schema", "current_revision", "head_revision", "upgrade"),
     "orm": ("Base", "Campaign", "FrontPoint", "Model"),
-    "read": ("OPTIMIZE", "ModelSummary", "Page", "get_campaign", "get_model", "list_campaigns", "list_front_points",
+    "read": ("OPTIMIZE", "ModelSummary", "Page", "Recommendation", "get_campaign", "get_model", "list_campaigns",
+             "list_front_points",
              "list_models", "recommend", "recommend_with_ties"),
     "settings": ("StorageSettings", "load_storage_settings"),
     "write": ("OBJECTIVES", "FrontPointIn", "HoldoutIn", "ModelIn", "check_budgets", "check_objectives",
@@ -73,7 +75,7 @@ __all__ = ["OBJECTIVES", "OPTIMIZE", "Base", "Campaign", "Database", "FrontPoint
            "check_schema", "claim_next_queued_campaign", "create_campaign", "current_revision",
            "describe_database_error", "display_url", "get_campaign", "get_model", "head_revision", "is_transient",
            "list_campaigns", "list_front_points", "list_models", "load_storage_settings", "make_engine",
-           "recommend", "recommend_with_ties", "registry_model", "replace_front", "set_holdout",
+           "Recommendation", "recommend", "recommend_with_ties", "registry_model", "replace_front", "set_holdout",
            "touch_campaign", "update_campaign_progress", "upgrade", "upsert_model"]
 
 
@@ -88,3 +90,9 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+if __name__ == "storage":  # the checkout root on sys.path: the installed `storage` is meant (pnmix/shadow.py)
+    from pnmix.shadow import stand_aside
+
+    stand_aside(__name__, __file__)

@@ -160,6 +160,26 @@ def applied_floor(session: Session, model: str, target_bits: float, optimize: st
     return 0.0 if best is None else RELATIVE_FLOOR * float(best)
 
 
+@dataclass(frozen=True)
+class Recommendation:
+    """What `recommend_with_ties` answers: the point, the points tied with the most accurate one, and
+    the rules that chose them, so that the REST route and the command line only render it."""
+
+    point: FrontPoint  # the recommended point
+    ties: list[FrontPoint]  # optimize=accuracy: every point tied with `best`, the recommendation first; else []
+    best: FrontPoint  # the most accurate point within the budget and floor (ties are judged against it)
+    floor: float  # the accuracy floor applied (`applied_floor`)
+    tie_se: dict[int, float | None]  # by tied point id: the SE of best's accuracy minus its own (None: equal)
+    paired: dict[int, bool]  # by tied point id: whether that SE is paired on the same units (`paired_se`)
+    optimize: str
+    bits_of: str
+
+    @property
+    def others(self) -> list[FrontPoint]:
+        """The tied points besides the recommendation."""
+        return [p for p in self.ties if p is not self.point]
+
+
 def recommend(
     session: Session,
     model: str,
@@ -169,8 +189,8 @@ def recommend(
     campaign_id: int | None = None,
     bits_of: str = "key",
 ) -> FrontPoint:
-    """The recommended point: `recommend_with_ties(...)[0]`."""
-    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)[0]
+    """The recommended point: `recommend_with_ties(...).point`."""
+    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of).point
 
 
 def recommend_with_ties(
@@ -181,7 +201,7 @@ def recommend_with_ties(
     min_accuracy: float | None = None,
     campaign_id: int | None = None,
     bits_of: str = "key",
-) -> tuple[FrontPoint, list[FrontPoint]]:
+) -> Recommendation:
     """The recommended stored point of `model` with key bits (`bits_of="key"`) or KV bits (`"kv"`)
     <= `target_bits` and accuracy >= `min_accuracy`, and the points tied with the most accurate one
     (the recommendation among them). Every point carries both figures, so either question is
@@ -200,11 +220,11 @@ def recommend_with_ties(
     if optimize not in OPTIMIZE:
         raise InvalidValueError(f"invalid optimize={optimize!r}: allowed {', '.join(OPTIMIZE)}")
     bits = bits_column(bits_of)
-    min_accuracy = applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
+    floor = applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
     # On the hot path: one query for the best point (the model joined by name) and, for accuracy,
     # one for the points that may tie with it; the slower queries that explain an empty answer
     # (unknown model, or the smallest bits that would fit) run only when it is empty.
-    conditions = [FrontPoint.accuracy >= min_accuracy]
+    conditions = [FrontPoint.accuracy >= floor]
     if campaign_id is not None:
         conditions.append(FrontPoint.campaign_id == campaign_id)
     feasible_of_model = (select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
@@ -212,26 +232,36 @@ def recommend_with_ties(
     best = session.scalars(feasible_of_model.order_by(*_ORDER[optimize], FrontPoint.id).limit(1)).first()
     if best is not None:
         if optimize != "accuracy":
-            return best, []
+            return Recommendation(best, [], best, floor, {}, {}, optimize, bits_of)
         if best.accuracy_se is None:  # only equal accuracy ties with it
-            equal = feasible_of_model.where(FrontPoint.accuracy == best.accuracy)
-            return _tie_order(best, list(session.scalars(equal)), bits_of)
-        return _tie_order(best, list(session.scalars(feasible_of_model)), bits_of)
+            feasible_of_model = feasible_of_model.where(FrontPoint.accuracy == best.accuracy)
+        ties = _tie_order(best, list(session.scalars(feasible_of_model)), bits_of)
+        tie_se = {p.id: _diff_se(best, p) for p in ties}
+        paired = {p.id: paired_se(best, p) is not None for p in ties}
+        return Recommendation(ties[0], ties, best, floor, tie_se, paired, optimize, bits_of)
     model_row = get_model(session, model)
     feasible = select(bits.label("bits")).where(FrontPoint.model_id == model_row.id, *conditions).subquery()
     smallest = session.scalar(select(func.min(feasible.c.bits)))
-    raise NoFeasiblePointError(model, target_bits, min_accuracy, None if smallest is None else float(smallest),
-                               bits_of)
+    raise NoFeasiblePointError(model, target_bits, floor, None if smallest is None else float(smallest), bits_of)
 
 
-def _tie_order(best: FrontPoint, points: list[FrontPoint], bits_of: str) -> tuple[FrontPoint, list[FrontPoint]]:
-    """(recommendation, ties): one point per config, tied with `best`, fewest bits first."""
+def _diff_se(best: FrontPoint, point: FrontPoint) -> float | None:
+    """The SE `tied_with` judges best minus point by: paired where it can be, else unpaired."""
+    if point is best:
+        return None
+    se = paired_se(best, point)
+    if se is None and best.accuracy_se is not None and point.accuracy_se is not None:
+        se = math.hypot(best.accuracy_se, point.accuracy_se)
+    return se
+
+
+def _tie_order(best: FrontPoint, points: list[FrontPoint], bits_of: str) -> list[FrontPoint]:
+    """The points tied with `best`, one per config, fewest bits first (the recommendation first)."""
     by_config: dict[str, FrontPoint] = {}
     for p in sorted(points, key=lambda p: (-p.accuracy, p.id)):
         if tied_with(best, p):
             by_config.setdefault(p.config.to_json(), p)
-    ties = sorted(by_config.values(), key=lambda p: (p.bits(bits_of), -p.throughput, p.kv_bytes, p.id))
-    return ties[0], ties
+    return sorted(by_config.values(), key=lambda p: (p.bits(bits_of), -p.throughput, p.kv_bytes, p.id))
 
 
 def get_campaign(session: Session, campaign_id: int) -> Campaign:

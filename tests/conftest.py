@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,49 @@ if not shutil.which("nvidia-smi"):
 
 # Converted models go to one cache per test run unless CI or the user chose one.
 os.environ.setdefault("PNMIX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "pnmix"))
+
+# Under pytest-xdist (`make test` runs `-n auto`), each worker gets an equal share of the cores for
+# torch's thread pool: two workers of two threads each on two cores would oversubscribe them.
+# Set before torch is imported (this file is read before any test module).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_threads))
+
+# Tests that run several worker processes against one PostgreSQL server run one at a time (one xdist
+# worker takes them all, `--dist loadgroup`): side by side they would open more connections than the
+# server's default limit of 100.
+POSTGRES_WORKERS = ("test_postgres_drops.py", "test_worker_kill.py", "test_two_workers_share_a_campaign_on_postgres")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(part in item.nodeid for part in POSTGRES_WORKERS):
+            item.add_marker(pytest.mark.xdist_group("postgres-workers"))
+
+
+# The suite's time budget: over it, the run fails with one line naming the slowest tests, so that a
+# change that makes the suite slow is seen where it lands (README, "Tests").
+_durations: dict[str, float] = {}
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    budget = os.environ.get("PNMIX_TEST_BUDGET_S")
+    if not budget or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller judges the whole run
+        return
+    took = time.monotonic() - _started
+    if took > float(budget):
+        slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:5]
+        names = ", ".join(f"{nodeid} ({seconds:.0f} s)" for nodeid, seconds in slowest)
+        session.config.get_terminal_writer().line(
+            f"error: the test suite took {took:.0f} s, over its budget of {float(budget):.0f} s "
+            f"(PNMIX_TEST_BUDGET_S); slowest: {names}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,11 @@ from pnmix.analysis import Trace
 from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerwiseConfig, config_from_dict, simplest
-from pnmix.tuner.campaign import front_trials, study_name
+from pnmix.tuner.fronts import front_trials
 from pnmix.tuner.layers import ValueFormat, allocate, candidates_like, joint_items, joint_layers, joint_table, moves
 from pnmix.tuner.proxy import proxy_kl_by_layer, proxy_kl_table, proxy_value_table, quantized_tokens
 from pnmix.tuner.space import SearchSpace
+from pnmix.tuner.studies import study_name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -177,7 +178,8 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
         one = create_campaign(s, "smollm2-135m", [3.0], 4)
         replace_front(s, one.id, 3.0, [point(lw, 0, units_a), point(preset("pnmix-paper"), 1, units_b)])
     with db.session(readonly=True) as s:
-        best, ties = recommend_with_ties(s, "smollm2-135m", 3.0)
+        rec = recommend_with_ties(s, "smollm2-135m", 3.0)
+        best, ties = rec.point, rec.ties
         other = next(p for p in ties if p is not best) if len(ties) > 1 else None
         assert best.config == lw and other is None  # paired: the layer-wise point is ahead, not tied
         from pnmix.storage import list_front_points
@@ -203,7 +205,8 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
     from optuna.trial import TrialState, create_trial
 
     from pnmix.tuner import record
-    from pnmix.tuner.campaign import counts, scored_here
+    from pnmix.tuner.record import scored_here
+    from pnmix.tuner.record import takes_slot as counts
 
     paper = preset("pnmix-paper").to_dict()
     score = {"accuracy": 0.7, "accuracy_se": 0.02, "units": {"passkey": [1.0, 0.0]}, "parts": {"passkey": 0.5}}
@@ -246,7 +249,7 @@ def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import create_trial
 
-    from pnmix.tuner.cli import _against_paper
+    from pnmix.tuner.commands.render import against_paper as _against_paper
     from pnmix.tuner.space import SearchSpace
     from pnmix.tuner.stats import paired
 

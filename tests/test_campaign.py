@@ -20,11 +20,14 @@ from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.storage import Database, list_front_points, upgrade
 from pnmix.storage.testing import postgres_skip_reason, temporary_postgres_url
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, finished, front_trials, scored_here, study_name
+from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
 from pnmix.tuner.evaluate import Evaluator
+from pnmix.tuner.fronts import front_trials
 from pnmix.tuner.profiles import profile
+from pnmix.tuner.record import scored_here
 from pnmix.tuner.session import find_or_create_campaign
 from pnmix.tuner.space import SearchSpace
+from pnmix.tuner.studies import finished, study_name
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
@@ -149,7 +152,7 @@ class FormulaEvaluator:
         self.calls: list[str] = []
 
     def evaluate(self, config, measure: bool = True):
-        from pnmix.tuner.evaluate import Score
+        from pnmix.tuner.score import Score
 
         self.calls.append(json.dumps(config.to_dict(), sort_keys=True))
         acc = (config.b_high + 2 * config.b_low + config.salient_ratio + config.n_sink / 64) / 13
@@ -198,7 +201,7 @@ def test_front_keeps_one_trial_per_config_and_exhaustion_is_bounded():
     from optuna.distributions import FloatDistribution
     from optuna.trial import create_trial
 
-    from pnmix.tuner.campaign import exhausted, over_budget_limit
+    from pnmix.tuner.studies import exhausted, over_budget_limit
 
     study = optuna.create_study(directions=["maximize", "minimize"])
     dist = {"x": FloatDistribution(0, 1)}

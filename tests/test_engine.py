@@ -218,18 +218,22 @@ def test_items_that_do_not_fit_memory_are_refused_in_one_line(embedded):
 
 
 def test_batched_answers_agree_with_per_item_answers_on_the_embedded_model(embedded):
-    """fp32 on the CPU: batching reorders float sums, so a code on a rounding boundary may flip."""
+    """fp32 on the CPU: batching reorders float sums, so a code on a rounding boundary may flip.
+
+    One config of each class the engine batches differently: unquantized (fp16), mixed precision with
+    a salient set chosen per sequence (pnmix-paper), and uniform 1-bit keys, where a flipped code
+    moves a logit most (kivi1); kivi2 and kitty are these classes at other bits or criteria."""
     engine = ScoringEngine(embedded.model, embedded.tokenizer)
     items = tasks.passkey_items(3, seed=3, filler_sentences=(6, 20), digits=5)
     items += tasks.kv_lookup_items(3, seed=3, pairs=(6, 14), digits=5)
     engine.add_items("mixed", items)
     same = total = 0
-    for name in ("fp16", "pnmix-paper", "kivi2", "kitty", "kivi1"):
+    for name in ("fp16", "pnmix-paper", "kivi1"):
         config = preset(name).with_(group_size=32, residual_len=32) if name != "fp16" else preset(name)
         for item, text in zip(items, engine.answers(config, "mixed"), strict=True):
             same += text == tasks.answer(embedded.model, embedded.tokenizer, config, item)
             total += 1
-    assert total == 30 and same >= 29, f"{same}/{total} answers equal"
+    assert total == 18 and same >= 17, f"{same}/{total} answers equal"
 
 
 # -- standard errors -------------------------------------------------------------------------------

@@ -285,9 +285,12 @@ COMPILED = [
 ]
 
 
-def test_kernel_compiles_for_sm90_with_its_shared_ring():
-    # A fresh interpreter: TRITON_INTERPRET (set for the tests above) replaces the language's own
-    # functions, which a real compile must not see.
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_kernel_compiles_for_sm90_with_its_shared_ring(part):
+    """Every third config of COMPILED: three processes that a parallel run spreads over its workers.
+    A fresh interpreter: TRITON_INTERPRET (set for the tests above) replaces the language's own
+    functions, which a real compile must not see."""
+    configs = COMPILED[part::3]
     code = (
         "import json, sys\n"
         "from pnmix.kernels.gluon.launch import compile_offline\n"
@@ -297,12 +300,12 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring():
         "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(COMPILED)], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(configs)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
-    want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1], c[9]), True, True] for c in COMPILED]
+    want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1], c[9]), True, True] for c in configs]
     assert rows == want, (rows, done.stderr[-2000:])
 
 

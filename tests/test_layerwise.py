@@ -101,16 +101,17 @@ def test_static_path_equals_generate_for_a_layerwise_config(family):
 
 
 def test_static_kernel_path_runs_each_layer_with_its_own_constants():
-    """PNMIX_BACKEND=triton: every layer's decode kernel (interpreted) launches with its own bits."""
+    """PNMIX_BACKEND=triton: every layer's decode kernel (interpreted) launches with its own bits, and
+    the tokens are those of `generate` on the torch reference."""
     model = tiny_model("qwen3")
     ids, mask = batch_of_three(model.config.vocab_size, seed=9)
     n = 34
+    want = generate(model, ids, MIXED, attention_mask=mask, max_new_tokens=n)[0]
     backend.set_backend("triton")
     try:
         gen = StaticGenerator(model, MIXED, max_len=120)
         got = gen.generate(ids, mask, max_new_tokens=n)
         assert all(layer.use_kernels for layer in gen.layers)
-        want = generate(model, ids, MIXED, attention_mask=mask, max_new_tokens=n)[0]
     finally:
         backend.set_backend(None)
     eos = model.generation_config.eos_token_id

@@ -2,6 +2,7 @@
 pnmix.kernels, pnmix.tuner, pnmix.storage and pnmix.api (pyproject.toml), so another installed
 package of a generic name (Hugging Face's `kernels`, any `api`) is never shadowed."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,38 @@ def test_the_storage_packages_lazy_names_are_its_public_names():
     assert set(storage.__all__) == set(storage._LAZY)
     for name in storage.__all__:
         assert getattr(storage, name) is not None, name
+
+
+def test_python_from_the_root_sees_the_installed_packages_not_the_folders():
+    """With the repository root on sys.path (`python -c`, `python -m pytest` from the root) the
+    folders kernels/, tuner/, storage/ and api/ stand aside (pnmix/shadow.py): `kernels` is Hugging
+    Face's package where it is installed, the others are no importable name, and pnmix's own
+    subpackages are the folders."""
+    code = (
+        "import importlib.metadata, pathlib\n"
+        "import pnmix, pnmix.kernels\n"
+        f"root = pathlib.Path({str(ROOT)!r})\n"
+        "assert pathlib.Path(pnmix.kernels.__file__).parent == root / 'kernels', pnmix.kernels.__file__\n"
+        "try:\n"
+        "    importlib.metadata.distribution('kernels')  # Hugging Face's, which current transformers installs\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    pass\n"
+        "else:\n"
+        "    import kernels\n"
+        "    assert root / 'kernels' not in pathlib.Path(kernels.__file__).parents, kernels.__file__\n"
+        "for name in ('tuner', 'storage', 'api'):\n"
+        "    try:\n"
+        "        mod = __import__(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    assert root / name not in pathlib.Path(mod.__file__).parents, mod.__file__\n"
+        "import transformers.integrations.hub_kernels\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "tests/test_errors.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])

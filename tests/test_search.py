@@ -11,8 +11,8 @@ import pytest
 
 from pnmix.config import PNMixConfig, preset
 from pnmix.tuner import racing
-from pnmix.tuner.evaluate import Score
 from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.score import Score
 from pnmix.tuner.space import SearchSpace
 from pnmix.tuner.sweep import config_key, front, read_sweep, run_sweep, shard_configs, start_file, sweep_header
 
@@ -207,7 +207,8 @@ def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_tuner import Replay, head_dim_of
 
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec, scored_here
+    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.record import scored_here
     from pnmix.tuner.session import find_or_create_campaign, open_db
 
     replay = Replay(truth.records, head_dim_of(truth.records), "full", 0)

@@ -113,16 +113,18 @@ def test_static_layer_bytes_equal_dynamic_layer():
 
 @pytest.mark.parametrize("method", ["fp16", SMALL], ids=["fp16", "pnmix"])
 def test_static_kernel_path_equals_generate(method):
-    """PNMIX_BACKEND=triton: the static step runs the decode kernels (interpreted), as on CUDA."""
+    """PNMIX_BACKEND=triton: the static step runs the decode kernels (interpreted), as on CUDA, and
+    gives the tokens of `generate` on the torch reference (generate on the kernel path equals that
+    too: test_kernels_wiring)."""
     model = tiny_model("qwen3")
     ids, mask = batch_of_three(model.config.vocab_size, seed=9)
     n = 34  # rows 0 and 1 flush once (steps 30 and 28), row 2 fills its sinks
+    want = reference(model, ids, mask, method, n)
     backend.set_backend("triton")
     try:
         gen = StaticGenerator(model, method, max_len=120)
         got = gen.generate(ids, mask, max_new_tokens=n)
         assert all(layer.use_kernels for layer in gen.layers)
-        want = reference(model, ids, mask, method, n)
     finally:
         backend.set_backend(None)
     eos = model.generation_config.eos_token_id

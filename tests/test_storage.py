@@ -435,15 +435,21 @@ def test_recommend_chooses_the_fewest_bits_among_points_tied_within_two_standard
             p("w21", 4, 0.745, 0.01),  # 0.055 below: not tied with w42 (2 * hypot(0.02, 0.01) = 0.045)
         ])
     with db.session(readonly=True) as s:
-        chosen, ties = recommend_with_ties(s, "smollm2-135m", 3.0)
+        rec = recommend_with_ties(s, "smollm2-135m", 3.0)
+        chosen, ties = rec.point, rec.ties
         assert [t.config for t in ties] == [CONFIGS["paper"], CONFIGS["w42"]]  # fewest key bits first
         assert chosen.config == CONFIGS["paper"] == recommend(s, "smollm2-135m", 3.0).config
+        # The record says what chose them: the floor, the point they tie with, the SE each tie was judged by.
+        assert rec.floor == 0.0 and rec.best.config == CONFIGS["w42"] and rec.others == [ties[1]]
+        assert rec.tie_se[chosen.id] == pytest.approx(math.hypot(0.02, 0.02)) and not rec.paired[chosen.id]
         # Within 2.5 bits paper (0.77) is the most accurate: g64_31 (0.050 below, 2 SE 0.057) and w21
         # (0.025 below, 2 SE 0.045) are tied with it, kivi2 (no SE) is not.
-        chosen, ties = recommend_with_ties(s, "smollm2-135m", 2.5)
+        rec = recommend_with_ties(s, "smollm2-135m", 2.5)
+        chosen, ties = rec.point, rec.ties
         assert [t.config for t in ties] == [CONFIGS["w21"], CONFIGS["g64_31"], CONFIGS["paper"]]
         assert chosen.config == CONFIGS["w21"]
-        chosen, ties = recommend_with_ties(s, "smollm2-135m", 3.0, "throughput")
+        rec = recommend_with_ties(s, "smollm2-135m", 3.0, "throughput")
+        chosen, ties = rec.point, rec.ties
         assert chosen.config == CONFIGS["w21"] and ties == []  # only accuracy has ties
 
 

@@ -31,7 +31,7 @@ import optuna
 
 from pnmix.bits import mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
-from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_from_dict, simplest
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, simplest
 from pnmix.tuner import record
 from pnmix.tuner.layers import (
     Candidate,
@@ -44,7 +44,7 @@ from pnmix.tuner.layers import (
     moves,
 )
 from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.record import config_key, running_trials, scored_configs
+from pnmix.tuner.record import Origin, config_key, running_trials, scored_configs
 from pnmix.tuner.space import SearchSpace
 
 Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
@@ -91,8 +91,9 @@ class AllocatorLoop:
 
     # -- warm starts -----------------------------------------------------------------------------
 
-    def warm_starts(self, budget: float, uniform: Sequence[AnyConfig], limit: int) -> list[tuple[dict, dict]]:
-        """(parameters, user attributes) of the trials to queue, at most `limit`: first the
+    def warm_starts(self, budget: float, uniform: Sequence[AnyConfig],
+                    limit: int) -> list[tuple[dict, AnyConfig | None]]:
+        """(parameters, proposal) of the trials to queue, at most `limit`: first the
         allocator's config at the shared fields of the paper's config (G128, 32 sinks; it fills the
         budget), then each uniform candidate that fits (the presets, the model's stored fronts,
         `fullest_within`; each an allocation whose layers are all alike, so the front is never
@@ -108,25 +109,23 @@ class AllocatorLoop:
         queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(paper, None)]
         queue += [(space.shared_base(c), c) for c in fits]
         queue.append((paper.with_(n_sink=64), None))
-        out: list[tuple[dict, dict]] = []
+        out: list[tuple[dict, AnyConfig | None]] = []
         seen: set[str] = set()
         for base, proposal in queue:
             params = space.params_of(base)
-            attrs: dict[str, Any] = {"warm_start": True}
-            if proposal is not None:
-                attrs["proposal"] = proposal.to_dict()
-            frozen = config_key({"params": params, "proposal": attrs.get("proposal")})
+            frozen = config_key({"params": params, "proposal": proposal.to_dict() if proposal is not None else None})
             if frozen in seen:
                 continue
             seen.add(frozen)
-            out.append((params, attrs))
+            out.append((params, proposal))
             if len(out) >= limit:
                 break
         return out
 
     # -- a trial's config ------------------------------------------------------------------------
 
-    def config(self, trial: optuna.Trial, budget: float, studies: Sequence[optuna.Study]) -> tuple[AnyConfig, str]:
+    def config(self, trial: optuna.Trial, budget: float,
+               studies: Sequence[optuna.Study]) -> tuple[AnyConfig, Origin]:
         """The config of a trial whose parameters are the shared fields, and its origin: the queued
         `proposal` (a warm start) where it has these shared fields; else the allocator's config for
         the budget at them (with per-layer values: first the keys' allocation at the space's value
@@ -136,26 +135,24 @@ class AllocatorLoop:
         tell apart)."""
         space = self.space
         base = space.suggest_shared(trial)
-        proposal = trial.user_attrs.get("proposal")
-        if proposal is not None:
-            cfg = config_from_dict(proposal)
-            if space.contains(cfg) and space.shared_base(cfg) == base:
-                return cfg, "proposal"
+        cfg = record.proposal_of(trial)
+        if cfg is not None and space.contains(cfg) and space.shared_base(cfg) == base:
+            return cfg, Origin.PROPOSAL
         allocations = self.allocations(base, budget, trial)
         if not allocations:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
-            return min(self.table(base), key=self.cost), "allocation"
+            return min(self.table(base), key=self.cost), Origin.ALLOCATION
         taken = taken_configs(studies)
         for allocation in allocations:
             if config_key(allocation.to_dict()) not in taken:
-                return allocation, "allocation"
+                return allocation, Origin.ALLOCATION
         best = self.best_scored(studies[0], base, budget)
         start = best if best is not None else allocations[0]
         table: Table = self.joint_table(base) if self.joint else {c: row for c, row in self.table(base).items()}
         for changed in moves(self._items(start), table, budget, lambda item: self.item_cost(item, base)):
             cfg = self._config(changed)
             if config_key(cfg.to_dict()) not in taken:
-                return cfg, "move"
-        return allocations[0], "allocation"  # no move left: the allocation's score is reused
+                return cfg, Origin.MOVE
+        return allocations[0], Origin.ALLOCATION  # no move left: the allocation's score is reused
 
     def allocations(self, base: PNMixConfig, budget: float, trial: optuna.Trial | None = None) -> list[AnyConfig]:
         """The knapsack's configs for `budget` at `base`'s shared fields, in the order trials take
@@ -217,7 +214,7 @@ class AllocatorLoop:
             seconds = time.perf_counter() - started
             self.sensitivity_seconds += seconds
             if trial is not None:
-                trial.set_user_attr("sensitivity_s", seconds + trial.user_attrs.get("sensitivity_s", 0.0))
+                record.add_sensitivity_seconds(trial, seconds)
         return self.tables[key]
 
     def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
@@ -240,5 +237,5 @@ def taken_configs(studies: Sequence[optuna.Study]) -> set[str]:
     taken: set[str] = set()
     for st in studies:
         taken |= scored_configs(st)
-        taken |= {config_key(t.user_attrs["config"]) for t in running_trials(st) if "config" in t.user_attrs}
+        taken |= {config_key(r.config_dict) for r in map(record.read, running_trials(st)) if r.config_dict is not None}
     return taken

@@ -414,17 +414,7 @@ class ScoringEngine:
             ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng)
             self._cost_state = record_prefill(self.model, ids)
         state = self._on_device([self._cost_state])[0]
-        # Every layer holds the same token counts, so one layer's appends give the bytes of every
-        # layer of its format (a layer-wise config: one layer per distinct format, times its count).
-        per_layer = as_layerwise(config).per_layer(len(state.keys))
-        kv_bytes = 0
-        for fmt in dict.fromkeys(per_layer):
-            layer = build_layer(self.model, fmt, [state], layer_idx=per_layer.index(fmt))
-            k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
-            for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-                layer.append(k, v)
-            kv_bytes += per_layer.count(fmt) * sum(layer.nbytes().values())
-            del layer
+        kv_bytes = self._held_bytes(config, state)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -455,3 +445,18 @@ class ScoringEngine:
             weights = sum(p.nbytes for p in self.model.parameters())
             peak = weights + int(torch.cuda.max_memory_allocated(self.device)) - before
         return kv_bytes, 1.0 / step_seconds, peak
+
+    def _held_bytes(self, config: AnyConfig, state: Any) -> int:
+        """The bytes `config`'s cache holds after the cost workload's new tokens. Every layer holds the
+        same token counts, so one layer's appends give the bytes of every layer of its format (a
+        layer-wise config: one layer per distinct format, times its count)."""
+        per_layer = as_layerwise(config).per_layer(len(state.keys))
+        kv_bytes = 0
+        for fmt in dict.fromkeys(per_layer):
+            layer = build_layer(self.model, fmt, [state], layer_idx=per_layer.index(fmt))
+            k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
+            for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
+                layer.append(k, v)
+            kv_bytes += per_layer.count(fmt) * sum(layer.nbytes().values())
+            del layer
+        return kv_bytes

@@ -5,7 +5,7 @@ unquantized model answers correctly and the fp16 trajectories for long-output fi
 cached on disk (as text and token ids) under the cache directory. The user's data joins as parts
 of their own: an items file (tuner/tasks.py, `items_file`) and a texts file (tuner/texts.py).
 With a held-out share (tuner/holdout.py), every part's units are split once: `evaluate` and
-`rung` score the search units, `evaluate(..., which="holdout")` the held-out ones. Scoring runs
+`rung` score the search units, `evaluate(..., which=Split.HOLDOUT)` the held-out ones. Scoring runs
 through the batched engine (tuner/engine.py): every prompt is prefilled once per evaluator, and a trial
 pays only for its config's decode. `evaluate_reference` scores the same items one at a time
 through `generate`, the path the engine is tested and benchmarked against.
@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,13 @@ from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import rope_pairing
 from pnmix.layerwise import AnyConfig
-from pnmix.tuner import fidelity, stats
+from pnmix.tuner import fidelity
 from pnmix.tuner import tasks as tasks_module
 from pnmix.tuner import texts as texts_module
 from pnmix.tuner.engine import ScoringEngine, Trajectory
 from pnmix.tuner.holdout import HOLDOUT, split, total_for
 from pnmix.tuner.profiles import EvalError, Profile
+from pnmix.tuner.score import Rung, Score, Split, versions
 from pnmix.tuner.texts import TextsTask
 
 Progress = Callable[[str], None]
@@ -45,85 +46,6 @@ DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
 REPLAYED = ("fidelity", "texts")  # parts scored by teacher forcing (the engine's `fidelity`), not by answers
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
 PREPARATION_VERSION = 6
-Split = str  # "search" (what trials see) or "holdout" (tuner/holdout.py)
-
-
-@dataclass
-class Score:
-    config: dict[str, Any]
-    accuracy: float  # weighted mean of the parts, in [0, 1]
-    parts: dict[str, float]  # each part's score in [0, 1]
-    fidelity_agreement: float
-    fidelity_kl: float
-    key_bits: float  # formula, metadata included (the budget's number)
-    kv_bytes: int  # measured: bytes the cache held after the fixed workload
-    decode_tokens_per_s: float
-    peak_memory_bytes: int | None  # CUDA only
-    backend: str
-    device: str
-    versions: dict[str, str]
-    seconds: float
-    profile: str
-    items: dict[str, int] = field(default_factory=dict)
-    accuracy_se: float | None = None  # standard error of `accuracy` (tuner/stats.py)
-    parts_se: dict[str, float | None] = field(default_factory=dict)
-    # Per-unit outcomes: each item's 1/0, each trajectory's mean KL (what SEs and paired differences use).
-    units: dict[str, list[float]] = field(default_factory=dict)
-    # Seconds by part and "cost"; on CUDA also "kernel_compile", the compiler's share of those seconds,
-    # and "kernels_compiled", the kernel specialisations this score compiled (first uses).
-    timings: dict[str, float] = field(default_factory=dict)
-    texts_kl: float = float("nan")  # the texts part's mean KL(p_fp16 || p_quant) per token (its score: agreement)
-
-    @classmethod
-    def from_units(cls, units: dict[str, list[float]], agreements: list[float], timings: dict[str, float],
-                   cost: tuple[int, float, int | None], text_kls: list[float] | None = None, **fields: Any) -> Score:
-        """The Score of per-unit outcomes: the parts, the combined accuracy, their standard errors and
-        the fidelity means all follow from `units` (and `agreements`, `text_kls`); `cost` is (bytes held, decode
-        tokens/s, peak device bytes); `fields` the rest (config, key_bits, backend, device, versions,
-        seconds, profile). PN-Mix configs and transformers' peers are scored into it alike."""
-        if not units:
-            raise EvalError("no task produced a score (every item was filtered out); use more items or other tasks")
-        parts = {name: stats.part_score(name, u) for name, u in units.items()}
-        kls = units.get("fidelity", [])
-        kv_bytes, tok_s, peak = cost
-        return cls(
-            accuracy=stats.combine(parts),
-            parts=parts,
-            fidelity_agreement=sum(agreements) / len(agreements) if agreements else float("nan"),
-            fidelity_kl=sum(kls) / len(kls) if kls else float("nan"),
-            kv_bytes=kv_bytes,
-            decode_tokens_per_s=tok_s,
-            peak_memory_bytes=peak,
-            items={name: len(u) for name, u in units.items()},
-            accuracy_se=stats.combined_se(units),
-            parts_se={name: stats.part_se(name, u) for name, u in units.items()},
-            units=units,
-            timings=timings,
-            texts_kl=sum(text_kls) / len(text_kls) if text_kls else float("nan"),
-            **fields,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Rung:
-    """What a race has scored of a config so far: per-unit outcomes, fidelity agreements, seconds."""
-
-    units: dict[str, list[float]]
-    agreements: list[float]
-    seconds: float
-    text_kls: list[float] = field(default_factory=list)  # each scored document's mean KL (texts part)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def versions() -> dict[str, str]:
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 class Evaluator:
@@ -168,11 +90,8 @@ class Evaluator:
             texts_module.documents(self.texts.path)
         if not HOLDOUT.contains(holdout):
             raise EvalError(f"invalid holdout={holdout}: allowed {HOLDOUT.allowed}")
-        self.holdout = holdout
+        self.holdout, self.model_name, self.profile, self.seed = holdout, model, profile, seed
         self._split: dict[str, tuple[list[int], list[int]]] = {}
-        self.model_name = model
-        self.profile = profile
-        self.seed = seed
         self.progress = progress or (lambda message: None)
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         self.loaded = models.load(model, purpose="accuracy", dtype=dtype, device=device)
@@ -405,22 +324,22 @@ class Evaluator:
             counts["lm_eval"] = len(self.harness.kept())
         return counts
 
-    def indices(self, part: str, which: Split = "search") -> list[int]:
+    def indices(self, part: str, which: Split = Split.SEARCH) -> list[int]:
         """The units of `part` that `which` scores (tuner/holdout.py): all of them without a hold-out."""
         self.prepare()
         search, held = self._split[part]
-        if which not in ("search", "holdout"):
+        if which not in tuple(Split):
             raise ValueError(f"unknown split {which!r}")
-        return search if which == "search" else held
+        return search if which == Split.SEARCH else held
 
-    def unit_counts(self, which: Split = "search") -> dict[str, int]:
+    def unit_counts(self, which: Split = Split.SEARCH) -> dict[str, int]:
         """Units of every part that `which` scores (a part with none is left out)."""
         self.prepare()
         counts = {name: len(self.indices(name, which)) for name in self._split}
         return {name: n for name, n in counts.items() if n}
 
     def _units(self, config: AnyConfig, reference: bool = False, have: Rung | None = None,
-               upto: dict[str, int] | None = None, which: Split = "search") -> tuple[Rung, dict[str, float]]:
+               upto: dict[str, int] | None = None, which: Split = Split.SEARCH) -> tuple[Rung, dict[str, float]]:
         """Per-unit outcomes of every part that runs (with the trajectories' agreements and the
         documents' KLs, as a Rung without seconds), and seconds by part.
 
@@ -484,7 +403,7 @@ class Evaluator:
         return got
 
     def evaluate(self, config: AnyConfig, reference: bool = False, measure: bool = True,
-                 have: Rung | None = None, which: Split = "search") -> Score:
+                 have: Rung | None = None, which: Split = Split.SEARCH) -> Score:
         """Scores `config` on the units of `which` through the engine (reference=True: item by item
         through `generate`, sequence by sequence through `model(...)`).
 

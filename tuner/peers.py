@@ -40,7 +40,8 @@ import torch
 from pnmix.errors import PNMixError
 
 if TYPE_CHECKING:
-    from pnmix.tuner.evaluate import Evaluator, Score
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.score import Score
 
 RESIDUAL_LENGTH = 128
 GROUP_SIZE = 64
@@ -209,7 +210,7 @@ def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | 
 
 def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
     """A peer's Score on the evaluator's items, trajectories and lm-eval documents (see the module docstring)."""
-    from pnmix.tuner.evaluate import Score, versions
+    from pnmix.tuner.score import Score, versions
 
     p.check()
     data = evaluator.prepare()

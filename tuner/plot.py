@@ -18,7 +18,7 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
     import optuna
 
     from pnmix.tuner import record
-    from pnmix.tuner.campaign import front_trials
+    from pnmix.tuner.fronts import front_trials
 
     marks = {"pnmix-paper": preset("pnmix-paper"), "kivi2": preset("kivi2"), "kivi1": preset("kivi1")}
     fig, ax = plt.subplots(figsize=(8, 5))

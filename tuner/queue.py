@@ -12,7 +12,7 @@ perhaps on another machine and a later version. Each checks what it can know:
 - the worker's machine: a worker takes only campaigns of the backends it has (`runnable_backends`:
   `triton` needs a GPU), so the others wait for a worker that can run them.
 A worker that still cannot run a campaign it took marks it `failed` with the reason and takes the
-next one (`pnmix worker`, tuner/cli.py).
+next one (`pnmix worker`, tuner/commands/campaigns.py).
 """
 
 from __future__ import annotations

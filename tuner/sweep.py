@@ -165,6 +165,6 @@ def front(records: Iterable[dict[str, Any]], budget: float = float("inf")) -> li
 def hypervolume(points: Iterable[tuple[float, float]], budget: float) -> float:
     """Area that (key bits, accuracy) points within `budget` bits dominate, above accuracy 0: the
     measure by which a front is compared with the true one."""
-    from pnmix.tuner.campaign import hypervolume_2d
+    from pnmix.tuner.fronts import hypervolume_2d
 
     return hypervolume_2d([(acc, bits) for bits, acc in points], budget + 1e-9)

@@ -37,12 +37,11 @@ def recommend(
     rank by those first. 404 `urn:pnmix:problem:no-feasible-point` when nothing fits, with
     `smallest_feasible_bits`.
     """
-    point, ties = read.recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
-    floor = read.applied_floor(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
+    rec = read.recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of)
     body = Recommendation(
-        model=model, target_bits=target_bits, bits_of=bits_of, optimize=optimize, min_accuracy=floor,
-        point=PointPublic.of(point), pnmix_config=point.config.to_json(),
-        ties=[PointPublic.of(p) for p in ties] if optimize == "accuracy" else [],
+        model=model, target_bits=target_bits, bits_of=bits_of, optimize=optimize, min_accuracy=rec.floor,
+        point=PointPublic.of(rec.point), pnmix_config=rec.point.config.to_json(),
+        ties=[PointPublic.of(p) for p in rec.ties],
     )
     # The hot route: the body is already a validated Recommendation, so serialize it once here
     # instead of letting FastAPI validate it again against response_model.

@@ -74,7 +74,7 @@ class StubEvaluator:
         return {"passkey": UNITS} if which == "search" else {}  # no held-out units: nothing scored at the end
 
     def rung(self, config: Any, upto: dict[str, int], have: Any = None) -> Any:
-        from pnmix.tuner.evaluate import Rung
+        from pnmix.tuner.score import Rung
 
         held = len(have.units["passkey"]) if have else 0
         self._log(event="rung_start", config=config.to_dict(), held=held, upto=upto["passkey"])
@@ -135,7 +135,7 @@ def _limit_resources() -> None:
 
 def main() -> None:
     from pnmix.api import cli
-    from pnmix.tuner import cli as tuner_cli
+    from pnmix.tuner.commands import campaigns
 
     evaluator = StubEvaluator()
 
@@ -144,7 +144,7 @@ def main() -> None:
             raise RuntimeError("stub: a bug")
         return evaluator
 
-    tuner_cli._evaluator = make  # type: ignore[assignment]
+    campaigns._evaluator = make  # type: ignore[assignment]
     _limit_resources()
     sys.argv = ["pnmix", *sys.argv[1:]]
     cli.main()

@@ -20,7 +20,7 @@ from rel_helpers import PNMIX, error_line, worker_env
 from pnmix.config import preset
 from pnmix.storage import Database, FrontPointIn, create_campaign, replace_front, upgrade
 from pnmix.storage.testing import sqlite_url
-from pnmix.tuner.cli import write_regular_file
+from pnmix.tuner.commands.options import write_regular_file
 from pnmix.tuner.profiles import EvalError
 
 

@@ -22,7 +22,8 @@ from sqlalchemy.engine import make_url
 
 from pnmix.storage import Database, display_url, get_campaign, list_front_points
 from pnmix.storage.testing import POSTGRES_ADMIN_URL
-from pnmix.tuner.campaign import finished, front_trials, study_name
+from pnmix.tuner.fronts import front_trials
+from pnmix.tuner.studies import finished, study_name
 
 OBSERVER = "pnmix-test-observer"  # the test's own reads; the killer spares them
 COMPLETE = optuna.trial.TrialState.COMPLETE
