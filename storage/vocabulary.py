@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import stat
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,16 @@ salient ratio from the allocator (`pnmix.tuner.layers`: per-layer sensitivity an
 the budget, then local moves scored by real accuracy), and `pnmix-layers`: groups of layers (formed
 by layer sensitivity) that each take their own pair and ratio as sampled trial parameters."""
 DEFAULT_METHOD = "pnmix-alloc"
-BUDGET_ON = ("key", "kv")
-"""The bit figure a campaign's budgets constrain (`pnmix.bits`): key bits per key element, or KV
-bits, keys and values together per cached element."""
+
+
+class BudgetOn(StrEnum):
+    """The bit figure a campaign's budgets constrain (`pnmix.bits`)."""
+
+    KEY = "key"  # key bits per key element
+    KV = "kv"  # KV bits: keys and values together per cached element
+
+
+BUDGET_ON = tuple(b.value for b in BudgetOn)
 
 # -- ranges --------------------------------------------------------------------------------------
 

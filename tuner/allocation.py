@@ -44,6 +44,7 @@ from pnmix.tuner.layers import (
     moves,
 )
 from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.proxy import ProxyMeasure
 from pnmix.tuner.record import Origin, config_key, running_trials, scored_configs
 from pnmix.tuner.space import SearchSpace
 
@@ -197,8 +198,8 @@ class AllocatorLoop:
         def compute() -> Table:
             formats = self.space.value_choices(self.head_dim)
             values = self.evaluator.value_sensitivity(formats, keys)
-            return joint_table(self.evaluator.sensitivity(candidates_like(keys, self.space), measure="output"),
-                               {ValueFormat(*f): row for f, row in values.items()})
+            outputs = self.evaluator.sensitivity(candidates_like(keys, self.space), measure=ProxyMeasure.OUTPUT)
+            return joint_table(outputs, {ValueFormat(*f): row for f, row in values.items()})
 
         return self._computed((keys, "joint"), trial, compute)
 

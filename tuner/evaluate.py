@@ -36,6 +36,7 @@ from pnmix.tuner import texts as texts_module
 from pnmix.tuner.engine import ScoringEngine, Trajectory
 from pnmix.tuner.holdout import HOLDOUT, split, total_for
 from pnmix.tuner.profiles import EvalError, Profile
+from pnmix.tuner.proxy import ProxyMeasure
 from pnmix.tuner.score import Rung, Score, Split, versions
 from pnmix.tuner.texts import TextsTask
 
@@ -145,7 +146,7 @@ class Evaluator:
         elif data is None:
             data = self._build(engine)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes preparing side by side write apart
             tmp.write_text(json.dumps({
                 "items": {name: [it.to_dict() for it in its] for name, its in data["items"].items()},
                 "trajectories": [{"prompt_ids": p, "tokens": t} for p, t in data["trajectories"]]}))
@@ -263,9 +264,10 @@ class Evaluator:
 
         return proxy_kl_by_layer(self.trace(), config, self.pairing)
 
-    def sensitivity(self, candidates: list[PNMixConfig], measure: str = "kl") -> dict[PNMixConfig, list[float]]:
+    def sensitivity(self, candidates: list[PNMixConfig],
+                    measure: ProxyMeasure = ProxyMeasure.KL) -> dict[PNMixConfig, list[float]]:
         """The allocator's table: each candidate's proxy KL per layer (`tuner.proxy.proxy_kl_table`;
-        the candidates share G, sinks, residual and criterion), or with `measure="output"` its
+        the candidates share G, sinks, residual and criterion), or with `measure=ProxyMeasure.OUTPUT` its
         relative attention-output error, the unit `value_sensitivity` shares. Cached on disk beside
         the preparation, per model, profile, seed, measure and candidate set, so a campaign's later
         workers and later campaigns of the model read it instead of computing it again."""

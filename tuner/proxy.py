@@ -10,7 +10,7 @@ layer, so it screens candidates before full inference.
 KL sees keys only. To weigh keys against values (a KV budget whose layers each choose a value
 format), both are measured in one unit instead: the relative attention-output error
 sum ||o - o_hat||^2 / sum ||o||^2 over the same queries, with o = softmax(q k^T) v, once with the
-keys quantized and the values exact (`proxy_kl_table(..., measure="output")`) and once the other
+keys quantized and the values exact (`proxy_kl_table(..., measure=ProxyMeasure.OUTPUT)`) and once the other
 way round (`proxy_value_table`). The two errors are nearly independent and add.
 
 Which tokens are quantized follows the cache exactly (`quantized_tokens`): sinks stay exact,
@@ -22,6 +22,7 @@ decode queries lean on most are therefore exact, as in real generation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -30,6 +31,13 @@ from pnmix.analysis import Trace, masked_kl, quantize_pnmix
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig, as_layerwise
 from pnmix.saliency import Pairing, saliency_scores, select_salient_pairs
+
+
+class ProxyMeasure(StrEnum):
+    """What the proxy measures of a layer's approximate attention against the exact one."""
+
+    KL = "kl"  # KL divergence of the attention probabilities
+    OUTPUT = "output"  # relative error of the attention output (the unit value errors share)
 
 
 def quantized_tokens(config: PNMixConfig, prefill: int, total: int) -> int:
@@ -57,15 +65,15 @@ def proxy_kl_by_layer(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairi
     """`proxy_kl` layer by layer, each layer under its own config (a layer-wise config's), from
     which the layer-sensitivity profile (`tuner/layers.py`) is read."""
     layers = as_layerwise(config).per_layer(len(trace.keys))
-    return [row[0] for row in _rows(trace, [[c] for c in layers], pairing, n_queries, "kl")]
+    return [row[0] for row in _rows(trace, [[c] for c in layers], pairing, n_queries, ProxyMeasure.KL)]
 
 
 def proxy_kl_table(trace: Trace, configs: list[PNMixConfig], pairing: Pairing,
-                   n_queries: int = 64, measure: str = "kl") -> list[list[float]]:
+                   n_queries: int = 64, measure: ProxyMeasure = ProxyMeasure.KL) -> list[list[float]]:
     """Each config's per-layer KL, `[config][layer]`, for configs that share G, sinks, residual,
     criterion and seed (the allocator's candidates): the exact attention and the saliency scores
     of a layer are computed once for all of them, so the table costs a fraction of one
-    `proxy_kl_by_layer` pass per config, with the same figures. `measure="output"`: the relative
+    `proxy_kl_by_layer` pass per config, with the same figures. `measure=ProxyMeasure.OUTPUT`: the relative
     attention-output error instead of KL (the unit `proxy_value_table` shares)."""
     if not configs:
         return []
@@ -136,13 +144,13 @@ class _Schedule:
 
 
 def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_queries: int,
-          measure: str) -> list[list[float]]:
-    """For each layer, the KL (or, `measure="output"`, the relative output error) of each of its
+          measure: ProxyMeasure) -> list[list[float]]:
+    """For each layer, the KL (or, `measure=ProxyMeasure.OUTPUT`, the relative output error) of each of its
     configs (`per_layer[layer]`), which share the token-schedule fields (sinks, G, residual) and
     the saliency rule (criterion, seed)."""
-    if measure not in ("kl", "output"):
-        raise ValueError(f"unknown proxy measure {measure!r}: allowed kl, output")
-    values = _values(trace) if measure == "output" else None
+    if measure not in tuple(ProxyMeasure):
+        raise ValueError(f"unknown proxy measure {measure!r}: allowed {', '.join(ProxyMeasure)}")
+    values = _values(trace) if measure == ProxyMeasure.OUTPUT else None
     at = _Schedule.of(trace, per_layer[0][0], n_queries)  # sinks, G, residual: alike in every layer and config
     p, sinks, n_q = trace.prefill_len, at.sinks, at.n_packed
     out: list[list[float]] = []
@@ -170,7 +178,7 @@ def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_
                                                            cfg.group_size, pairing)
             approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
             mixed = torch.where(at.use_packed, approx, exact)
-            if measure == "kl":
+            if measure == ProxyMeasure.KL:
                 row.append(float(masked_kl(exact, mixed, at.causal).mean()))
             else:
                 o_hat = mixed.masked_fill(~at.causal, float("-inf")).softmax(-1) @ v_rep

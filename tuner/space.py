@@ -35,7 +35,7 @@ from typing import Any
 
 from pnmix.config import GROUP_SIZES, PNMixConfig
 from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
-from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, METHODS
+from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, METHODS, BudgetOn
 from pnmix.tuner.profiles import EvalError
 
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -56,7 +56,7 @@ class SearchSpace:
     value_bits: int = 2
     value_group_size: int = 32
     criterion: str = "qk_pair_norm"
-    budget_on: str = "key"
+    budget_on: BudgetOn = BudgetOn.KEY  # a string given ("key", "kv") becomes the enum
     search_values: bool = False
     layer_groups: int = DEFAULT_LAYER_GROUPS  # pnmix-layers: how many groups of layers
     # pnmix-layers: the layers of each group, most sensitive group first (`with_groups`); a
@@ -68,7 +68,8 @@ class SearchSpace:
             raise EvalError(f"unknown method {self.method!r}: allowed {', '.join(METHODS)}")
         if self.budget_on not in BUDGET_ON:
             raise EvalError(f"invalid budget_on {self.budget_on!r}: allowed {', '.join(BUDGET_ON)}")
-        if self.search_values and self.budget_on != "kv":
+        object.__setattr__(self, "budget_on", BudgetOn(self.budget_on))
+        if self.search_values and self.budget_on != BudgetOn.KV:
             raise EvalError("searching values needs a KV budget (--budget-on kv): under a key budget values "
                             "cost nothing and the most value bits would always win")
         if not LAYER_GROUPS.contains(self.layer_groups):
@@ -120,7 +121,7 @@ class SearchSpace:
         from pnmix.bits import kv_bits, mean_key_bits
 
         layers = self.num_layers if isinstance(config, LayerwiseConfig) else 1
-        if self.budget_on == "kv":
+        if self.budget_on == BudgetOn.KV:
             return kv_bits(config, layers, head_dim)
         return mean_key_bits(config, layers, head_dim)
 
@@ -391,8 +392,8 @@ class SearchSpace:
                "value_bits": list(VALUE_BITS) if self.search_values else self.value_bits,
                "value_group_size": list(VALUE_GROUPS) if self.search_values else self.value_group_size,
                "criterion": "k_magnitude" if self.method == "kitty" else self.criterion}
-        if self.budget_on != "key":  # only where it differs: a sweep file's header holds this dict
-            out["budget_on"] = self.budget_on
+        if self.budget_on != BudgetOn.KEY:  # only where it differs: a sweep file's header holds this dict
+            out["budget_on"] = str(self.budget_on)
         if self.method == LAYERED:
             out["layer_groups"] = self.layer_groups
             if self.groups:
