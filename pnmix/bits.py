@@ -12,7 +12,11 @@ and `n_sink` fp16 sink tokens in front of them.
     total    = key_bits + metadata
 
 A layer-wise config's key bits are the mean of its layers' totals (every layer holds as many key
-elements). Values, counted the same way (fp16 sinks in, the residual out):
+elements). A model with sliding-window layers (Gemma 3) holds, at T = T_q + n_sink tokens, T in
+each full-attention layer and min(T, window - 1) in each sliding one (what transformers' sliding
+layer keeps between steps), in the model's dtype (16 bits): its figures are averages weighted by
+the elements each layer holds (`held_tokens`, `weighted_key_bits`). Values, counted the same way
+(fp16 sinks in, the residual out):
 
     value    = (T_q * (b_V + 2 * 16 / G_V) + n_sink * 16) / (T_q + n_sink)     (16 when unquantized)
     kv_bits  = (key total + value) / 2
@@ -24,10 +28,12 @@ figure a `--budget-on kv` campaign constrains.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from pnmix.config import UNQUANTIZED_BITS, PNMixConfig
 from pnmix.layerwise import LayerwiseConfig, as_layerwise
+from pnmix.names import FULL
 
 DEFAULT_QUANTIZED_TOKENS = 32768
 FP16_BITS = 16
@@ -91,6 +97,37 @@ def mean_key_bits(config: PNMixConfig | LayerwiseConfig, num_layers: int, head_d
     if len(set(configs)) == 1:
         return key_bits(configs[0], head_dim, quantized_tokens).total
     return math.fsum(key_bits(c, head_dim, quantized_tokens).total for c in configs) / num_layers
+
+
+def held_tokens(kinds: Sequence[str], window: int | None, tokens: int) -> list[int]:
+    """Tokens each layer holds when the model has seen `tokens`: all of them in a full-attention
+    layer, min(tokens, window - 1) in a sliding-window one (`pnmix.families.layer_kinds`)."""
+    if any(kind != FULL for kind in kinds) and (window is None or window < 2):
+        raise ValueError(f"sliding-window layers need a window of at least 2 tokens, got {window}")
+    return [tokens if kind == FULL else min(tokens, (window or 0) - 1) for kind in kinds]
+
+
+def weighted_key_bits(config: PNMixConfig | LayerwiseConfig, kinds: Sequence[str], window: int | None,
+                      head_dim: int = 128, quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS,
+                      metadata: bool = True) -> float:
+    """Key bits per key element the model holds, each layer weighted by the elements it holds
+    (`held_tokens` at T_q + n_sink tokens): a full-attention layer at its config's figure (`total`,
+    or `key_bits` with `metadata=False`), a sliding-window layer at 16 bits. A model of full-attention
+    layers only gets `mean_key_bits` itself, to the last digit."""
+    n = len(kinds)
+    if all(kind == FULL for kind in kinds):
+        return mean_key_bits(config, n, head_dim, quantized_tokens) if metadata else math.fsum(
+            b.key_bits for b in key_bits_by_layer(config, n, head_dim, quantized_tokens)) / n
+    configs = as_layerwise(config).per_layer(n)
+    held = held_tokens(kinds, window, quantized_tokens + configs[0].n_sink)
+
+    def bits(c: PNMixConfig, kind: str) -> float:
+        if kind != FULL:
+            return FP16_BITS
+        b = key_bits(c, head_dim, quantized_tokens)
+        return b.total if metadata else b.key_bits
+
+    return math.fsum(t * bits(c, k) for t, c, k in zip(held, configs, kinds, strict=True)) / sum(held)
 
 
 def value_bits(config: PNMixConfig) -> float:

@@ -13,6 +13,13 @@ attention function consumes, because the prefill's saliency needs the post-RoPE 
 only the attention function sees. The CPU reference path keeps a dequantized, token-ordered view
 of each layer (`view_k`, `view_v`), written from the packed bytes when a group is quantized;
 the GPU path (kernels/) reads the packed bytes directly instead.
+
+A model with sliding-window layers beside its full-attention ones (Gemma 3) gets a `WindowLayer`
+for each sliding one: transformers' own sliding-window layer, which keeps the last window of keys
+and values in the model's dtype, so those layers attend exactly as with transformers' cache (the
+"pnmix" attention function runs SDPA, with the model's sliding mask, on the plain tensors it
+returns). PN-Mix quantizes the full-attention layers, where the long context and nearly all the
+bytes sit.
 """
 
 from __future__ import annotations
@@ -21,15 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from pnmix import backend, packing
 from pnmix.config import ConfigError, PNMixConfig
-from pnmix.families import check_model
+from pnmix.families import FULL, check_model, layer_kinds, sliding_window
 from pnmix.layerwise import LayerwiseConfig, as_layerwise
 from pnmix.saliency import Pairing, pair_channels, saliency_scores, select_salient_pairs
 
-REGIONS = ("packed_keys", "key_scales", "salient_sets", "packed_values", "value_scales", "sinks", "residual")
+REGIONS = ("packed_keys", "key_scales", "salient_sets", "packed_values", "value_scales", "sinks", "residual",
+           "window")  # window: a sliding-window layer's keys and values, in the model's dtype
 
 
 @dataclass
@@ -619,6 +627,7 @@ class PNMixLayer(SeenTokensLayer):
             "value_scales": size("v_scale", "v_zero"),
             "sinks": self.k_sink.nbytes + self.v_sink.nbytes,
             "residual": self._residual_bytes(),
+            "window": 0,  # a full-attention layer: every token held, none dropped by a window
         }
 
     def _residual_bytes(self) -> int:
@@ -647,13 +656,25 @@ class PNMixCache(Cache):
         self.pnmix_config = layerwise.default
         self.layerwise = layerwise
         per_layer = layerwise.per_layer(model_config.get_text_config(decoder=True).num_hidden_layers)
-        layers = [PNMixLayer(cfg, pairing, i) for i, cfg in enumerate(per_layer)]
+        window = sliding_window(model_config)
+        layers: list[Any] = [PNMixLayer(cfg, pairing, i) if kind == FULL else WindowLayer(window or 0)
+                             for i, (cfg, kind) in enumerate(zip(per_layer, layer_kinds(model_config), strict=True))]
         for layer in layers:
             layer.multi_token = multi_token
-        super().__init__(layers=list[Any](layers))
+        super().__init__(layers=layers)
 
     def nbytes(self) -> dict[str, Any]:
-        """{"layers": [per-layer region bytes], "regions": summed by region, "total": all bytes}."""
-        per_layer = [layer.nbytes() for layer in self.layers if isinstance(layer, PNMixLayer)]
+        """{"layers": [per-layer region bytes, every layer], "regions": summed by region, "total": all bytes}."""
+        per_layer = [layer.nbytes() for layer in self.layers if isinstance(layer, PNMixLayer | WindowLayer)]
         regions = {r: sum(layer[r] for layer in per_layer) for r in REGIONS}
         return {"layers": per_layer, "regions": regions, "total": sum(regions.values())}
+
+
+class WindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer of a hybrid model: transformers' own, its window in the model's dtype."""
+
+    multi_token = False
+
+    def nbytes(self) -> dict[str, int]:
+        held = sum(t.nbytes for t in (self.keys, self.values) if t is not None)
+        return {**dict.fromkeys(REGIONS, 0), "window": held}

@@ -302,8 +302,9 @@ def _quantized_note(cache: Any, config: PNMixConfig, tokens: int) -> str:
     """How many of the tokens the cache holds are quantized: a short generation may hold none."""
     if not (config.keys_quantized or config.values_quantized):
         return f"{tokens} tokens, none quantized (fp16 cache)"
-    groups = getattr(cache.layers[0], "n_groups", [0]) if getattr(cache, "layers", None) else [0]
-    quantized = int(groups[0]) * config.group_size
+    # The first full-attention layer (a hybrid model's sliding-window layers quantize nothing).
+    layer = next((la for la in getattr(cache, "layers", []) if hasattr(la, "n_groups")), None)
+    quantized = int(layer.n_groups[0]) * config.group_size if layer is not None else 0
     if quantized:
         return f"{quantized} of {tokens} tokens quantized"
     return (f"{tokens} tokens, none quantized yet: the first {config.n_sink} are sinks, and the rest stay in fp16 "

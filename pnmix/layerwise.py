@@ -99,6 +99,10 @@ class LayerwiseConfig:
                 return self._layer_config(r)
         return self.default
 
+    def named_layers(self, num_layers: int) -> list[int]:
+        """The layers (below `num_layers`) that a range names: those that do not take the default."""
+        return sorted({i for r in self.ranges for i in range(r.first, min(r.last, num_layers - 1) + 1)})
+
     def per_layer(self, num_layers: int) -> list[PNMixConfig]:
         """One config per layer of a model with `num_layers` layers; refuses ranges past its end."""
         for r in self.ranges:

@@ -1,4 +1,5 @@
-"""Names chosen outside a `PNMixConfig` that the method itself reads: which implementation runs.
+"""Names chosen outside a `PNMixConfig` that the method itself reads: which implementation runs, and
+the layer kinds it serves.
 
 The one home of this tuple. This module imports nothing, so that the storage layer and the service
 check these names without loading torch (`pnmix.backend` imports it). The tuner's names (methods,
@@ -9,3 +10,6 @@ BACKENDS: which implementation runs the decode path (`pnmix.backend`, `PNMIX_BAC
 """
 
 BACKENDS = ("auto", "torch", "triton")
+
+# The layer kinds PN-Mix serves (transformers' `layer_types` names; pnmix.families reads them).
+FULL, SLIDING = "full_attention", "sliding_attention"

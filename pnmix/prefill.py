@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from pnmix.cache import LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
 from pnmix.config import PNMixConfig
-from pnmix.families import check_model, rope_pairing
+from pnmix.families import check_model, require_full_attention, rope_pairing
 from pnmix.generation import cache_kwargs, use_pnmix_attention
 from pnmix.layerwise import AnyConfig
 from pnmix.saliency import Pairing, saliency_scores
@@ -93,6 +93,7 @@ class _RecordingCache(Cache):
     def __init__(self, model_config: Any) -> None:
         text = model_config.get_text_config(decoder=True)
         pairing = rope_pairing(model_config)
+        require_full_attention(model_config, "the scoring engine")
         super().__init__(layers=[_RecordingLayer(pairing) for _ in range(text.num_hidden_layers)])
 
 

@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
+from pnmix.families import require_full_attention
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
 from pnmix.kernels.plan import length_bucket, packed_groups_bound
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
@@ -373,6 +374,7 @@ class StaticGenerator:
                  graphs: bool | None = None, compile: bool | str | None = None) -> None:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"invalid max_len={max_len!r}: allowed an integer >= 2 (prompt + new tokens per row)")
+        require_full_attention(model.config, "the static path")
         self.model = model
         self.layerwise = method_config(method)
         # The fields every layer shares (sinks, residual, G) set the flush schedule: the default's.

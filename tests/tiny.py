@@ -44,3 +44,17 @@ def save_tiny_llama(folder, tokenizer) -> str:  # type: ignore[no-untyped-def]
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, window: int = 8, **overrides):
+    """A tiny random Gemma 3 text decoder: 6 layers, the sixth full-attention and the five before it
+    sliding-window layers of `window` tokens (Gemma 3's own pattern), QK-norm, its query scaling and
+    a RoPE base per layer kind, head_dim 16, one KV head."""
+    from transformers import Gemma3TextConfig
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=16, vocab_size=128, max_position_embeddings=512,
+              sliding_window=window, initializer_range=0.2, tie_word_embeddings=False)
+    config = Gemma3TextConfig(**{**kw, **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

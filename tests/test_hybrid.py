@@ -1,0 +1,122 @@
+"""Hybrid models (Gemma 3): sliding-window layers beside full-attention ones, on a tiny random
+Gemma 3 text decoder on the CPU. The sliding layers keep their window in the model's dtype (transformers'
+own layer); PN-Mix quantizes the full-attention layers; bit figures weight each layer by what it holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_gemma3, tiny_model
+
+from pnmix import PNMixConfig, generate, preset
+from pnmix.bits import held_tokens, key_bits, mean_key_bits, weighted_key_bits
+from pnmix.cache import PNMixCache, PNMixLayer, WindowLayer
+from pnmix.config import ConfigError
+from pnmix.families import UnsupportedModelError, layer_kinds
+from pnmix.layerwise import LayerwiseConfig, load_config
+
+SMALL = PNMixConfig(b_high=3, b_low=1, salient_ratio=0.5, group_size=32, n_sink=4, residual_len=32, value_bits=2,
+                    value_group_size=16)
+WINDOW = 8
+
+
+def left_padded(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 40 and 30 real tokens, both longer than the window."""
+    ids = torch.randint(3, vocab, (2, 40), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    return ids, mask
+
+
+def test_fp16_generation_equals_transformers_cache_on_both_layer_kinds():
+    model = tiny_gemma3(window=WINDOW)
+    assert layer_kinds(model.config) == ["sliding_attention"] * 5 + ["full_attention"]
+    ids, mask = left_padded(model.config.vocab_size, seed=1)
+    want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                          pad_token_id=0)[:, ids.shape[1]:]
+    got, cache = generate(model, ids, preset("fp16"), attention_mask=mask, max_new_tokens=24)
+    assert torch.equal(got, want)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [WindowLayer] * 5 + [PNMixLayer]
+    # A sliding layer keeps the last window - 1 tokens between steps, as transformers' own does.
+    assert all(layer.keys.shape[2] == WINDOW - 1 for layer in cache.layers[:5])
+
+
+def test_quantized_full_layers_beside_exact_windows():
+    """PN-Mix quantizes the full-attention layer only: its every real token is held (sinks, groups,
+    residual), the sliding layers hold their window in the model's dtype, and the bytes say so."""
+    model = tiny_gemma3(window=WINDOW)
+    ids, mask = left_padded(model.config.vocab_size, seed=2)
+    new = 60
+    got, cache = generate(model, ids, SMALL, attention_mask=mask, max_new_tokens=new)
+    assert got.shape == (2, new)
+    full = cache.layers[5]
+    assert isinstance(full, PNMixLayer) and int(full.n_groups[0]) >= 2
+    real = mask.sum(1) + new - 1  # the last new token is never fed back
+    held = [min(SMALL.n_sink, n) + int(full.n_groups[b]) * SMALL.group_size + full.res_len[b]
+            for b, n in enumerate(full.lengths)]
+    assert full.lengths == held == real.tolist()
+    regions = cache.nbytes()["regions"]
+    d, elt = 16, 4  # fp32 on the CPU
+    assert regions["window"] == 5 * 2 * 1 * (WINDOW - 1) * d * elt * 2  # 5 layers, 2 rows, 1 KV head, K and V
+    assert regions["packed_keys"] > 0 and cache.nbytes()["total"] == sum(regions.values())
+
+
+def test_bytes_weighted_key_bits_equal_a_hand_count_of_the_cache():
+    """The weighted key bits of the config on this model equal the key bytes the cache holds over the
+    key elements it holds (bf16: sinks and windows at 16 bits, as the formula counts them)."""
+    model = tiny_gemma3(window=WINDOW, dtype=torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 4 + 2 * 32 + 10), generator=torch.Generator().manual_seed(3))
+    _, cache = generate(model, ids, SMALL, max_new_tokens=40)
+    full = cache.layers[5]
+    t_q = int(full.n_groups[0]) * SMALL.group_size
+    assert t_q == 3 * 32
+    per_layer = cache.nbytes()["layers"]
+    key_bytes = sum(layer["window"] / 2 for layer in per_layer[:5])
+    key_bytes += per_layer[5]["packed_keys"] + per_layer[5]["key_scales"] + per_layer[5]["sinks"] / 2
+    d = 16
+    elements = 5 * (WINDOW - 1) * d + (t_q + SMALL.n_sink) * d  # one sequence, one KV head
+    kinds = layer_kinds(model.config)
+    want = weighted_key_bits(SMALL, kinds, WINDOW, d, quantized_tokens=t_q, metadata=False)
+    assert key_bytes * 8 / elements == pytest.approx(want, rel=1e-12)
+    assert held_tokens(kinds, WINDOW, t_q + 4) == [7] * 5 + [100]
+    # The plain mean would count the fp16 windows as if they held as many tokens as the full layer.
+    assert want != pytest.approx(mean_key_bits(SMALL, 6, d, t_q))
+
+
+@pytest.mark.parametrize("config", [preset("pnmix-paper"), preset("kivi2"), preset("kitty"),
+                                    load_config('{"default": {}, "layers": {"0-4": {"b_low": 2}}}')])
+def test_full_attention_models_keep_their_figures_to_the_last_digit(config):
+    full = ["full_attention"] * 30
+    assert weighted_key_bits(config, full, None, 64) == mean_key_bits(config, 30, 64)
+    single = config.default if isinstance(config, LayerwiseConfig) else config
+    assert weighted_key_bits(single, full, None, 64) == key_bits(single, 64).total
+
+
+def test_layer_kinds_pn_mix_cannot_serve_are_refused_in_one_line():
+    from transformers import Qwen3NextConfig
+
+    linear = Qwen3NextConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=1)
+    with pytest.raises(UnsupportedModelError, match="linear_attention layers: PN-Mix supports full-attention"):
+        PNMixCache(linear, SMALL)
+    capped = tiny_gemma3(attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        PNMixCache(capped.config, SMALL)
+    model = tiny_gemma3(window=WINDOW)
+    # A layer-wise config that sets a sliding-window layer's bits cannot apply to it.
+    sets_a_window = load_config('{"default": {"group_size": 32, "n_sink": 4, "residual_len": 32, '
+                                '"value_group_size": 16}, "layers": {"2": {"b_low": 2}}}')
+    with pytest.raises(ConfigError, match=r"invalid layers='2': allowed full-attention layers \(5\)"):
+        PNMixCache(model.config, sets_a_window)
+    for message in ("the scoring engine runs", "the static path runs"):
+        with pytest.raises(UnsupportedModelError, match=message):
+            if "engine" in message:
+                from pnmix.prefill import record_prefill
+
+                record_prefill(model, torch.ones((1, 8), dtype=torch.long))
+            else:
+                from pnmix.static import StaticGenerator
+
+                StaticGenerator(model, SMALL, max_len=64)
+    # Full-attention models are untouched: every layer is one kind.
+    assert layer_kinds(tiny_model("llama").config) == ["full_attention"] * 2
