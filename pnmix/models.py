@@ -18,12 +18,14 @@ inode, so later runs only stat the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -304,7 +306,34 @@ def _converted_dir(source: ModelSource) -> Path:
     if _conversion_of(target, digest):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{source.name}-", dir=target.parent))
+    # Processes converting the same file at once (parallel tests, workers starting together) take
+    # turns: the second finds the first's conversion instead of doing the same minutes of work.
+    locks = cache_dir() / "locks"  # beside the conversions, not among them: a lock is no conversion
+    locks.mkdir(parents=True, exist_ok=True)
+    with _exclusive(locks / f"{target.name}.lock"):
+        if not _conversion_of(target, digest):
+            _convert_into(gguf, digest, target, source.name)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """An advisory lock on `lock` (POSIX); where there is none, no waiting (a lost race costs work only)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf: Path, digest: str, target: Path, name: str) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         try:
             _convert_gguf(gguf, tmp)
@@ -321,7 +350,6 @@ def _converted_dir(source: ModelSource) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 SOURCE_DIGEST = "source.sha256"  # beside a conversion: the SHA-256 of the GGUF it was made from
