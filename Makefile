@@ -5,7 +5,10 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pip installs without byte-compiling (--no-compile): a module compiles when first imported, and most of
-# torch's never are; that saves about 13 s a torch install on a 2-core machine.
+# torch's never are; that saves about 13 s a torch install on a 2-core machine. The first import writes
+# the module's bytecode for every later process, so the commands below do so even where the
+# environment sets PYTHONDONTWRITEBYTECODE (every test process would compile torch again: +4 min).
+unexport PYTHONDONTWRITEBYTECODE
 # Without CUDA, take the CPU build of torch (on this machine kind it lies on local disk);
 # never let pip pull a multi-GB CUDA build onto a CPU machine.
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
