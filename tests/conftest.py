@@ -53,7 +53,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if took > float(budget):
         slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:5]
         names = ", ".join(f"{nodeid} ({seconds:.0f} s)" for nodeid, seconds in slowest)
-        session.config.get_terminal_writer().line(
+        writer = session.config.get_terminal_writer()
+        writer.line()  # off the progress line
+        writer.line(
             f"error: the test suite took {took:.0f} s, over its budget of {float(budget):.0f} s "
             f"(PNMIX_TEST_BUDGET_S); slowest: {names}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
