@@ -308,7 +308,7 @@ class CampaignRunner:
     def _layer_groups(self) -> None:
         if not self._layered:
             space, allocator = self.warm_starts.layered_space(self.space)
-            self.studies.space = self.trials.space = space
+            self.trials.space = space
             self.trials.allocator = allocator
             self._layered = True
 

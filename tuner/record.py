@@ -171,26 +171,34 @@ def stands_for_its_config(trial: optuna.trial.FrozenTrial) -> bool:
     return read(trial).stands_for_its_config
 
 
+def _bits(attrs: dict[str, Any]) -> float | None:
+    """The figure the budget bounds (key bits, or KV bits under a KV budget); trials recorded before
+    KV budgets hold it as their key bits."""
+    bits = attrs.get("bits", attrs.get("key_bits"))
+    return None if bits is None else float(bits)
+
+
 def budget_bits(trial: optuna.trial.FrozenTrial) -> float:
-    """The figure of a trial's config that the budget bounds (key bits, or KV bits under a KV budget);
-    trials recorded before KV budgets hold it as their key bits."""
-    attrs = trial.user_attrs
-    return float(attrs["bits"] if "bits" in attrs else attrs["key_bits"])
+    """A trial's `_bits`; KeyError for a trial that holds no config yet."""
+    bits = _bits(trial.user_attrs)
+    if bits is None:
+        raise KeyError("bits")
+    return bits
 
 
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def stored_config(trial: optuna.trial.FrozenTrial) -> dict[str, Any] | None:
+    """The config a trial stores, as its dict, read without decoding the rest of the record."""
+    return trial.user_attrs.get("config")
 
 
 def read(trial: optuna.trial.FrozenTrial) -> TrialRecord:
     """The record of a trial (any campaign this product stored: trials recorded before KV budgets
     hold their budget's figure as `key_bits` only)."""
     a = trial.user_attrs
-    bits = a.get("bits", a.get("key_bits"))
     source = a.get("score_from") or (f"#{a['reused_from']}" if "reused_from" in a else None)
     return TrialRecord(
         number=trial.number, kind=kind_of(trial), config_dict=a.get("config"), label=a.get("label"),
-        bits=_float(bits), key_bits=a.get("key_bits"), kv_bits=a.get("kv_bits"), accuracy=a.get("accuracy"),
+        bits=_bits(a), key_bits=a.get("key_bits"), kv_bits=a.get("kv_bits"), accuracy=a.get("accuracy"),
         accuracy_se=a.get("accuracy_se"), parts=a.get("parts"), units=a.get("units"), kv_bytes=a.get("kv_bytes"),
         throughput=a.get("decode_tokens_per_s"), backend=a.get("backend"), device=a.get("device"),
         versions=a.get("versions"), seconds=a.get("seconds"), timings=a.get("timings") or {},

@@ -36,10 +36,11 @@ class Sharing:
         wanted = config.to_dict()
         for st in self.studies.of_campaign(study):
             for t in st.get_trials(deepcopy=False, states=COMPLETE):
+                if record.stored_config(t) != wanted:
+                    continue
                 r = record.read(t)
                 # Elsewhere, point at the original evaluation, not at another budget's copy of it.
-                original = st is study or not r.copied_from_another_study
-                if r.config_dict == wanted and r.accuracy is not None and original:
+                if r.accuracy is not None and (st is study or not r.copied_from_another_study):
                     return st.study_name, t
         return None
 
@@ -82,5 +83,6 @@ class Sharing:
             distributions["bits"] = optuna.distributions.CategoricalDistribution(
                 self.studies.pairs(budget, self.head_dim))
         bits = record.budget_bits(trial)
-        record.add_shared(study, trial, source, distributions, {f"{self.studies.space.budget_on}_bits": bits - budget})
+        record.add_shared(study, trial, source, distributions,
+                          {f"{self.studies.spec.space.budget_on}_bits": bits - budget})
         return True

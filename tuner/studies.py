@@ -43,7 +43,6 @@ class Studies:
 
     def __init__(self, storage: optuna.storages.BaseStorage, campaign_id: int, spec: Any) -> None:
         self.storage, self.campaign_id, self.spec = storage, campaign_id, spec
-        self.space = spec.space  # the runner sets the grouped space once it has the model's layer groups
         self._studies: dict[float, optuna.Study] = {}  # by budget: `open` (its sampler) or `peek` (reading)
         self._own: set[float] = set()
         self._pair_cache: dict[float, list[str]] = {}
@@ -102,7 +101,8 @@ class Studies:
             if isinstance(old, optuna.distributions.CategoricalDistribution):
                 self._pair_cache[budget] = [str(c) for c in old.choices]
             else:
-                self._pair_cache[budget] = self.space.pairs_within(budget, head_dim)
+                # The spec's space: layer groups change neither the pairs nor the budget's figure.
+                self._pair_cache[budget] = self.spec.space.pairs_within(budget, head_dim)
         return self._pair_cache[budget]
 
     def trials_done(self, n: int, fresh: bool = False) -> int:
