@@ -125,7 +125,7 @@ class PointPublic(BaseModel):
     budget: float
     trial_number: int
     config: ConfigPublic
-    layers: dict[str, dict[str, float]] | None = Field(
+    layers: dict[str, dict[str, int | float | str]] | None = Field(
         default=None, description='a layer-wise config\'s ranges over `config`, {"A-B": {field: value}} '
         '(LayerwiseConfig JSON "layers"); null: every layer has `config`')
     accuracy: float

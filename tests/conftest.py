@@ -35,6 +35,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("postgres-workers"))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup`, xdist marks a grouped test by a suffix of its node id; a pytest that
+    no longer reads what xdist sets (pytest 9.2 with xdist 3.8) would spread a group over the workers
+    unseen: that ends the run in one line instead."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        pytest.exit(f"xdist_group is ignored by pytest {pytest.__version__} with this pytest-xdist ({lost[0]} has no "
+                    "group suffix): install the pins of pyproject.toml's dev extra", returncode=3)
+
+
 # The suite's time budget: over it, the run fails with one line naming the slowest tests, so that a
 # change that makes the suite slow is seen where it lands (README, "Tests").
 _durations: dict[str, float] = {}

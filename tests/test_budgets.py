@@ -196,13 +196,16 @@ def test_the_service_answers_for_kv_bits_and_enqueues_each_kind_of_campaign(db, 
 
     with db.session() as s:
         c = create_campaign(s, "smollm2-135m", [3.0], 4, budget_on="kv")
-        lw = LayerwiseConfig(preset("pnmix-paper"), (LayerRange(29, 29, (("salient_ratio", 0.7),)),))
+        lw = LayerwiseConfig(preset("pnmix-paper"), (LayerRange(28, 28, (("b_high", 2),)),
+                                                      LayerRange(29, 29, (("salient_ratio", 0.7),))))
         replace_front(s, c.id, 3.0, [point(lw, 0, 0.9)])
     with TestClient(create_app(Settings(database_url=db.url, api_token="t"))) as client:
         got = client.get("/v1/recommend", params={"model": "smollm2-135m", "target_bits": 2.7, "bits_of": "kv"})
         assert got.status_code == 200, got.text
         body = got.json()
-        assert body["bits_of"] == "kv" and body["point"]["layers"] == {"29": {"salient_ratio": 0.7}}
+        assert body["bits_of"] == "kv"
+        assert body["point"]["layers"] == {"28": {"b_high": 2}, "29": {"salient_ratio": 0.7}}
+        assert type(body["point"]["layers"]["28"]["b_high"]) is int  # bit widths are served as integers
         assert body["point"]["kv_bits"] == pytest.approx(kv_bits(lw, 30, D)) and body["point"]["budget_on"] == "kv"
         assert config_from_dict(json.loads(body["pnmix_config"])) == lw
         assert client.get("/v1/recommend", params={"model": "smollm2-135m", "target_bits": 2.7}).status_code == 200

@@ -112,38 +112,86 @@ TEST_PROFILE = Profile("test", passkey_items=2, passkey_filler=(8, 12), passkey_
                        fidelity_prompts=2, fidelity_tokens=96, proxy_tokens=160)
 
 
-def test_evaluation_on_the_embedded_model(embedded):
+# The tests of one prepared evaluator run on one xdist worker, so that it is prepared once.
+ONE_WORKER = pytest.mark.xdist_group("embedded-evaluator")
+
+
+# Session-scoped: xdist may run other modules' tests between these on the worker, which would end a
+# module-scoped fixture and prepare it again.
+@pytest.fixture(scope="session")
+def evaluator(embedded):
+    """An evaluator of the embedded model on TEST_PROFILE, prepared once for the tests below."""
     ev = Evaluator("smollm2-135m", TEST_PROFILE, seed=0)
-    data = ev.prepare()
-    # Filtering: every kept item is one the unquantized model answers correctly.
+    ev.prepare()
+    return ev
+
+
+@pytest.fixture(scope="session")
+def one_bit(evaluator):
+    return evaluator.evaluate(preset("kivi1"))
+
+
+@ONE_WORKER
+def test_filtering_keeps_only_items_the_unquantized_model_answers(evaluator):
+    data = evaluator.prepare()
     for name in ("passkey", "kv_lookup"):
         assert data["items"][name], f"no {name} item survived filtering"
         for item in data["items"][name]:
-            assert item.is_correct(tasks.answer(ev.model, ev.tokenizer, preset("fp16"), item))
-    fp16 = ev.evaluate(preset("fp16"))
+            assert item.is_correct(tasks.answer(evaluator.model, evaluator.tokenizer, preset("fp16"), item))
+    assert evaluator.unit_counts() == {"passkey": len(data["items"]["passkey"]),
+                                       "kv_lookup": len(data["items"]["kv_lookup"]), "fidelity": 2}
+
+
+@ONE_WORKER
+def test_fp16_scores_one_and_one_bit_keys_fail_retrieval(evaluator, one_bit):
+    fp16 = evaluator.evaluate(preset("fp16"))
     assert fp16.accuracy == pytest.approx(1.0, abs=1e-6) and fp16.fidelity_kl < 1e-5
-    one_bit = ev.evaluate(preset("kivi1"))
     # Short test trajectories quantize few groups, so 1-bit keys only dent fidelity; retrieval fails.
     assert one_bit.accuracy < 0.5 and one_bit.parts["fidelity"] < 0.9
     assert one_bit.kv_bytes < fp16.kv_bytes / 3
     assert one_bit.key_bits == pytest.approx(1.25)  # 1 bit + fp16 scale and zero per 128 tokens
-    # Determinism: a second evaluator (from the on-disk cache) gives the same score.
-    again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0).evaluate(preset("kivi1"))
-    assert again.accuracy == one_bit.accuracy and again.parts == one_bit.parts
     # Every part carries its per-unit outcomes and a standard error computed from them.
-    assert again.units["passkey"] == one_bit.units["passkey"] and len(one_bit.units["fidelity"]) == 2
+    assert len(one_bit.units["fidelity"]) == 2
     assert one_bit.accuracy_se is not None and 0 < one_bit.accuracy_se < 0.5
     assert fp16.accuracy_se < 1e-6 and one_bit.parts_se["fidelity"] > 0
-    # A race's first rung (one unit of each part), completed later, scores as one full evaluation.
-    counts = ev.unit_counts()
-    assert counts == {"passkey": len(data["items"]["passkey"]), "kv_lookup": len(data["items"]["kv_lookup"]),
-                      "fidelity": 2}
-    first = ev.rung(preset("kivi1"), dict.fromkeys(counts, 1))
+
+
+@ONE_WORKER
+def test_a_second_evaluator_reads_the_cache_and_scores_the_same(evaluator, one_bit):
+    again = Evaluator("smollm2-135m", TEST_PROFILE, seed=0).evaluate(preset("kivi1"))
+    assert again.accuracy == one_bit.accuracy and again.parts == one_bit.parts
+    assert again.units == one_bit.units
+
+
+@ONE_WORKER
+def test_a_race_rung_completed_later_scores_as_one_evaluation(evaluator, one_bit):
+    counts = evaluator.unit_counts()
+    first = evaluator.rung(preset("kivi1"), dict.fromkeys(counts, 1))
     assert {k: len(u) for k, u in first.units.items()} == dict.fromkeys(counts, 1) and first.seconds > 0
-    done = ev.evaluate(preset("kivi1"), have=first)
+    done = evaluator.evaluate(preset("kivi1"), have=first)
     assert done.units == one_bit.units and done.accuracy == one_bit.accuracy
     assert done.fidelity_agreement == one_bit.fidelity_agreement
-    assert ev.proxy(preset("kivi1")) > ev.proxy(preset("kivi2")) > 0
+
+
+@ONE_WORKER
+def test_the_proxy_orders_one_bit_below_two_bit_keys(evaluator):
+    assert evaluator.proxy(preset("kivi1")) > evaluator.proxy(preset("kivi2")) > 0
+
+
+def test_a_preparation_builds_only_the_parts_it_runs(embedded):
+    """An evaluator of one part builds that part alone; one that runs more adds the rest to the same file."""
+    one = Evaluator("smollm2-135m", SMALLEST, seed=5, tasks=("passkey",))  # a seed no other test prepares
+    one.cache_file().unlink(missing_ok=True)
+    one.prepare()
+    stored = json.loads(one.cache_file().read_text())
+    assert stored["built"] == ["passkey"] and list(stored["items"]) == ["passkey"] and stored["trajectories"] == []
+    assert one.unit_counts() == {"passkey": 1}
+    every = Evaluator("smollm2-135m", SMALLEST, seed=5)
+    every.prepare()
+    stored_again = json.loads(one.cache_file().read_text())
+    assert stored_again["built"] == ["passkey", "kv_lookup", "fidelity"] and len(stored_again["trajectories"]) == 1
+    assert stored_again["items"]["passkey"] == stored["items"]["passkey"]  # the built part is kept as it was
+    assert every.unit_counts() == {"passkey": 1, "kv_lookup": 1, "fidelity": 1}
 
 
 # The least a preparation holds: one item of each task, one short trajectory (a rebuild is what the
@@ -155,7 +203,7 @@ SMALLEST = Profile("smallest", passkey_items=1, passkey_filler=(8, 10), passkey_
 
 def test_a_corrupt_cached_preparation_is_reported_in_one_line_and_rebuilt(embedded, capsys):
     ev = Evaluator("smollm2-135m", SMALLEST, seed=0)
-    path = ev._cache_file()
+    path = ev.cache_file()
     ev.prepare()
     good = json.loads(path.read_text())
     path.write_text('{"items": {"passkey": [{"task": "passkey"')  # cut off mid-write

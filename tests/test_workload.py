@@ -131,6 +131,9 @@ def test_split_is_seeded_disjoint_and_keeps_the_profiles_counts():
     for count in (1, 2, 8, 12, 100):
         total = holdout.total_for(count, 0.25)
         assert total - holdout.held_count(total, 0.25) == count
+        # Two held-out units at least, so that the held-out score has a standard error.
+        assert holdout.held_count(total, 0.25) >= (1 if count == 1 else holdout.MIN_HELD)
+    assert holdout.total_for(2, 0.25) == 4 and holdout.total_for(12, 0.25) == 16 and holdout.total_for(7, 0) == 7
     assert holdout.split(5, 0.0, 0, "x") == ([0, 1, 2, 3, 4], [])
 
 

@@ -31,6 +31,7 @@ from pnmix.config import PNMixConfig, preset
 from pnmix.families import rope_pairing
 from pnmix.layerwise import AnyConfig
 from pnmix.tuner import fidelity
+from pnmix.tuner import shipped as shipped_module
 from pnmix.tuner import tasks as tasks_module
 from pnmix.tuner import texts as texts_module
 from pnmix.tuner.engine import ScoringEngine, Trajectory
@@ -46,7 +47,16 @@ TASKS = ("passkey", "kv_lookup", "fidelity", "items", "texts", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
 REPLAYED = ("fidelity", "texts")  # parts scored by teacher forcing (the engine's `fidelity`), not by answers
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
-PREPARATION_VERSION = 6
+PREPARATION_VERSION = 7
+
+
+def cache_name(profile: Profile, holdout: float, seed: int) -> str:
+    """The preparation's file name: the profile's knobs and the held-out share are part of the key,
+    so a changed profile never reads another's items."""
+    import hashlib
+
+    knobs = hashlib.sha256(repr((asdict(profile), holdout)).encode()).hexdigest()[:10]
+    return f"{profile.name}-{knobs}-seed{seed}-v{PREPARATION_VERSION}.json"
 
 
 class Evaluator:
@@ -108,61 +118,127 @@ class Evaluator:
                         if harness.PART in chosen and lm_eval_task else None)
         self._engine: ScoringEngine | None = None
         self._trace: Any = None
+        self._shipped_looked = False  # tuner/shipped.py: looked up once
+        self._shipped_found: shipped_module.Shipped | None = None
 
     # -- preparation (fp16 runs, cached) ---------------------------------------------------------
 
-    def _cache_file(self) -> Path:
-        import hashlib
-
-        safe = self.model_name.replace("/", "_")
-        # The profile's knobs are part of the key: a changed profile never reads another's items.
-        knobs = hashlib.sha256(repr((asdict(self.profile), self.holdout)).encode()).hexdigest()[:10]
-        name = f"{self.profile.name}-{knobs}-seed{self.seed}-v{PREPARATION_VERSION}.json"
-        return models.cache_dir() / "eval" / safe / name
+    def cache_file(self) -> Path:
+        return models.cache_dir() / "eval" / self.model_name.replace("/", "_") / cache_name(
+            self.profile, self.holdout, self.seed)
 
     def _read_cached(self, path: Path) -> dict[str, Any] | None:
         """The cached preparation, or None (with one line on stderr) when it is unreadable or malformed."""
         try:
-            data = json.loads(path.read_text())
-            items = {name: [tasks_module.Item(**it) for it in its] for name, its in data["items"].items()}
-            trajectories = [(list(map(int, t["prompt_ids"])), list(map(int, t["tokens"])))
-                            for t in data["trajectories"]]
+            return self._read_dict(json.loads(path.read_text()))
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
             print(f"warning: cached preparation {path} is unreadable ({type(exc).__name__}); rebuilding it",
                   file=sys.stderr, flush=True)
             return None
-        return {"items": items, "trajectories": trajectories}
+
+    @staticmethod
+    def _read_dict(data: dict[str, Any]) -> dict[str, Any]:
+        """A preparation as stored (JSON) -> items, trajectories (prompt ids, tokens) and the parts built."""
+        items = {name: [tasks_module.Item(**it) for it in its] for name, its in data["items"].items()}
+        trajectories = [(list(map(int, t["prompt_ids"])), list(map(int, t["tokens"]))) for t in data["trajectories"]]
+        # A preparation stored before parts were built one at a time holds every built-in part.
+        built = [str(name) for name in data.get("built", DEFAULT_TASKS)]
+        return {"items": items, "trajectories": trajectories, "built": built}
+
+    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> ScoringEngine | None:
+        """An engine holding the shipped preparation's parts that this evaluator runs, once the
+        unquantized model here answers every item right and agrees with the trajectories' tokens
+        (tuner/shipped.py); None, with one line on stderr, when it does not."""
+        data = self._read_dict(shipped.preparation)
+        if any(name not in data["built"] for name in wanted):
+            return None
+        engine = ScoringEngine(self.model, self.tokenizer, progress=self.progress)
+        where = shipped_module.path_for(self.model_name, self.cache_file().name)
+        if "fidelity" in wanted:
+            self.progress("shipped preparation: fp16 reference distributions, checked against its tokens")
+            refs = [fidelity.reference_logits(self.model, torch.tensor([prompt]), tokens)
+                    for prompt, tokens in data["trajectories"]]
+            worst = min((shipped_module.agreement(r, t) for r, (_, t) in zip(refs, data["trajectories"], strict=True)),
+                        default=1.0)
+            if worst < shipped_module.MIN_AGREEMENT:
+                print(f"warning: shipped preparation {where}: the model here agrees with {worst:.1%} of a "
+                      f"trajectory's tokens (at least {shipped_module.MIN_AGREEMENT:.0%} needed); building it here",
+                      file=sys.stderr, flush=True)
+                return None
+            engine.add_trajectories([Trajectory(prompt, tokens, ref)
+                                     for (prompt, tokens), ref in zip(data["trajectories"], refs, strict=True)])
+        fp16 = preset("fp16")
+        for name in wanted:
+            if name == "fidelity":
+                continue
+            engine.add_items(name, data["items"][name])
+            self.progress(f"shipped preparation: {name} items checked against fp16")
+            if not all(engine.outcomes(fp16, name)):
+                print(f"warning: shipped preparation {where}: the model here misses a shipped {name} item; "
+                      "building it here", file=sys.stderr, flush=True)
+                return None
+        return engine
+
+    def gguf_sha256(self) -> str | None:
+        """SHA-256 of the embedded model's GGUF (what shipped preparations are keyed by); None otherwise."""
+        source = self.loaded.source
+        return models.gguf_digest(Path(source.location)) if source.kind == "embedded" else None
+
+    def runs_as(self) -> str:
+        """Where and in what precision the model runs ('cpu float32'): a shipped preparation's condition."""
+        return f"{self.model.device.type} {str(self.model.dtype).removeprefix('torch.')}"
+
+    def _shipped(self) -> shipped_module.Shipped | None:
+        if self._shipped_looked is False:
+            self._shipped_looked = True
+            self._shipped_found = shipped_module.find(self.model_name, self.cache_file().name, self.gguf_sha256(),
+                                                      self.runs_as())
+        return self._shipped_found
 
     def prepare(self) -> dict[str, Any]:
-        """Filtered items and fp16 trajectories for this (model, profile, seed), from disk if cached;
-        every prompt is prefilled once into the scoring engine."""
+        """Filtered items and fp16 trajectories for this (model, profile, seed), from disk if cached
+        (or shipped with the package: tuner/shipped.py); every prompt is prefilled once into the
+        scoring engine."""
         if self._prepared is not None:
             return self._prepared
-        engine = ScoringEngine(self.model, self.tokenizer, progress=self.progress)
-        path = self._cache_file()
+        path = self.cache_file()
         data = self._read_cached(path) if path.is_file() else None
-        if not any(name in self.tasks for name in DEFAULT_TASKS):  # only the user's data: nothing built in
-            data = {"items": {}, "trajectories": []}
-        elif data is None:
-            data = self._build(engine)
+        wanted = [name for name in DEFAULT_TASKS if name in self.tasks]
+        engine = None
+        if data is None and wanted and (shipped := self._shipped()) is not None:
+            engine = self._checked(shipped, wanted)
+            data = self._read_dict(shipped.preparation) if engine is not None else None
+        engine = engine or ScoringEngine(self.model, self.tokenizer, progress=self.progress)
+        data = data or {"items": {}, "trajectories": [], "built": []}
+        # Only the built-in parts this evaluator runs are built; a later evaluator that runs more
+        # builds what is missing into the same file (each part is built on its own, so the file
+        # holds what one build of all parts would).
+        missing = [name for name in wanted if name not in data["built"]]
+        if missing:
+            built = self._build(engine, missing)
+            data["items"].update(built["items"])
+            if "fidelity" in missing:
+                data["trajectories"] = built["trajectories"]
+            data["built"] = [name for name in DEFAULT_TASKS if name in data["built"] or name in missing]
+        if missing or not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes preparing side by side write apart
             tmp.write_text(json.dumps({
                 "items": {name: [it.to_dict() for it in its] for name, its in data["items"].items()},
-                "trajectories": [{"prompt_ids": p, "tokens": t} for p, t in data["trajectories"]]}))
+                "trajectories": [{"prompt_ids": p, "tokens": t} for p, t in data["trajectories"]],
+                "built": data["built"]}))
             tmp.replace(path)
-        else:
-            for name, items in data["items"].items():
-                if name in self.tasks:
-                    engine.add_items(name, items)
-        if self._items is not None:
-            data["items"]["items"] = self._items
-            engine.add_items("items", self._items)
-        if "fidelity" in self.tasks:
+        for name, items in data["items"].items():
+            if name in self.tasks and name not in engine.items:  # a build or a check added its own
+                engine.add_items(name, items)
+        if "fidelity" in self.tasks and "fidelity" not in engine.replays:
             self.progress("fp16 reference distributions")
             engine.add_trajectories([
                 Trajectory(prompt, tokens, fidelity.reference_logits(self.model, torch.tensor([prompt]), tokens))
                 for prompt, tokens in data["trajectories"]])
+        if self._items is not None:
+            data["items"]["items"] = self._items
+            engine.add_items("items", self._items)
         if self.texts is not None:
             prefix, n = self.texts.lengths(engine.context)
             docs = texts_module.cut(self.tokenizer, self.texts.path, prefix, n)
@@ -182,19 +258,25 @@ class Evaluator:
         assert self._engine is not None
         return self._engine
 
-    def _build(self, engine: ScoringEngine) -> dict[str, Any]:
-        """Candidates answered by fp16 in the engine (kept: those it gets right), and fp16 trajectories."""
+    def _build(self, engine: ScoringEngine, parts: list[str]) -> dict[str, Any]:
+        """For the built-in `parts`: candidates answered by fp16 in the engine (kept: those it gets
+        right), and fp16 trajectories."""
         p, fp16 = self.profile, preset("fp16")
-        pools = {
-            "passkey": tasks_module.passkey_items(p.pool_factor * total_for(p.passkey_items, self.holdout), self.seed,
-                                                  p.passkey_filler, p.passkey_digits, p.passkey_distractors),
-            "kv_lookup": tasks_module.kv_lookup_items(p.pool_factor * total_for(p.kv_items, self.holdout), self.seed,
-                                                      p.kv_pairs, p.kv_digits, p.kv_near_miss),
+        pools = {  # built when their part is
+            "passkey": lambda: tasks_module.passkey_items(
+                p.pool_factor * total_for(p.passkey_items, self.holdout), self.seed, p.passkey_filler,
+                p.passkey_digits, p.passkey_distractors),
+            "kv_lookup": lambda: tasks_module.kv_lookup_items(
+                p.pool_factor * total_for(p.kv_items, self.holdout), self.seed, p.kv_pairs, p.kv_digits,
+                p.kv_near_miss),
         }
         # With a held-out share, the search keeps the profile's counts and the held-out units come on top.
         wanted = {"passkey": total_for(p.passkey_items, self.holdout), "kv_lookup": total_for(p.kv_items, self.holdout)}
         kept: dict[str, list[tasks_module.Item]] = {}
-        for name, pool in pools.items():
+        for name, make_pool in pools.items():
+            if name not in parts:
+                continue
+            pool = make_pool()
             # Keep only items the unquantized model gets right, so a miss is the cache's fault.
             # Candidates are prefilled and answered a batch at a time, until enough are kept.
             right: list[int] = []
@@ -216,6 +298,8 @@ class Evaluator:
                     break
                 engine.keep_items(name, [i for i, hit in enumerate(hits) if hit])
             kept[name] = engine.items[name]
+        if "fidelity" not in parts:
+            return {"items": kept, "trajectories": []}
         from pnmix.models import chat_ids
 
         n_prompts = total_for(p.fidelity_prompts, self.holdout)
@@ -235,21 +319,26 @@ class Evaluator:
         from pnmix.analysis import record_trace
 
         if self._trace is None:
-            path = self._cache_file().with_name(f"trace-qkv-{self.profile.proxy_tokens}.pt")
+            path = self.cache_file().with_name(f"trace-qkv-{self.profile.proxy_tokens}.pt")
             if path.is_file():
                 self._trace = torch.load(path, weights_only=False)
             else:
                 from pnmix.models import chat_ids
 
-                self.progress("recording the proxy's Q/K/V trace")
                 ids = chat_ids(self.tokenizer, fidelity.FIDELITY_PROMPTS[-1])["input_ids"]
-                # The fp16 continuation on the engine's decode (CUDA graphs on the GPU), as the
-                # trajectories are generated: `generate` takes about a minute for it on an H200.
-                tokens = ScoringEngine(self.model, self.tokenizer).continuations([ids[0].tolist()],
-                                                                                 self.profile.proxy_tokens)[0]
+                # The continuation: shipped (tuner/shipped.py), or the fp16 greedy one on the engine's
+                # decode (CUDA graphs on the GPU), as the trajectories are generated: `generate`
+                # takes about a minute for it on an H200. Its tokens are kept beside the trace.
+                shipped = self._shipped()
+                tokens = shipped.trace_tokens.get(path.stem) if shipped is not None else None
+                if tokens is None or len(tokens) != self.profile.proxy_tokens:
+                    self.progress("recording the proxy's Q/K/V trace")
+                    tokens = ScoringEngine(self.model, self.tokenizer).continuations([ids[0].tolist()],
+                                                                                     self.profile.proxy_tokens)[0]
                 self._trace = record_trace(self.model, ids, self.profile.proxy_tokens, continuation=tokens)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self._trace, path)
+                path.with_suffix(".tokens.json").write_text(json.dumps(tokens))
         return self._trace
 
     def proxy(self, config: PNMixConfig) -> float:
@@ -294,14 +383,17 @@ class Evaluator:
         import hashlib
 
         key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-        path = self._cache_file().with_name(f"sensitivity-{self._cache_file().stem}-{key}.json")
+        path = self.cache_file().with_name(f"sensitivity-{self.cache_file().stem}-{key}.json")
         try:
             rows = json.loads(path.read_text())
             if len(rows) == n_rows and all(len(r) == self.num_layers for r in rows):
                 return [[float(x) for x in r] for r in rows]
         except (OSError, ValueError, TypeError):
-            pass  # absent or unreadable: computed again and rewritten
-        rows = compute()
+            pass  # absent or unreadable: shipped, or computed again, and rewritten
+        shipped = self._shipped()
+        rows = shipped.tables.get(path.name) if shipped is not None else None
+        if rows is None or len(rows) != n_rows or any(len(r) != self.num_layers for r in rows):
+            rows = compute()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -1,16 +1,77 @@
-"""Pareto plot of a campaign: accuracy vs the budget's bits (key or KV) per budget, front marked
-with each point's standard error (layer-wise points as diamonds), presets marked."""
+"""Pareto plot of a campaign: accuracy vs the budget's bits (key or KV), one panel per budget.
+
+Read at a glance: each budget has its own panel (on a shared accuracy axis), so budgets whose
+fronts share points stay apart; the front is drawn as steps (the best accuracy found at or under
+each number of bits), never as a line across bits where nothing was scored; points that would
+overlap (within `NEAR_BITS` and `NEAR_ACCURACY`) are drawn once, with their count beside them; each
+preset's name is written once a panel; the recommendation is a star."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerwiseConfig
 
+NEAR_BITS = 0.02  # points closer than this in bits and NEAR_ACCURACY in accuracy are drawn as one
+NEAR_ACCURACY = 0.01
+MARKS = ("pnmix-paper", "kivi2", "kivi1")  # presets named where a panel has them
 
-def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: str = "key") -> Path:
+
+@dataclass
+class Spot:
+    """One drawn marker: the points it stands for (their first is the one drawn)."""
+
+    bits: float
+    accuracy: float
+    accuracy_se: float
+    layered: bool
+    on_front: bool
+    count: int = 1
+    names: list[str] = field(default_factory=list)  # presets among its points
+    trials: list[int] = field(default_factory=list)
+
+
+def spots(records: Sequence[Any], front: set[int]) -> list[Spot]:
+    """Scored trial records (`tuner.record.TrialRecord`: number, bits, accuracy, accuracy_se,
+    config) merged into markers: front points first, each point joining the first marker near it
+    of the same kind (front or not)."""
+    out: list[Spot] = []
+    ordered = sorted(records, key=lambda r: (r.number not in front, r.bits or 0.0, -(r.accuracy or 0.0)))
+    for r in ordered:
+        bits, acc, on_front = r.bits or 0.0, r.accuracy or 0.0, r.number in front
+        names = [n for n in MARKS if isinstance(r.config, PNMixConfig) and _same_method(r.config, preset(n))]
+        near = next((s for s in out if s.on_front == on_front and abs(s.bits - bits) < NEAR_BITS
+                     and abs(s.accuracy - acc) < NEAR_ACCURACY), None)
+        if near is None:
+            out.append(Spot(bits, acc, r.accuracy_se or 0.0, isinstance(r.config, LayerwiseConfig), on_front,
+                            names=names, trials=[r.number]))
+        else:
+            near.count += 1
+            near.trials.append(r.number)
+            near.names += [n for n in names if n not in near.names]
+    return out
+
+
+def front_steps(front: Sequence[Spot]) -> tuple[list[float], list[float]]:
+    """The front as steps: from each point's bits, its accuracy, up to the next point's bits."""
+    pts = sorted(front, key=lambda s: s.bits)
+    xs, ys = [], []
+    for a, b in zip(pts, pts[1:] + [None], strict=True):
+        xs.append(a.bits)
+        ys.append(a.accuracy)
+        if b is not None:
+            xs.append(b.bits)
+            ys.append(a.accuracy)
+    return xs, ys
+
+
+def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: str = "key",
+                recommended: tuple[float, int] | None = None) -> Path:
+    """Writes the plot to `path`; `recommended` = (budget, trial number) of the point to star."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,41 +81,46 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
     from pnmix.tuner import record
     from pnmix.tuner.fronts import front_trials
 
-    marks = {"pnmix-paper": preset("pnmix-paper"), "kivi2": preset("kivi2"), "kivi1": preset("kivi1")}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (budget, study) in enumerate(sorted(studies.items())):
-        color = f"C{i}"
+    budgets = sorted(studies)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets) + 1.5, 4.8), sharey=True, squeeze=False)
+    for i, (budget, ax) in enumerate(zip(budgets, axes[0], strict=True)):
+        study, color = studies[budget], f"C{i}"
         done = [r for r in map(record.read, study.get_trials(deepcopy=False,
                                                               states=(optuna.trial.TrialState.COMPLETE,)))
                 if r.has_score]
-        ax.scatter([r.bits or 0.0 for r in done], [r.accuracy or 0.0 for r in done], s=14, alpha=0.4, color=color)
-        front = sorted(map(record.read, front_trials(study)), key=lambda r: r.bits or 0.0)
-        # Each front point with its standard error; layer-wise configs as diamonds, uniform as circles.
-        xs, ys = [r.bits or 0.0 for r in front], [r.accuracy or 0.0 for r in front]
-        ax.plot(xs, ys, "-", color=color, label=f"front, budget {budget:g} bits (+- 1 SE)")
-        ax.errorbar(xs, ys, yerr=[r.accuracy_se or 0.0 for r in front], fmt="none", ecolor=color, capsize=3,
-                    linewidth=1)
-        layered = [isinstance(r.config, LayerwiseConfig) for r in front]
-        for marker, which in (("D", True), ("o", False)):
-            ax.scatter([x for x, lw in zip(xs, layered, strict=True) if lw is which],
-                       [y for y, lw in zip(ys, layered, strict=True) if lw is which], marker=marker, color=color,
-                       s=30, zorder=3)
-        ax.axvline(budget, color=color, linestyle=":", linewidth=1)
-        for r in done:
-            cfg = r.config
-            for name, ref in marks.items():
-                if isinstance(cfg, PNMixConfig) and _same_method(cfg, ref):
-                    ax.annotate(name, (r.bits or 0.0, r.accuracy or 0.0), fontsize=8, xytext=(4, -10),
-                                textcoords="offset points")
-    ax.set_xlabel("KV bits per cached element (keys and values, formula)" if budget_on == "kv"
-                  else "key bits per element (formula, metadata included; layers' mean)")
-    ax.set_ylabel("accuracy (combined)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.scatter([], [], marker="D", color="gray", label="layer-wise config")
-    ax.scatter([], [], marker="o", color="gray", label="uniform config")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+        front = {t.number for t in front_trials(study)}
+        marks = spots(done, front)
+        on = [s for s in marks if s.on_front]
+        ax.plot(*front_steps(on), "-", color=color, linewidth=1.2, label="front (steps)")
+        for s in marks:
+            marker = "D" if s.layered else "o"
+            if s.on_front:
+                ax.errorbar([s.bits], [s.accuracy], yerr=[s.accuracy_se], fmt=marker, color=color, capsize=3,
+                            markersize=6, zorder=3)
+            else:
+                ax.scatter([s.bits], [s.accuracy], marker=marker, s=16, color="gray", alpha=0.5, zorder=2)
+            text = ", ".join(s.names) + (f" (x{s.count})" if s.count > 1 else "")
+            if text:
+                ax.annotate(text, (s.bits, s.accuracy), fontsize=7, xytext=(5, -11), textcoords="offset points")
+            if recommended is not None and recommended[0] == budget and recommended[1] in s.trials:
+                ax.scatter([s.bits], [s.accuracy], marker="*", s=260, color="gold", edgecolors="black", zorder=4,
+                           label="recommended")
+        ax.axvline(budget, color=color, linestyle=":", linewidth=1, label=f"budget {budget:g} bits")
+        ax.set_title(f"budget {budget:g} {budget_on} bits: {len(done)} scored, {len(on)} on the front", fontsize=9)
+        ax.set_xlabel("KV bits per element" if budget_on == "kv" else "key bits per element (layers' mean)",
+                      fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("accuracy (combined, +- 1 SE on the front)")
+    for ax in axes[0][1:]:
+        ax.tick_params(labelleft=True)
+    fig.legend(handles=[plt.Line2D([], [], marker="D", color="gray", linestyle="", label="layer-wise config"),
+                        plt.Line2D([], [], marker="o", color="gray", linestyle="", label="uniform config"),
+                        plt.Line2D([], [], marker="o", color="gray", alpha=0.5, linestyle="",
+                                   label="scored, not on the front")],
+               loc="upper right", fontsize=7, ncol=3)
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -374,10 +374,11 @@ def run_main_job(
     console.print(f"campaign {campaign_id} on {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
-    path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}")
     with db.session(readonly=True) as s:
         rec = recommend_with_ties(s, model, 2.25, campaign_id=campaign_id)
         p = rec.point
+        path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}",
+                           recommended=(p.budget, p.trial_number))
         console.print(f"recommendation at <= 2.25 key bits: {p.config.to_json()} "
                       f"(key bits {p.key_bits:.3f}, accuracy {pm(p.accuracy, p.accuracy_se)})")
         console.print(holdout_line(p))
