@@ -35,4 +35,4 @@ def test_the_front_is_drawn_as_steps_never_as_a_slope_across_unscored_bits():
     marks = spots([rec(0, 1.25, 0.01, preset("kivi1")), rec(1, 2.248, 0.81, preset("kivi2"))], front={0, 1})
     xs, ys = front_steps([s for s in marks if s.on_front])
     assert (xs, ys) == ([1.25, 2.248, 2.248], [0.01, 0.01, 0.81])
-    assert all(x0 == x1 or y0 == y1 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:], strict=False))  # no sloped segment
+    assert all(x0 == x1 or y0 == y1 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:], strict=False))  # no slope
