@@ -40,6 +40,22 @@ FP16_BITS = 16
 
 
 @dataclass(frozen=True)
+class LayerPlan:
+    """What each layer of a model holds: its kind (FULL or SLIDING, `pnmix.families.layer_kinds`)
+    and the sliding window (`pnmix.models.layer_plan` reads it without loading weights)."""
+
+    kinds: tuple[str, ...]
+    window: int | None
+
+    @property
+    def hybrid(self) -> bool:
+        return any(kind != FULL for kind in self.kinds)
+
+    def held(self, tokens: int) -> list[int]:
+        return held_tokens(self.kinds, self.window, tokens)
+
+
+@dataclass(frozen=True)
 class KeyBits:
     """Key bits per element, term by term (each term already divided by the element count)."""
 
@@ -195,13 +211,32 @@ class KVBytes:
         return asdict(self)
 
 
-def kv_cache_bytes(config: PNMixConfig | LayerwiseConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:
-    """Bytes of the whole cache; a layer-wise config is summed layer by layer."""
-    if isinstance(config, LayerwiseConfig):
-        one = ModelShape(1, shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        layers = [_kv_bytes(c, one, batch, seq_len).as_dict() for c in config.per_layer(shape.num_layers)]
+def kv_cache_bytes(config: PNMixConfig | LayerwiseConfig, shape: ModelShape, batch: int, seq_len: int,
+                   plan: LayerPlan | None = None) -> KVBytes:
+    """Bytes of the whole cache; a layer-wise config, or a model with sliding-window layers (`plan`),
+    is summed layer by layer (`layer_bytes`)."""
+    if isinstance(config, LayerwiseConfig) or (plan is not None and plan.hybrid):
+        layers = [b.as_dict() for b in layer_bytes(config, shape, batch, seq_len, plan)]
         return KVBytes(**{name: sum(layer[name] for layer in layers) for name in layers[0]})
     return _kv_bytes(config, shape, batch, seq_len)
+
+
+def layer_bytes(config: PNMixConfig | LayerwiseConfig, shape: ModelShape, batch: int, seq_len: int,
+                plan: LayerPlan | None = None) -> list[KVBytes]:
+    """Each layer's cache bytes after `seq_len` tokens: a full-attention layer under its config, a
+    sliding-window one holding min(seq_len, window - 1) tokens in fp16 (in `residual`: it is never
+    quantized)."""
+    one = ModelShape(1, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    kinds = plan.kinds if plan is not None else (FULL,) * shape.num_layers
+    held = held_tokens(kinds, plan.window if plan is not None else None, seq_len)
+    out = []
+    for c, kind, tokens in zip(as_layerwise(config).per_layer(shape.num_layers), kinds, held, strict=True):
+        if kind == FULL:
+            out.append(_kv_bytes(c, one, batch, seq_len))
+        else:
+            fp16 = shape.num_kv_heads * batch * tokens * shape.head_dim * 2 * 2
+            out.append(KVBytes(0, 0, 0, 0, 0, 0, fp16, fp16, fp16))
+    return out
 
 
 def _kv_bytes(config: PNMixConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:

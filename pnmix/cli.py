@@ -15,10 +15,12 @@ from rich.console import Console
 from rich.table import Table
 
 from pnmix import inputs
-from pnmix.bits import ModelShape, key_bits, kv_cache_bytes, value_bits
+from pnmix.bits import LayerPlan, ModelShape, key_bits, kv_cache_bytes, value_bits
 from pnmix.config import CRITERIA, GROUP_SIZES, KEY_BITS, PRESETS, UNQUANTIZED_BITS, VALUE_BITS, PNMixConfig, preset
 from pnmix.inputs import INT32_MAX, Choice, InputFile, Int, ModelName, Number, Range, Text
+from pnmix.layerwise import as_layerwise
 from pnmix.models import chat_ids
+from pnmix.names import FULL
 
 # Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -111,10 +113,11 @@ def bits(
     from pnmix.layerwise import LayerwiseConfig, load_config
 
     shape: ModelShape | None = None
+    plan: LayerPlan | None = None
     if model is not None:
-        from pnmix.models import model_shape
+        from pnmix.models import layer_plan, model_shape
 
-        shape = model_shape(model)
+        shape, plan = model_shape(model), layer_plan(model)
     loaded = load_config(Path(config_file).read_bytes()) if config_file else None
     config = loaded if loaded is not None else config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
@@ -129,15 +132,21 @@ def bits(
         report, table = _layerwise_bits(config, n_layers, d, tokens)
     else:
         report, table = _single_bits(config, d, tokens)
-    kv = kv_cache_bytes(config, shape, batch, seq_len) if shape is not None else None
+    kv = kv_cache_bytes(config, shape, batch, seq_len, plan) if shape is not None else None
+    held_table = None
     if kv is not None:
         report["model"] = model
         report["kv_bytes"] = kv.as_dict()
         report["batch"], report["seq_len"] = batch, seq_len
+    if shape is not None and plan is not None and plan.hybrid:
+        held_report, held_table = _held_bits(config, shape, plan, d, batch, seq_len)
+        report.update(held_report)
     if as_json:
         print(json.dumps(report))
         return
     console.print(table)
+    if held_table is not None:
+        console.print(held_table)
     if kv is not None:
         console.print(
             f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
@@ -155,6 +164,40 @@ def _single_bits(config: PNMixConfig, d: int, tokens: int) -> tuple[dict[str, An
     for name in ("payload", "sinks", "scales", "key_bits", "metadata", "total"):
         table.add_row(name, f"{getattr(kb, name):.5f}")
     table.add_row("value bits", f"{value_bits(config):.5f}")
+    return report, table
+
+
+def _held_bits(config: Any, shape: ModelShape, plan: LayerPlan, d: int, batch: int,
+               seq_len: int) -> tuple[dict[str, Any], Table]:
+    """`pnmix bits --model` for a model with sliding-window layers: per layer, its kind, the tokens it
+    holds after `seq_len` and its bytes; the model's key and KV bits weighted by the elements each
+    layer holds (pnmix.bits, `weighted_key_bits`) after the same `seq_len` tokens."""
+    from pnmix.bits import layer_bytes, weighted_key_bits
+
+    per_layer = as_layerwise(config).per_layer(shape.num_layers)
+    held = plan.held(seq_len)
+    layer_kv = layer_bytes(config, shape, batch, seq_len, plan)
+    sinks = as_layerwise(config).default.n_sink
+    weighted = weighted_key_bits(config, plan.kinds, plan.window, d, max(seq_len - sinks, 1))
+    report: dict[str, Any] = {
+        "layer_kinds": list(plan.kinds), "window": plan.window, "weighted_key_bits": weighted,
+        "layers_held": [{"layer": i, "kind": k, "tokens": t, "config": c.label if k == FULL else "fp16 (window)",
+                         "bytes": b.total} for i, (k, t, c, b) in enumerate(zip(plan.kinds, held, per_layer, layer_kv,
+                                                                                  strict=True))]}
+    table = Table(title=f"what each layer holds after {seq_len} tokens (batch {batch}); window {plan.window}")
+    for col in ("layers", "kind", "tokens held", "config", "KiB a layer"):
+        table.add_column(col, justify="right" if col in ("tokens held", "KiB a layer") else "left")
+    start = 0
+    rows = list(zip(plan.kinds, held, [c if k == FULL else None for k, c in zip(plan.kinds, per_layer, strict=True)],
+                    [b.total for b in layer_kv], strict=True))
+    for i in range(1, len(rows) + 1):  # runs of equal layers share a row
+        if i == len(rows) or rows[i] != rows[start]:
+            kind, n, c, nbytes = rows[start]
+            table.add_row(str(start) if i - 1 == start else f"{start}-{i - 1}", kind, str(n),
+                          c.label if c is not None else "fp16 (window)", f"{nbytes / 1024:.1f}")
+            start = i
+    table.add_row("model key bits", "", "", f"layers weighted by the key elements they hold after {seq_len} tokens",
+                  f"{weighted:.3f}")
     return report, table
 
 
@@ -187,25 +230,32 @@ def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int) -> tuple[di
 
 def budget_table(model: str, seq_len: int = 8192) -> Table:
     """Key bits and KV bytes of the presets and a small grid, for one model: what a budget buys."""
-    from pnmix.models import model_shape
+    from pnmix.bits import weighted_key_bits
+    from pnmix.models import layer_plan, model_shape
 
-    shape = model_shape(model)
+    shape, plan = model_shape(model), layer_plan(model)
     d = shape.head_dim
     rows: list[tuple[str, PNMixConfig]] = list(PRESETS.items())
     for b_high, b_low in ((2, 1), (3, 1), (3, 2), (4, 1), (4, 2)):
         for r in (0.25, 0.5):
             rows.append((f"{b_high}/{b_low} r={r}", PNMixConfig(b_high=b_high, b_low=b_low, salient_ratio=r)))
-    table = Table(title=f"PN-Mix bit budgets for {model} (d={d}, {seq_len} tokens, batch 1)")
-    for col in ("config", "b_H/b_L", "G", "r", "sinks", "key bits", "total", "value bits", "KV MiB", "vs fp16"):
+    table = Table(title=f"PN-Mix bit budgets for {model} (d={d}, {seq_len} tokens, batch 1)"
+                  + (f"; {plan.kinds.count(FULL)} of {len(plan.kinds)} layers full attention, the rest hold a "
+                     f"window of {plan.window} in fp16" if plan.hybrid else ""))
+    columns = ["config", "b_H/b_L", "G", "r", "sinks", "key bits", "total", "value bits", "KV MiB", "vs fp16"]
+    if plan.hybrid:  # the model's figure: layers weighted by the key elements they hold at seq_len
+        columns.insert(7, f"model key bits @{seq_len}")
+    for col in columns:
         table.add_column(col, justify="right")
     for name, cfg in sorted(rows, key=lambda row: key_bits(row[1], d).total):
         kb = key_bits(cfg, d)
-        kv = kv_cache_bytes(cfg, shape, 1, seq_len)
-        table.add_row(
-            name, f"{cfg.b_high}/{cfg.b_low}", str(cfg.group_size), f"{cfg.salient_ratio:g}", str(cfg.n_sink),
-            f"{kb.key_bits:.3f}", f"{kb.total:.3f}", f"{value_bits(cfg):.2f}", f"{kv.total / 2**20:.2f}",
-            f"{kv.fp16_total / kv.total:.2f}x",
-        )
+        kv = kv_cache_bytes(cfg, shape, 1, seq_len, plan)
+        cells = [name, f"{cfg.b_high}/{cfg.b_low}", str(cfg.group_size), f"{cfg.salient_ratio:g}", str(cfg.n_sink),
+                 f"{kb.key_bits:.3f}", f"{kb.total:.3f}", f"{value_bits(cfg):.2f}", f"{kv.total / 2**20:.2f}",
+                 f"{kv.fp16_total / kv.total:.2f}x"]
+        if plan.hybrid:
+            cells.insert(7, f"{weighted_key_bits(cfg, plan.kinds, plan.window, d, max(seq_len - cfg.n_sink, 1)):.3f}")
+        table.add_row(*cells)
     return table
 
 

