@@ -13,9 +13,14 @@ planes line up. Values are dequantized in registers as q * s + z.
 On CUDA the codes are expanded by inline PTX (two fp16 codes per 32-bit operation); the
 interpreter, which has no inline assembly, runs the same expansion in Triton operations. Both give
 the same fp16 values, so the kernel's output does not depend on which one ran.
+
+The key dots reduce over at least MIN_KEY_CHANNELS channels (`key_tiles`), padding included: see
+there for the Triton fault that a 16-channel reduction runs into on the GPU.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -23,13 +28,47 @@ import triton.language as tl
 
 from pnmix.kernels.combine import combine_partials, softmax_step
 from pnmix.kernels.layout import DecodeCache, next_pow2
-from pnmix.kernels.operands import check_operands, decode_operands
+from pnmix.kernels.operands import DecodeOperands, check_operands, decode_operands
 from pnmix.kernels.plan import LOG2E, output_for, planned_groups, split_plan, splits_for_programs
 
 BLOCK_T = 64  # packed tokens per inner step (or G, if smaller)
 BLOCK_R = 32  # sink and residual tokens per step
 NUM_WARPS = 2
 PROGRAMS_PER_SM = 4  # the default split count's target
+
+# The key dots reduce over channels: the salient ones (a tile of NSC_P) and the others (NNS_P).
+# Their codes are expanded from bytes, so Triton's MMA v2 lowering treats them as upcast 8-bit
+# operands and gives every thread kWidth = 8 consecutive channels of the reduction axis, 4 threads
+# across it: 32 channels. Triton 3.6 (the GPU image's) does so for a reduction over 16 channels too
+# (fixed upstream in triton-lang/triton#11691, which bounds kWidth by K): the operand is then
+# replicated across lanes, and the one m16n8k16 MMA adds channels 0-3 and 8-11 twice and 4-7, 12-15
+# not at all (relative error 0.6-0.9 on the GPU with 16 salient channels at d 64, while the
+# interpreter's exact dot is right). So no key tile is narrower than 32 channels; the padding
+# channels are masked (query, scale and codes 0). The value dot reduces over BLOCK_T >= 32 tokens
+# (G is 32, 64 or 128), the sink and residual dots run in fp32 without MMA.
+MIN_KEY_CHANNELS = 32
+
+
+def key_tiles(head_dim: int, n_salient: int) -> tuple[int, int]:
+    """(NSC_P, NNS_P): the salient and the non-salient channel tiles of the key dots, powers of two
+    of at least MIN_KEY_CHANNELS (a tile whose channels are all absent is not used)."""
+    return (next_pow2(max(n_salient, MIN_KEY_CHANNELS)),
+            next_pow2(max(head_dim - n_salient, MIN_KEY_CHANNELS)))
+
+
+def kernel_constants(head_dim: int, hkv: int, gqa: int, group_size: int, b_low: int, b_high: int, n_salient: int,
+                     value_bits: int, value_group: int, ptx: bool) -> dict[str, int | bool]:
+    """The compile-time constants of `_decode_kernel` for a layer of this shape (one compile each)."""
+    nsc_p, nns_p = key_tiles(head_dim, n_salient)
+    return dict(HKV=hkv, GQ=gqa, M_P=max(16, next_pow2(gqa)), D=head_dim, G=group_size, B_LOW=b_low,
+                NH=b_high - b_low, SAL=n_salient > 0, NS=n_salient < head_dim, NSC_P=nsc_p, NNS_P=nns_p,
+                BV=value_bits, GV=value_group, BLOCK_T=min(group_size, BLOCK_T), BLOCK_R=BLOCK_R, PTX=ptx)
+
+
+def expand_with_ptx(q: torch.Tensor) -> bool:
+    """Whether the kernel expands codes with inline PTX: on CUDA. The CPU tests replace this to run the
+    PTX path under the interpreter with an emulation of the assembly."""
+    return q.is_cuda
 
 
 def _expand_asm(n_planes: int, width: int) -> str:
@@ -346,9 +385,10 @@ def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_spli
     bsz, hq, d = q.shape
     hkv = cache.k_sink.shape[1]
     g = cache.group_size
-    gq = hq // hkv
-    m_p = max(16, next_pow2(gq))
     n_sc = cache.n_salient_channels
+    const = kernel_constants(d, hkv, hq // hkv, g, cache.b_low, cache.b_high, n_sc, cache.value_bits,
+                             cache.value_group_size, expand_with_ptx(q))
+    m_p = const["M_P"]
     ng_cap = planned_groups(cache.k_low.shape[2], max_groups)
     if num_splits is None:
         num_splits = splits_for_programs(q, bsz * hkv, ng_cap, PROGRAMS_PER_SM)
@@ -361,10 +401,35 @@ def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_spli
     out = output_for(q, out)
     _decode_kernel[(bsz * hkv, n_parts)](
         decode_operands(q, cache), pm, pl, pa,
-        scale * LOG2E, groups_per_split, num_splits, n_sc,
-        HKV=hkv, GQ=gq, M_P=m_p, D=d, G=g, B_LOW=cache.b_low, NH=cache.b_high - cache.b_low,
-        SAL=n_sc > 0, NS=n_sc < d, NSC_P=next_pow2(max(n_sc, 16)), NNS_P=next_pow2(max(d - n_sc, 16)),
-        BV=cache.value_bits, GV=cache.value_group_size, BLOCK_T=min(g, BLOCK_T), BLOCK_R=BLOCK_R,
-        PTX=q.is_cuda, num_warps=NUM_WARPS, num_stages=1,
+        scale * LOG2E, groups_per_split, num_splits, n_sc, **const, num_warps=NUM_WARPS, num_stages=1,
     )
     return combine_partials(pm, pl, pa, out, hkv)
+
+
+def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
+                    value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90) -> Any:
+    """Compiles the kernel (PTX expansion) for an NVIDIA GPU of compute capability `arch`, without one.
+
+    For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin. Pointers and strides
+    are specialized as divisible by 16, as the JIT does for real caches. Must run without
+    TRITON_INTERPRET (it replaces the language's own functions).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = kernel_constants(d, 8, gqa, group_size, b_low, b_high, n_salient, value_bits, value_group, True)
+    operand_types = {"klo_ptr": "*u8", "khi_ptr": "*u8", "vp_ptr": "*u8", "ksc_ptr": "*fp16", "kze_ptr": "*fp16",
+                     "vsc_ptr": "*fp16", "vze_ptr": "*fp16", "order_ptr": "*i32", "sink_len_ptr": "*i32",
+                     "n_groups_ptr": "*i32", "res_len_ptr": "*i32"}
+    ops = DecodeOperands._make(operand_types.get(f, activation) if f.endswith("_ptr") else "i32"
+                               for f in DecodeOperands._fields)
+    scalars = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pa_ptr": "*fp32", "qk_scale": "fp32"}
+    fn = _decode_kernel
+    sig: dict[str, Any] = {n: "constexpr" if n in const else ops if n == "ops" else scalars.get(n, "i32")
+                           for n in fn.arg_names}
+    divisible = [["tt.divisibility", 16]]
+    attrs: dict[tuple[int, ...], list] = {(fn.arg_names.index("ops"), i): divisible
+                                          for i in range(len(DecodeOperands._fields))}
+    attrs |= {(i,): divisible for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS, "num_stages": 1})

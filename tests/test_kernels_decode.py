@@ -10,6 +10,12 @@ with an empty packed region), and between them the cases cover:
 - residual empty / partial / full; GQA ratios 1, 3, 4; head_dim 64 and 128;
 - value bits 1, 2, 4, 8 and value groups 16 / 32 / 64; fp32, bf16, fp16 activations;
 - splits of the packed region 1, 2 and more splits than some sequences have groups.
+
+On CUDA the kernel expands codes with inline PTX, which the interpreter cannot run: here that PTX
+is emulated (numpy, instruction by instruction), alone and inside the kernel. What only the GPU
+build shows is checked on the compiled kernel (for sm_90, no GPU needed): every MMA dot reduces over
+at least 32 channels or tokens, the bound below which Triton 3.6 miscompiles dots of byte-expanded
+operands (`pnmix.kernels.decode.key_tiles`).
 """
 
 from __future__ import annotations
@@ -19,14 +25,21 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # set before the kernels are decorated; only these tests use Triton
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from pnmix import packing  # noqa: E402
 from pnmix.backend import decode_reference  # noqa: E402
-from pnmix.kernels.decode import decode_attention  # noqa: E402
+from pnmix.kernels import decode as decode_module  # noqa: E402
+from pnmix.kernels.decode import MIN_KEY_CHANNELS, decode_attention, key_tiles  # noqa: E402
 from pnmix.kernels.layout import DecodeCache, channel_order  # noqa: E402
 
 
@@ -117,6 +130,10 @@ def build(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, DecodeCache]:
     f"b{c.b_low}{c.b_high}-G{c.group_size}-r{c.ratio}-s{c.n_sink}-{c.residual}-gqa{c.gqa}-d{c.head_dim}"
     f"-v{c.value_bits}g{c.value_group}-{str(c.dtype)[6:]}-sp{c.splits}"))
 def test_decode_matches_dequantize_then_attend(case):
+    check_decode(case)
+
+
+def check_decode(case: Case) -> None:
     gen = fresh_generator()
     q, cache = build(case, gen)
     scale = case.head_dim**-0.5
@@ -179,3 +196,184 @@ def test_decode_rejects_bad_shapes():
         decode_attention(q[:, :, :32], cache, 0.1)
     with pytest.raises(ValueError, match="out must be"):
         decode_attention(q, cache, 0.1, out=torch.empty(1))
+
+
+# -- the inline PTX (CUDA) path, emulated; the compiled kernel's dots --------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# (bit planes, code width) of every expansion the kernel issues: key planes 1-4, value codes 1/2/4/8 bits
+PTX_EXPANSIONS = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 4), (1, 8)]
+
+
+def run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The instructions `_expand_asm` emits, on 32-bit registers (uint32 arrays, one element per call);
+    anything else fails, so an expansion that grows an instruction grows its emulation first."""
+    env = dict(regs)
+    n = len(next(iter(regs.values())))
+
+    def val(x: str) -> np.ndarray:
+        if x in env:
+            return env[x].astype(np.uint64)
+        assert not re.fullmatch(r"\$\d+|[A-Za-z_]\w*", x), f"read of unset register {x}"
+        return np.full(n, int(x, 0), dtype=np.uint64)
+
+    for line in asm.splitlines():
+        line = line.strip()
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.rstrip(";").split(None, 1)
+        d, *a = (x.strip() for x in rest.split(","))
+        if op == "mov.b32":
+            r = val(a[0])
+        elif op == "prmt.b32":  # byte i: byte nibble_i(sel) of {b, a} (a's bytes 0-3), bit 3 replicates the sign
+            src, sel, r = val(a[0]) | (val(a[1]) << np.uint64(32)), int(a[2], 0), np.zeros(n, np.uint64)
+            for i in range(4):
+                s = (sel >> (4 * i)) & 0xF
+                byte = (src >> np.uint64(8 * (s & 7))) & np.uint64(0xFF)
+                if s & 8:
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                r |= byte << np.uint64(8 * i)
+        elif op in ("shr.b32", "shl.b32", "and.b32", "or.b32"):
+            x, y = val(a[0]), val(a[1])
+            r = {"shr.b32": x >> y, "shl.b32": x << y, "and.b32": x & y, "or.b32": x | y}[op]
+        elif op == "sub.rn.f16x2":
+            r = (val(a[0]).astype(np.uint32).view(np.float16) - val(a[1]).astype(np.uint32).view(np.float16))
+            r = r.view(np.uint32)
+        else:
+            raise NotImplementedError(f"PTX emulation: {op}")
+        env[d] = (np.asarray(r).astype(np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return env
+
+
+def emulate_inline_asm(asm: str, constraints: str, inputs: list[np.ndarray], out_dtypes: list[np.dtype],
+                       pack: int) -> list[np.ndarray]:
+    """tl.inline_asm_elementwise as Triton lowers it: `pack` consecutive elements a call, operands of
+    less than 32 bits packed into 32-bit registers (element j in bits 8 * size * j up), the outputs'
+    registers first ($0 ..), then the inputs' in order."""
+    n_el = inputs[0].size
+    n_call = -(-n_el // pack)
+    regs: dict[str, np.ndarray] = {}
+    outs: list[list[str]] = []
+    i = 0
+    for dt in out_dtypes:
+        per = max(1, min(4 // np.dtype(dt).itemsize, pack))
+        outs.append([f"${i + j}" for j in range(pack // per)])
+        i += pack // per
+    for x in inputs:
+        size = x.dtype.itemsize
+        per = max(1, min(4 // size, pack))
+        flat = np.zeros(n_call * pack, dtype=x.dtype)
+        flat[:n_el] = x.reshape(-1)
+        lanes = flat.view(f"u{size}").astype(np.uint32).reshape(n_call, pack // per, per)
+        words = sum(lanes[:, :, j] << np.uint32(8 * size * j) for j in range(per))
+        for j in range(pack // per):
+            regs[f"${i}"] = np.ascontiguousarray(words[:, j], dtype=np.uint32)
+            i += 1
+    assert i == len(constraints.split(",")), (i, constraints)
+    env = run_ptx(asm, regs)
+    result = []
+    for dt, names in zip(out_dtypes, outs, strict=True):
+        size = np.dtype(dt).itemsize
+        per = max(1, min(4 // size, pack))
+        words = np.stack([env[name] for name in names], axis=1)
+        lanes = np.stack([(words >> np.uint32(8 * size * j)) & np.uint32((1 << (8 * size)) - 1)
+                          for j in range(per)], axis=-1)
+        result.append(lanes.reshape(-1)[:n_el].astype(f"u{size}").view(dt).reshape(inputs[0].shape))
+    return result
+
+
+@pytest.mark.parametrize("n_planes,width", PTX_EXPANSIONS)
+def test_ptx_expansion_gives_each_bytes_codes_as_fp16(n_planes, width):
+    """Register k of `_expand_asm` (two per code position: bytes 0-1, then 2-3 of the word) holds code
+    k of each byte (LSB first), its bit p taken from plane p, as fp16; the constraints name as many
+    output and input registers as it uses."""
+    asm = decode_module._expand_asm(n_planes, width)
+    n_out = 8 // width
+    assert decode_module._expand_constraints(n_planes, width) == ",".join(["=r"] * 2 * n_out + ["r"] * n_planes)
+    planes = np.random.default_rng().integers(0, 256, (n_planes, 4096, 4), dtype=np.uint8)
+    words = {f"${2 * n_out + p}": planes[p].view(np.uint32).reshape(-1) for p in range(n_planes)}
+    env = run_ptx(asm, words)
+    for k in range(n_out):
+        got = np.stack([env[f"${2 * k}"], env[f"${2 * k + 1}"]], axis=1).view(np.float16).reshape(-1, 4)
+        want = sum(((planes[p].astype(np.int64) >> (k * width)) & ((1 << width) - 1)) << p for p in range(n_planes))
+        np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"code {k}")
+
+
+def test_the_kernel_issues_the_tested_expansions():
+    for name, (n_planes, width) in {"P1": (1, 1), "P2": (2, 1), "P3": (3, 1), "P4": (4, 1), "W2": (1, 2),
+                                    "W4": (1, 4), "W8": (1, 8)}.items():
+        assert getattr(decode_module, f"_ASM_{name}").value == decode_module._expand_asm(n_planes, width)
+        assert getattr(decode_module, f"_CON_{name}").value == decode_module._expand_constraints(n_planes, width)
+
+
+@pytest.mark.parametrize("case", [
+    # 16 salient channels at d 64: the config whose 16-channel key dot the GPU build got wrong
+    Case(b_low=2, b_high=4, group_size=64, ratio=0.25, gqa=2, value_bits=1, value_group=64, dtype=torch.bfloat16),
+    CASES[3],  # 4 low planes, 8-bit values
+    CASES[4],  # 1 plane, 4-bit values
+    Case(b_low=1, b_high=3, group_size=32, ratio=0.125, gqa=3, value_bits=2, value_group=16, splits=1),
+], ids=lambda c: f"b{c.b_low}{c.b_high}-G{c.group_size}-r{c.ratio}-v{c.value_bits}")
+def test_decode_ptx_path_matches_dequantize_then_attend(case, monkeypatch):
+    """The CUDA path (inline PTX expansion, its outputs joined back into token order) under the
+    interpreter, the assembly emulated."""
+    from triton.runtime import interpreter
+
+    class Call:
+        def __init__(self, handles):
+            self.handles = handles
+
+        def get_result(self, i):
+            return self.handles[i]
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        elem = [getattr(t, "element_ty", t) for t in types]
+        outs = emulate_inline_asm(asm, constraints, [v.data for v in values],
+                                  [interpreter._get_np_dtype(t) for t in elem], pack)
+        return Call([interpreter.TensorHandle(o, t) for o, t in zip(outs, elem, strict=True)])
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
+    monkeypatch.setattr(decode_module, "expand_with_ptx", lambda q: True)
+    check_decode(case)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_key_dots_reduce_over_at_least_32_channels(d):
+    """Every salient count's key tiles: powers of two that hold their channels and no fewer than 32."""
+    assert MIN_KEY_CHANNELS >= 32
+    for n_sc in range(0, d + 1, 2):
+        for tile, n in zip(key_tiles(d, n_sc), (n_sc, d - n_sc), strict=True):
+            assert tile >= max(n, 32) and tile & (tile - 1) == 0, (d, n_sc, tile)
+
+
+# (head_dim, G, b_low, b_high, salient channels, value bits, value group, GQA, activation pointer type)
+COMPILED = [
+    (64, 64, 2, 4, 16, 1, 64, 2, "*bf16"),  # the GPU's failing config: 16 salient channels
+    (64, 32, 1, 3, 8, 2, 32, 4, "*fp16"),  # 8 salient channels, G 32
+    (64, 128, 1, 2, 56, 4, 16, 1, "*fp32"),  # 8 non-salient channels
+]
+
+
+def test_compiled_kernel_reduces_every_mma_dot_over_32_or_more():
+    """The kernel compiled for sm_90 (no GPU needed): each MMA dot's reduction K is at least 32 and
+    at least 4 x its operands' kWidth (4 threads across K, kWidth values each). Triton 3.6 packs
+    byte-expanded operands with kWidth 8 also where K is 16, and the MMA then adds half the channels
+    twice and skips the others. A fresh interpreter: TRITON_INTERPRET replaces the language's own
+    functions, which a real compile must not see."""
+    code = (
+        "import json, sys\n"
+        "from pnmix.kernels.decode import compile_offline\n"
+        "for config in json.loads(sys.argv[1]):\n"
+        "    print('TTGIR', json.dumps(compile_offline(*config).asm['ttgir']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(COMPILED)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ttgirs = [json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("TTGIR ")]
+    assert len(ttgirs) == len(COMPILED)
+    operand = re.compile(r"tt\.dot [^:]*: tensor<(\d+)x(\d+)x\w+, #ttg\.dot_op<\{opIdx = 0, parent = #mma[^,]*, "
+                         r"kWidth = (\d+)\}>>")
+    for config, ttgir in zip(COMPILED, ttgirs, strict=True):
+        dots = [(int(m), int(k), int(w)) for m, k, w in operand.findall(ttgir)]
+        assert len(dots) >= 3, (config, dots)  # the key dot(s) and the value dot at least
+        assert all(k >= 32 and k >= 4 * w for _, k, w in dots), (config, dots)
