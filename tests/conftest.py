@@ -29,6 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 POSTGRES_WORKERS = ("test_postgres_drops.py", "test_worker_kill.py", "test_two_workers_share_a_campaign_on_postgres")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the group marks into node-id suffixes
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(part in item.nodeid for part in POSTGRES_WORKERS):

@@ -198,3 +198,21 @@ def test_a_hybrid_model_is_scored_a_sequence_at_a_time(tmp_path, embedded):
     window_bytes = 5 * 2 * 1 * (WINDOW - 1) * 16 * 4
     assert fp16.kv_bytes == window_bytes + 2 * 543 * 16 * 4
     assert window_bytes < small.kv_bytes < fp16.kv_bytes
+    # The proxy weighs the full-attention layer alone: the windows are exact.
+    trace, _ = ev._quantized_trace(SMALL)
+    assert len(trace.keys) == 1 and len(ev.trace().keys) == 6 and torch.equal(trace.keys[0], ev.trace().keys[5])
+    assert ev.proxy(SMALL) > 0 and ev.proxy(preset("fp16")) == 0
+    assert ev.proxy_by_layer(SMALL) == [ev.proxy(SMALL)]
+
+
+def test_a_per_layer_method_on_a_hybrid_model_is_refused_in_one_line():
+    from pnmix.tuner.profiles import EvalError
+    from pnmix.tuner.queue import check_layer_kinds
+    from pnmix.tuner.space import ALLOCATED, LAYERED, SearchSpace
+
+    for method in (ALLOCATED, LAYERED):
+        with pytest.raises(EvalError, match=f"method {method} chooses a config per layer, for full-attention models "
+                                            "only for now: 'gemma3-270m' has sliding-window layers; use --method pnmix"):
+            check_layer_kinds(SearchSpace(method=method), "gemma3-270m")
+        check_layer_kinds(SearchSpace(method=method), "smollm2-135m")
+    check_layer_kinds(SearchSpace(method="pnmix"), "gemma3-270m")

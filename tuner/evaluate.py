@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,8 @@ from pnmix import models
 from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import layer_kinds, rope_pairing
-from pnmix.layerwise import AnyConfig
-from pnmix.names import SLIDING
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
+from pnmix.names import FULL, SLIDING
 from pnmix.tuner import fidelity
 from pnmix.tuner import shipped as shipped_module
 from pnmix.tuner import tasks as tasks_module
@@ -352,17 +352,32 @@ class Evaluator:
                 path.with_suffix(".tokens.json").write_text(json.dumps(tokens))
         return self._trace
 
-    def proxy(self, config: PNMixConfig) -> float:
-        """Attention KL on recorded traces (tuner.proxy), milliseconds per layer."""
+    def _quantized_trace(self, config: AnyConfig) -> tuple[Any, AnyConfig]:
+        """The trace and config the proxy weighs: on a model with sliding-window layers, only its
+        full-attention layers (the windows stay unquantized: their attention is exact)."""
+        trace = self.trace()
+        if not self.sequential:
+            return trace, config
+        full = [i for i, kind in enumerate(layer_kinds(self.model.config)) if kind == FULL]
+        kept = replace(trace, queries=[trace.queries[i] for i in full], keys=[trace.keys[i] for i in full],
+                       values=None if trace.values is None else [trace.values[i] for i in full])
+        per_layer = as_layerwise(config).per_layer(self.num_layers)
+        return kept, (config if not isinstance(config, LayerwiseConfig)
+                      else LayerwiseConfig.from_layers([per_layer[i] for i in full]))
+
+    def proxy(self, config: AnyConfig) -> float:
+        """Attention KL on recorded traces (tuner.proxy), milliseconds per layer (per quantized layer
+        of a hybrid model)."""
         from pnmix.tuner.proxy import proxy_kl
 
-        return proxy_kl(self.trace(), config, self.pairing)
+        return proxy_kl(*self._quantized_trace(config), self.pairing)
 
     def proxy_by_layer(self, config: AnyConfig) -> list[float]:
-        """The proxy's attention KL of each layer under its own config (tuner.layers reads it)."""
+        """The proxy's attention KL of each layer under its own config (tuner.layers reads it); for
+        a model with sliding-window layers, of its full-attention layers."""
         from pnmix.tuner.proxy import proxy_kl_by_layer
 
-        return proxy_kl_by_layer(self.trace(), config, self.pairing)
+        return proxy_kl_by_layer(*self._quantized_trace(config), self.pairing)
 
     def sensitivity(self, candidates: list[PNMixConfig],
                     measure: ProxyMeasure = ProxyMeasure.KL) -> dict[PNMixConfig, list[float]]:

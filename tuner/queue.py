@@ -92,10 +92,23 @@ def check_budgets_reachable(space: Any, budgets: Sequence[float], head_dim: int,
                         f"fits it; allowed budgets >= {floor:.5f} {space.budget_on} bits, the smallest that can be met")
 
 
+def check_layer_kinds(space: Any, model: str) -> None:
+    """A per-layer method on a model with sliding-window layers: one line (its proxy and allocator
+    would count the windows, which stay unquantized, as quantized layers)."""
+    from pnmix import models
+
+    if space.layered and models.layer_plan(model).hybrid:
+        raise EvalError(f"method {space.method} chooses a config per layer, for full-attention models only for now: "
+                        f"{shorten(model)} has sliding-window layers; use --method pnmix (one config for its "
+                        "full-attention layers)")
+
+
 def check_runnable(spec: Any) -> None:
-    """What a worker checks before it loads anything: its backend, and that the model can be
-    loaded here for accuracy (cheap: no weights are read)."""
+    """What a worker checks before it loads anything: its backend, that the model can be loaded
+    here for accuracy and that the campaign's method serves its layer kinds (cheap: no weights are
+    read)."""
     from pnmix import models
 
     check_backend(spec.backend)
     models.resolve(spec.model, purpose="accuracy")
+    check_layer_kinds(spec.space, spec.model)

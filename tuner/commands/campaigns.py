@@ -196,10 +196,11 @@ def check_campaign(spec: CampaignSpec) -> None:
     """What a worker could not run, in one line before the database: the model, budgets no config
     reaches, a texts file without a usable document."""
     from pnmix import models
-    from pnmix.tuner.queue import check_budgets_reachable
+    from pnmix.tuner.queue import check_budgets_reachable, check_layer_kinds
     from pnmix.tuner.texts import TextsTask, check_usable
 
     models.resolve(spec.model, purpose="accuracy")
+    check_layer_kinds(spec.space, spec.model)
     check_budgets_reachable(spec.space, spec.budgets, models.model_shape(spec.model).head_dim, spec.model)
     for entry in spec.tasks or ():
         if entry.startswith("texts:"):
