@@ -211,8 +211,9 @@ def test_a_per_layer_method_on_a_hybrid_model_is_refused_in_one_line():
     from pnmix.tuner.space import ALLOCATED, LAYERED, SearchSpace
 
     for method in (ALLOCATED, LAYERED):
-        with pytest.raises(EvalError, match=f"method {method} chooses a config per layer, for full-attention models "
-                                            "only for now: 'gemma3-270m' has sliding-window layers; use --method pnmix"):
+        says = (f"method {method} chooses a config per layer, for full-attention models only for now: "
+                "'gemma3-270m' has sliding-window layers; use --method pnmix")
+        with pytest.raises(EvalError, match=says):
             check_layer_kinds(SearchSpace(method=method), "gemma3-270m")
         check_layer_kinds(SearchSpace(method=method), "smollm2-135m")
     check_layer_kinds(SearchSpace(method="pnmix"), "gemma3-270m")
