@@ -111,7 +111,7 @@ def test_lm_eval_part_filtered_and_scored():
     ev = Evaluator("smollm2-135m", tiny, tasks=(entry,))
     assert ev.tasks == ("lm_eval",) and ev.harness is not None
     kept = ev.harness.kept()
-    assert 0 < len(kept) <= 6 and ev.harness.cache_file().is_file()  # cached
+    assert 0 < len(kept) <= 6 and ev.harness._cache_file().is_file()  # cached
     fp16 = ev.evaluate(preset("fp16"), measure=False)
     assert fp16.parts == {"lm_eval": 1.0} and fp16.items == {"lm_eval": len(kept)}
     low = ev.evaluate(_quantizing_config(), measure=False)
