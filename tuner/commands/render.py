@@ -73,7 +73,7 @@ def holdout_line(p: Any) -> str:
             f"score {signed(held['minus_in_search'], held['minus_in_search_se'])}")
     text += {True: ": holds (not more than 2 SE below)",
              False: ": FALLS more than 2 SE below the in-search score; the pick may not hold on unseen data",
-             None: ": no standard error (a part has one held-out unit; the full profile holds out more), no verdict",
+             None: ": no standard error (a part has one held-out unit: a share too small for it), no verdict",
              }[held["holds"]]
     paper = held["pnmix_paper"]
     if paper:
