@@ -207,7 +207,7 @@ def test_a_hybrid_model_is_scored_a_sequence_at_a_time(tmp_path, embedded):
 
 def test_a_per_layer_method_on_a_hybrid_model_is_refused_in_one_line():
     from pnmix.tuner.profiles import EvalError
-    from pnmix.tuner.queue import check_layer_kinds
+    from pnmix.tuner.queue import check_layer_kinds, check_per_layer
     from pnmix.tuner.space import ALLOCATED, LAYERED, SearchSpace
 
     for method in (ALLOCATED, LAYERED):
@@ -217,3 +217,6 @@ def test_a_per_layer_method_on_a_hybrid_model_is_refused_in_one_line():
             check_layer_kinds(SearchSpace(method=method), "gemma3-270m")
         check_layer_kinds(SearchSpace(method=method), "smollm2-135m")
     check_layer_kinds(SearchSpace(method="pnmix"), "gemma3-270m")
+    with pytest.raises(EvalError, match="^pnmix layers chooses a config per layer, .*'gemma3-270m' has sliding-window"):
+        check_per_layer("pnmix layers", "gemma3-270m", "`pnmix eval` scores one config")
+    check_per_layer("pnmix layers", "smollm2-135m", "")

@@ -92,15 +92,21 @@ def check_budgets_reachable(space: Any, budgets: Sequence[float], head_dim: int,
                         f"fits it; allowed budgets >= {floor:.5f} {space.budget_on} bits, the smallest that can be met")
 
 
-def check_layer_kinds(space: Any, model: str) -> None:
-    """A per-layer method on a model with sliding-window layers: one line (its proxy and allocator
-    would count the windows, which stay unquantized, as quantized layers)."""
+def check_per_layer(what: str, model: str, instead: str) -> None:
+    """A per-layer choice on a model with sliding-window layers: one line (the proxy and the
+    allocator do not yet tell the windows, which stay unquantized, from the quantized layers)."""
     from pnmix import models
 
-    if space.layered and models.layer_plan(model).hybrid:
-        raise EvalError(f"method {space.method} chooses a config per layer, for full-attention models only for now: "
-                        f"{shorten(model)} has sliding-window layers; use --method pnmix (one config for its "
-                        "full-attention layers)")
+    if models.layer_plan(model).hybrid:
+        raise EvalError(f"{what} chooses a config per layer, for full-attention models only for now: "
+                        f"{shorten(model)} has sliding-window layers; {instead}")
+
+
+def check_layer_kinds(space: Any, model: str) -> None:
+    """A per-layer method (pnmix-alloc, pnmix-layers) on a model with sliding-window layers: one line."""
+    if space.layered:
+        check_per_layer(f"method {space.method}", model,
+                        "use --method pnmix (one config for its full-attention layers)")
 
 
 def check_runnable(spec: Any) -> None:

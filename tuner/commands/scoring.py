@@ -292,11 +292,13 @@ def layers(
     from pnmix.tuner.evaluate import Evaluator
     from pnmix.tuner.layers import candidates_like, layerwise_for_budget
     from pnmix.tuner.profiles import profile
+    from pnmix.tuner.queue import check_per_layer
     from pnmix.tuner.space import SearchSpace
 
     base = load_config_file(config_file) if config_file else preset(preset_name or "pnmix-paper")
     if not isinstance(base, PNMixConfig):
         raise EvalError(f"--config {config_file}: give a single PNMixConfig as the base, not a layer-wise one")
+    check_per_layer("pnmix layers", model, "`pnmix eval` scores one config on its full-attention layers")
     ev = Evaluator(model, profile(profile_name), tasks=("fidelity",))
     n_layers, d = ev.loaded.shape.num_layers, ev.head_dim
     budget = bits if bits is not None else mean_key_bits(base, n_layers, d)
