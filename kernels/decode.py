@@ -28,7 +28,7 @@ import triton.language as tl
 
 from pnmix.kernels.combine import combine_partials, softmax_step
 from pnmix.kernels.layout import DecodeCache, next_pow2
-from pnmix.kernels.operands import DecodeOperands, check_operands, decode_operands
+from pnmix.kernels.operands import check_operands, decode_operands, offline_signature
 from pnmix.kernels.plan import LOG2E, output_for, planned_groups, split_plan, splits_for_programs
 
 BLOCK_T = 64  # packed tokens per inner step (or G, if smaller)
@@ -421,15 +421,8 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     operand_types = {"klo_ptr": "*u8", "khi_ptr": "*u8", "vp_ptr": "*u8", "ksc_ptr": "*fp16", "kze_ptr": "*fp16",
                      "vsc_ptr": "*fp16", "vze_ptr": "*fp16", "order_ptr": "*i32", "sink_len_ptr": "*i32",
                      "n_groups_ptr": "*i32", "res_len_ptr": "*i32"}
-    ops = DecodeOperands._make(operand_types.get(f, activation) if f.endswith("_ptr") else "i32"
-                               for f in DecodeOperands._fields)
     scalars = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pa_ptr": "*fp32", "qk_scale": "fp32"}
     fn = _decode_kernel
-    sig: dict[str, Any] = {n: "constexpr" if n in const else ops if n == "ops" else scalars.get(n, "i32")
-                           for n in fn.arg_names}
-    divisible = [["tt.divisibility", 16]]
-    attrs: dict[tuple[int, ...], list] = {(fn.arg_names.index("ops"), i): divisible
-                                          for i in range(len(DecodeOperands._fields))}
-    attrs |= {(i,): divisible for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
+    sig, attrs = offline_signature(fn, const, operand_types, activation, scalars)
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS, "num_stages": 1})

@@ -8,7 +8,7 @@ handed those views (`decode_operands`), and its strides count halves or words.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -124,3 +124,21 @@ def check_operands(q: torch.Tensor, cache: DecodeCache) -> None:
         raise ValueError("keys and values of the sinks and of the residual must share strides")
     if cache.k_scale.stride() != cache.k_zero.stride() or cache.v_scale.stride() != cache.v_zero.stride():
         raise ValueError("scales and zeros must share strides")
+
+
+def offline_signature(fn: Any, const: dict[str, Any], operand_types: dict[str, str], activation: str,
+                      scalars: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[int, ...], list]]:
+    """(signature, attrs) for compiling a decode kernel `fn` without a GPU (`triton.compile` of an
+    AST source). `const`: its compile-time constants; `operand_types`: the `DecodeOperands` pointers'
+    types by field (the others take `activation`, the query's and the sinks' type; strides are i32);
+    `scalars`: the types of the kernel's own pointer and float arguments (the rest are i32).
+    Pointers and strides are specialized as divisible by 16, as the JIT does for real caches."""
+    ops = DecodeOperands._make(operand_types.get(f, activation) if f.endswith("_ptr") else "i32"
+                               for f in DecodeOperands._fields)
+    sig: dict[str, Any] = {n: "constexpr" if n in const else ops if n == "ops" else scalars.get(n, "i32")
+                           for n in fn.arg_names}
+    divisible = [["tt.divisibility", 16]]
+    attrs: dict[tuple[int, ...], list] = {(fn.arg_names.index("ops"), i): divisible
+                                          for i in range(len(DecodeOperands._fields))}
+    attrs |= {(i,): divisible for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
+    return sig, attrs

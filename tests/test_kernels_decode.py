@@ -201,6 +201,19 @@ def test_decode_rejects_bad_shapes():
 # -- the inline PTX (CUDA) path, emulated; the compiled kernel's dots --------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_compiler(code: str, payload: object) -> subprocess.CompletedProcess:
+    """`code` run in a fresh interpreter with `payload` as JSON in sys.argv[1], without
+    TRITON_INTERPRET: the interpreter replaces the language's own functions, which a real compile
+    (`compile_offline`, sm_90 on the CPU) must not see. Asserts that it succeeded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(payload)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 # (bit planes, code width) of every expansion the kernel issues: key planes 1-4, value codes 1/2/4/8 bits
 PTX_EXPANSIONS = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 4), (1, 8)]
 
@@ -365,10 +378,7 @@ def test_compiled_kernel_reduces_every_mma_dot_over_32_or_more():
         "for config in json.loads(sys.argv[1]):\n"
         "    print('TTGIR', json.dumps(compile_offline(*config).asm['ttgir']))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(COMPILED)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_compiler(code, COMPILED)
     ttgirs = [json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("TTGIR ")]
     assert len(ttgirs) == len(COMPILED)
     operand = re.compile(r"tt\.dot [^:]*: tensor<(\d+)x(\d+)x\w+, #ttg\.dot_op<\{opIdx = 0, parent = #mma[^,]*, "

@@ -18,22 +18,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # the combine step is the Triton kernel, run by the interpreter
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gluon_emu import _byte_perm, _f16_pairs, _halves_f16, _transposed_blocks, run_split_kernel  # noqa: E402
-from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens  # noqa: E402
+from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past_held_tokens, run_compiler  # noqa: E402
 
 from pnmix.backend import decode_reference  # noqa: E402
 from pnmix.kernels.gluon import block, launch  # noqa: E402
 from pnmix.kernels.plan import length_bucket  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def emulated(q: torch.Tensor, cache, scale: float, splits: int | None, n_tail: int | None = None,
@@ -299,10 +294,7 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring(part):
         "    ptx = k.asm['ptx']\n"
         "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx]))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(configs)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_compiler(code, configs)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
     want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1], c[9]), True, True] for c in configs]

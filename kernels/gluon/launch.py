@@ -21,7 +21,7 @@ from pnmix.kernels.combine import combine_partials
 from pnmix.kernels.gluon import block, words
 from pnmix.kernels.gluon.common import FP16_PAIR_1024, MAX_GQA, TAIL_TOKENS
 from pnmix.kernels.layout import DecodeCache, next_pow2
-from pnmix.kernels.operands import DecodeOperands, check_operands, decode_operands
+from pnmix.kernels.operands import check_operands, decode_operands, offline_signature
 from pnmix.kernels.plan import LOG2E, output_for, planned_groups, sm_count, split_plan
 
 # Registers per thread the kernels take (213-217 for the block kernel, 220 with 3 value slots, 227 for the
@@ -318,16 +318,9 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     operand_types = {"klo_ptr": planes, "khi_ptr": planes, "vp_ptr": "*i32", "vsc_ptr": "*i32",
                      "vze_ptr": "*i32", "order_ptr": "*i32", "sink_len_ptr": "*i32", "n_groups_ptr": "*i32",
                      "res_len_ptr": "*i32", "ksc_ptr": "*fp16", "kze_ptr": "*fp16"}
-    ops = DecodeOperands._make(operand_types.get(f, activation) if f.endswith("_ptr") else "i32"
-                               for f in DecodeOperands._fields)  # the operands' types, by field
     scalars = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pa_ptr": "*fp32", "ksw_ptr": "*i32", "qk_scale": "fp32"}
     fn = kernel.KERNEL
-    sig: dict[str, Any] = {n: "constexpr" if n in const else ops if n == "ops" else scalars.get(n, "i32")
-                           for n in fn.arg_names}
-    divisible = [["tt.divisibility", 16]]
-    attrs: dict[tuple[int, ...], list] = {(fn.arg_names.index("ops"), i): divisible
-                                          for i in range(len(DecodeOperands._fields))}
-    attrs |= {(i,): divisible for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
+    sig, attrs = offline_signature(fn, const, operand_types, activation, scalars)
     return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": 1, **({"maxnreg": max_registers} if max_registers else {})})
