@@ -146,6 +146,13 @@ def weighted_key_bits(config: PNMixConfig | LayerwiseConfig, kinds: Sequence[str
     return math.fsum(t * bits(c, k) for t, c, k in zip(held, configs, kinds, strict=True)) / sum(held)
 
 
+def held_key_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, head_dim: int, seq_len: int) -> float:
+    """`weighted_key_bits` after `seq_len` tokens, sinks included (T_q = seq_len - n_sink): the key
+    bits per key element the model holds at that context."""
+    sinks = as_layerwise(config).default.n_sink
+    return weighted_key_bits(config, plan.kinds, plan.window, head_dim, max(seq_len - sinks, 1))
+
+
 def value_bits(config: PNMixConfig) -> float:
     """Average value bits per element: b_V plus an fp16 scale and zero per group of G_V channels."""
     if not config.values_quantized:

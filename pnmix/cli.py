@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -167,18 +168,28 @@ def _single_bits(config: PNMixConfig, d: int, tokens: int) -> tuple[dict[str, An
     return report, table
 
 
+def _runs(values: Sequence[Any]) -> list[tuple[str, int]]:
+    """Runs of equal consecutive values (layers that share a table row): each run's layers as "3" or
+    "0-4", and its first index."""
+    out, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            out.append((str(start) if i - 1 == start else f"{start}-{i - 1}", start))
+            start = i
+    return out
+
+
 def _held_bits(config: Any, shape: ModelShape, plan: LayerPlan, d: int, batch: int,
                seq_len: int) -> tuple[dict[str, Any], Table]:
     """`pnmix bits --model` for a model with sliding-window layers: per layer, its kind, the tokens it
     holds after `seq_len` and its bytes; the model's key and KV bits weighted by the elements each
     layer holds (pnmix.bits, `weighted_key_bits`) after the same `seq_len` tokens."""
-    from pnmix.bits import layer_bytes, weighted_key_bits
+    from pnmix.bits import held_key_bits, layer_bytes
 
     per_layer = as_layerwise(config).per_layer(shape.num_layers)
     held = plan.held(seq_len)
     layer_kv = layer_bytes(config, shape, batch, seq_len, plan)
-    sinks = as_layerwise(config).default.n_sink
-    weighted = weighted_key_bits(config, plan.kinds, plan.window, d, max(seq_len - sinks, 1))
+    weighted = held_key_bits(config, plan, d, seq_len)
     report: dict[str, Any] = {
         "layer_kinds": list(plan.kinds), "window": plan.window, "weighted_key_bits": weighted,
         "layers_held": [{"layer": i, "kind": k, "tokens": t, "config": c.label if k == FULL else "fp16 (window)",
@@ -187,15 +198,11 @@ def _held_bits(config: Any, shape: ModelShape, plan: LayerPlan, d: int, batch: i
     table = Table(title=f"what each layer holds after {seq_len} tokens (batch {batch}); window {plan.window}")
     for col in ("layers", "kind", "tokens held", "config", "KiB a layer"):
         table.add_column(col, justify="right" if col in ("tokens held", "KiB a layer") else "left")
-    start = 0
     rows = list(zip(plan.kinds, held, [c if k == FULL else None for k, c in zip(plan.kinds, per_layer, strict=True)],
                     [b.total for b in layer_kv], strict=True))
-    for i in range(1, len(rows) + 1):  # runs of equal layers share a row
-        if i == len(rows) or rows[i] != rows[start]:
-            kind, n, c, nbytes = rows[start]
-            table.add_row(str(start) if i - 1 == start else f"{start}-{i - 1}", kind, str(n),
-                          c.label if c is not None else "fp16 (window)", f"{nbytes / 1024:.1f}")
-            start = i
+    for name, first in _runs(rows):
+        kind, n, c, nbytes = rows[first]
+        table.add_row(name, kind, str(n), c.label if c is not None else "fp16 (window)", f"{nbytes / 1024:.1f}")
     table.add_row("model key bits", "", "", f"layers weighted by the key elements they hold after {seq_len} tokens",
                   f"{weighted:.3f}")
     return report, table
@@ -218,19 +225,15 @@ def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int) -> tuple[di
     table.add_column("layers")
     table.add_column("config")
     table.add_column("key bits (total)", justify="right")
-    start = 0
-    for i in range(1, n_layers + 1):  # runs of equal layers share a row
-        if i == n_layers or per_layer[i] != per_layer[start]:
-            name = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            table.add_row(name, per_layer[start].label, f"{kbs[start].total:.5f}")
-            start = i
+    for name, first in _runs(per_layer):
+        table.add_row(name, per_layer[first].label, f"{kbs[first].total:.5f}")
     table.add_row("model average", "", f"{report['mean_key_bits']:.5f}")
     return report, table
 
 
 def budget_table(model: str, seq_len: int = 8192) -> Table:
     """Key bits and KV bytes of the presets and a small grid, for one model: what a budget buys."""
-    from pnmix.bits import weighted_key_bits
+    from pnmix.bits import held_key_bits
     from pnmix.models import layer_plan, model_shape
 
     shape, plan = model_shape(model), layer_plan(model)
@@ -254,7 +257,7 @@ def budget_table(model: str, seq_len: int = 8192) -> Table:
                  f"{kb.key_bits:.3f}", f"{kb.total:.3f}", f"{value_bits(cfg):.2f}", f"{kv.total / 2**20:.2f}",
                  f"{kv.fp16_total / kv.total:.2f}x"]
         if plan.hybrid:
-            cells.insert(7, f"{weighted_key_bits(cfg, plan.kinds, plan.window, d, max(seq_len - cfg.n_sink, 1)):.3f}")
+            cells.insert(7, f"{held_key_bits(cfg, plan, d, seq_len):.3f}")
         table.add_row(*cells)
     return table
 

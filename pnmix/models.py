@@ -170,9 +170,7 @@ def _assembled(spec: EmbeddedModel) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    locks = cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with _exclusive(locks / f"{spec.gguf_name}.lock"):
+    with _exclusive(spec.gguf_name):
         if not target.is_file():
             tmp = target.with_name(f".{spec.gguf_name}.{os.getpid()}.tmp")
             try:
@@ -370,23 +368,25 @@ def _converted_dir(source: ModelSource) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Processes converting the same file at once (parallel tests, workers starting together) take
     # turns: the second finds the first's conversion instead of doing the same minutes of work.
-    locks = cache_dir() / "locks"  # beside the conversions, not among them: a lock is no conversion
-    locks.mkdir(parents=True, exist_ok=True)
-    with _exclusive(locks / f"{target.name}.lock"):
+    with _exclusive(target.name):
         if not _conversion_of(target, digest):
             _convert_into(gguf, digest, target, source.name)
     return target
 
 
 @contextlib.contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
-    """An advisory lock on `lock` (POSIX); where there is none, no waiting (a lost race costs work only)."""
+def _exclusive(name: str) -> Iterator[None]:
+    """An advisory lock named `name` in the cache's `locks` folder, beside the models rather than
+    among them (a lock is no conversion); on a system without POSIX locks, no waiting (a lost race
+    costs work only)."""
     try:
         import fcntl
     except ImportError:  # not POSIX
         yield
         return
-    with open(lock, "a") as f:
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -12,7 +12,7 @@ from pnmix.tuner.profiles import Profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shipped")]  # one worker: the tests share a seed
 
-# A small profile with a held-out share, on a seed no other test prepares.
+# A small profile, on a seed no other test prepares.
 TINY = Profile("tiny-shipped", passkey_items=1, passkey_filler=(8, 10), passkey_digits=5, passkey_distractors=0,
                kv_items=1, kv_pairs=(8, 10), kv_digits=5, kv_near_miss=0, fidelity_prompts=1,
                fidelity_tokens=24, proxy_tokens=72)  # a trace no other test records

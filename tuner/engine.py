@@ -111,6 +111,61 @@ def median_step_seconds(step: Callable[[], object], repeats: int, steps: int, cu
     return statistics.median(run_times)
 
 
+def context_of(model: Any) -> int | None:
+    """The model's context in tokens (`max_position_embeddings`), or None where it states none."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def check_context(context: int | None, what: str, tokens: int) -> None:
+    """One line, before any work, for a sequence longer than the model's context."""
+    if context is not None and tokens > context:
+        raise EvalError(f"{what} needs {tokens} tokens, more than the model's context of {context}: "
+                        "use a profile with shorter contexts")
+
+
+@torch.inference_mode()
+def live_cost(model: Any, make_cache: Callable[[], Any], held_bytes: Callable[[Any], int],
+              seed: int = 0) -> tuple[int, float, int | None]:
+    """(bytes the cache holds, decode tokens/s, peak device bytes) of the cost workload on a cache
+    that the model fills as it runs (a peer's QuantizedCache, a hybrid model's PN-Mix cache): the
+    prompt of COST_PROMPT_TOKENS random ids (`ScoringEngine.measure_cost`'s, same seed) prefilled
+    into `make_cache()`, then greedy decode steps. Bytes: `held_bytes(cache)` once COST_NEW_TOKENS - 1
+    new tokens went in (the last is never fed back, as in `generate`). Tokens/s as the engine times
+    PN-Mix (`median_step_seconds`); the steps it times count towards those new tokens. Peak (CUDA
+    only): the weights plus what the workload allocates at its peak."""
+    from pnmix.generation import cache_kwargs
+
+    device = model.device
+    cuda = device.type == "cuda"
+    kind = "cuda" if cuda else "cpu"
+    ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed)).to(device)
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = make_cache()
+    kw = cache_kwargs(model, cache)
+    nxt = model(input_ids=ids, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
+    fed, kv_bytes = 0, 0
+
+    def step() -> None:
+        nonlocal nxt, fed, kv_bytes
+        pos = torch.tensor([[COST_PROMPT_TOKENS + fed]], device=device)
+        nxt = model(input_ids=nxt, position_ids=pos, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
+        fed += 1
+        if fed == COST_NEW_TOKENS - 1:
+            kv_bytes = held_bytes(cache)
+
+    step_seconds = median_step_seconds(step, COST_REPEATS[kind], COST_STEPS[kind], cuda)
+    while fed < COST_NEW_TOKENS - 1:
+        step()
+    peak = None
+    if cuda:
+        weights = sum(q.nbytes for q in model.parameters())
+        peak = weights + int(torch.cuda.max_memory_allocated(device)) - before
+    return kv_bytes, 1.0 / step_seconds, peak
+
+
 class ScoringEngine:
     """Scores configs on fixed items and trajectories of one model (see the module docstring).
 
@@ -128,7 +183,7 @@ class ScoringEngine:
         eos = model.config.eos_token_id  # an id, a list of ids, or None (random-weight shape models)
         self.eos: list[int] = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         self.progress = progress or (lambda message: None)
-        self.context = getattr(model.config, "max_position_embeddings", None)
+        self.context = context_of(model)
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._last_only: dict[str, int] = {"logits_to_keep": 1} if keeps else {}
         self._budget = memory_bytes if memory_bytes is not None else free_bytes(self.device)
@@ -140,9 +195,7 @@ class ScoringEngine:
 
     def _check_fits(self, what: str, tokens: int) -> None:
         """One line, before any work, for a prompt the model or the memory cannot take."""
-        if self.context is not None and tokens > self.context:
-            raise EvalError(f"{what} needs {tokens} tokens, more than the model's context of {self.context}: "
-                            "use a profile with shorter contexts")
+        check_context(self.context, what, tokens)
         need = tokens * self._state_bytes_per_token() * DECODE_BYTES_FACTOR
         if need > self._budget * BATCH_MEMORY_SHARE:
             raise EvalError(f"{what} needs {need / 2**20:.0f} MiB to decode, more than the "

@@ -111,8 +111,9 @@ class Evaluator:
         self.loaded = models.load(model, purpose="accuracy", dtype=dtype, device=device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
+        self.layer_kinds = layer_kinds(self.model.config)
         # A model with sliding-window layers is scored a sequence at a time (tuner/sequential.py).
-        self.sequential = SLIDING in layer_kinds(self.model.config)
+        self.sequential = SLIDING in self.layer_kinds
         self.head_dim = self.loaded.shape.head_dim
         self.num_layers = self.loaded.shape.num_layers
         self.device = str(self.model.device)
@@ -150,10 +151,10 @@ class Evaluator:
         built = [str(name) for name in data.get("built", DEFAULT_TASKS)]
         return {"items": items, "trajectories": trajectories, "built": built}
 
-    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> Engine | None:
-        """An engine holding the shipped preparation's parts that this evaluator runs, once the
-        unquantized model here answers every item right and agrees with the trajectories' tokens
-        (tuner/shipped.py); None, with one line on stderr, when it does not."""
+    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> tuple[Engine, dict[str, Any]] | None:
+        """The shipped preparation (as `_read_dict` gives it) and an engine holding its parts that this
+        evaluator runs, once the unquantized model here answers every item right and agrees with the
+        trajectories' tokens (tuner/shipped.py); None, with one line on stderr, when it does not."""
         data = self._read_dict(shipped.preparation)
         if any(name not in data["built"] for name in wanted):
             return None
@@ -182,7 +183,7 @@ class Evaluator:
                 print(f"warning: shipped preparation {where}: the model here misses a shipped {name} item; "
                       "building it here", file=sys.stderr, flush=True)
                 return None
-        return engine
+        return engine, data
 
     def _new_engine(self, quiet: bool = False) -> Engine:
         progress = None if quiet else self.progress
@@ -217,8 +218,7 @@ class Evaluator:
         wanted = [name for name in DEFAULT_TASKS if name in self.tasks]
         engine = None
         if data is None and wanted and (shipped := self._shipped()) is not None:
-            engine = self._checked(shipped, wanted)
-            data = self._read_dict(shipped.preparation) if engine is not None else None
+            engine, data = self._checked(shipped, wanted) or (None, None)
         engine = engine or self._new_engine()
         data = data or {"items": {}, "trajectories": [], "built": []}
         # Only the built-in parts this evaluator runs are built; a later evaluator that runs more
@@ -344,8 +344,7 @@ class Evaluator:
                 tokens = shipped.trace_tokens.get(path.stem) if shipped is not None else None
                 if tokens is None or len(tokens) != self.profile.proxy_tokens:
                     self.progress("recording the proxy's Q/K/V trace")
-                    tokens = self._new_engine(quiet=True).continuations([ids[0].tolist()],
-                                                                                     self.profile.proxy_tokens)[0]
+                    tokens = self._new_engine(quiet=True).continuations([ids[0].tolist()], self.profile.proxy_tokens)[0]
                 self._trace = record_trace(self.model, ids, self.profile.proxy_tokens, continuation=tokens)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self._trace, path)
@@ -358,7 +357,7 @@ class Evaluator:
         trace = self.trace()
         if not self.sequential:
             return trace, config
-        full = [i for i, kind in enumerate(layer_kinds(self.model.config)) if kind == FULL]
+        full = [i for i, kind in enumerate(self.layer_kinds) if kind == FULL]
         kept = replace(trace, queries=[trace.queries[i] for i in full], keys=[trace.keys[i] for i in full],
                        values=None if trace.values is None else [trace.values[i] for i in full])
         per_layer = as_layerwise(config).per_layer(self.num_layers)
@@ -408,17 +407,20 @@ class Evaluator:
         hash of `what`, or computed and written there."""
         import hashlib
 
+        def fits(rows: Any) -> bool:
+            return len(rows) == n_rows and all(len(r) == self.num_layers for r in rows)
+
         key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
         path = self.cache_file().with_name(f"sensitivity-{self.cache_file().stem}-{key}.json")
         try:
             rows = json.loads(path.read_text())
-            if len(rows) == n_rows and all(len(r) == self.num_layers for r in rows):
+            if fits(rows):
                 return [[float(x) for x in r] for r in rows]
         except (OSError, ValueError, TypeError):
             pass  # absent or unreadable: shipped, or computed again, and rewritten
         shipped = self._shipped()
         rows = shipped.tables.get(path.name) if shipped is not None else None
-        if rows is None or len(rows) != n_rows or any(len(r) != self.num_layers for r in rows):
+        if rows is None or not fits(rows):
             rows = compute()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

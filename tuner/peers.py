@@ -164,48 +164,13 @@ def replay(model: Any, p: Peer, prompt_ids: list[int], tokens: torch.Tensor,
     return float(agree.mean()), float(kl.mean())
 
 
-@torch.inference_mode()
 def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | None]:
-    """(bytes held, decode tokens/s, peak device bytes) on the engine's fixed cost workload.
+    """(bytes held, decode tokens/s, peak device bytes) of a peer's cache on the engine's cost
+    workload (`tuner.engine.live_cost`): bytes are what the QuantizedCache holds (`cache_bytes`)
+    once COST_NEW_TOKENS - 1 new tokens went in."""
+    from pnmix.tuner.engine import live_cost
 
-    The prompt of COST_PROMPT_TOKENS random ids (the engine's, same seed) is prefilled into a fresh
-    peer cache, and greedy decode steps follow. Bytes: what the cache holds once COST_NEW_TOKENS - 1
-    new tokens went in. Tokens/s as the engine times PN-Mix (`ScoringEngine.measure_cost`): two
-    untimed steps, then COST_REPEATS runs of COST_STEPS steps, one over the median step time."""
-
-    from pnmix.generation import cache_kwargs
-    from pnmix.tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, COST_REPEATS, COST_STEPS, median_step_seconds
-
-    device = model.device
-    cuda = device.type == "cuda"
-    kind = "cuda" if cuda else "cpu"
-    repeats, steps = COST_REPEATS[kind], COST_STEPS[kind]
-    rng = torch.Generator().manual_seed(seed)
-    ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng).to(device)
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    cache = p.new_cache(model)
-    kw = cache_kwargs(model, cache)
-    nxt = model(input_ids=ids, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
-    fed, kv_bytes = 0, 0
-
-    def step() -> None:
-        nonlocal nxt, fed, kv_bytes
-        nxt = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
-        fed += 1
-        if fed == COST_NEW_TOKENS - 1:  # the last new token is never fed back, as in `generate`
-            kv_bytes = cache_bytes(cache)
-
-    step_seconds = median_step_seconds(step, repeats, steps, cuda)  # as the engine times PN-Mix
-    while fed < COST_NEW_TOKENS - 1:
-        step()
-    peak = None
-    if cuda:
-        weights = sum(q.nbytes for q in model.parameters())
-        peak = weights + int(torch.cuda.max_memory_allocated(device)) - before
-    return kv_bytes, 1.0 / step_seconds, peak
+    return live_cost(model, lambda: p.new_cache(model), cache_bytes, seed)
 
 
 def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:

@@ -30,9 +30,12 @@ class Spot:
     accuracy_se: float
     layered: bool
     on_front: bool
-    count: int = 1
     names: list[str] = field(default_factory=list)  # presets among its points
-    trials: list[int] = field(default_factory=list)
+    trials: list[int] = field(default_factory=list)  # the trial numbers it stands for
+
+    @property
+    def count(self) -> int:
+        return len(self.trials)
 
 
 def spots(records: Sequence[Any], front: set[int]) -> list[Spot]:
@@ -50,7 +53,6 @@ def spots(records: Sequence[Any], front: set[int]) -> list[Spot]:
             out.append(Spot(bits, acc, r.accuracy_se or 0.0, isinstance(r.config, LayerwiseConfig), on_front,
                             names=names, trials=[r.number]))
         else:
-            near.count += 1
             near.trials.append(r.number)
             near.names += [n for n in names if n not in near.names]
     return out

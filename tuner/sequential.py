@@ -24,15 +24,7 @@ import torch
 from pnmix.layerwise import AnyConfig
 from pnmix.tuner import fidelity as fidelity_module
 from pnmix.tuner import tasks as tasks_module
-from pnmix.tuner.engine import (
-    COST_NEW_TOKENS,
-    COST_PROMPT_TOKENS,
-    COST_REPEATS,
-    COST_STEPS,
-    Progress,
-    Trajectory,
-    median_step_seconds,
-)
+from pnmix.tuner.engine import Progress, Trajectory, check_context, context_of, live_cost
 from pnmix.tuner.profiles import EvalError
 from pnmix.tuner.tasks import Item
 
@@ -52,14 +44,12 @@ class SequentialEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
         self.progress = progress or (lambda message: None)
-        self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.context = context_of(model)
         self.items: dict[str, list[Item]] = {}
         self.replays: dict[str, list[_Sequence]] = {}
 
     def _check_fits(self, what: str, tokens: int) -> None:
-        if self.context is not None and tokens > self.context:
-            raise EvalError(f"{what} needs {tokens} tokens, more than the model's context of {self.context}: "
-                            "use a profile with shorter contexts")
+        check_context(self.context, what, tokens)
 
     # -- items -----------------------------------------------------------------------------------
 
@@ -115,37 +105,10 @@ class SequentialEngine:
 
     # -- cost ------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def measure_cost(self, config: AnyConfig, seed: int = 0) -> tuple[int, float, int | None]:
         """(bytes the cache holds, decode tokens/s, peak device bytes) on the batched engine's fixed
-        workload (COST_PROMPT_TOKENS random ids, then COST_NEW_TOKENS new ones), on the live cache:
-        the bytes are `cache.nbytes()` after the new tokens (the windows of sliding layers included)."""
-        from pnmix.generation import cache_kwargs, new_cache
+        workload, on the live cache (`tuner.engine.live_cost`): the bytes are `cache.nbytes()`, the
+        windows of sliding layers included."""
+        from pnmix.generation import new_cache
 
-        cuda = self.device.type == "cuda"
-        rng = torch.Generator().manual_seed(seed)
-        ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng).to(self.device)
-        if cuda:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        cache = new_cache(self.model, config)
-        kw = cache_kwargs(self.model, cache)
-        logits = self.model(input_ids=ids, use_cache=True, **kw).logits[:, -1]
-        state = {"ids": logits.argmax(-1, keepdim=True), "pos": COST_PROMPT_TOKENS}
-
-        def step() -> None:
-            pos = torch.tensor([[state["pos"]]], device=self.device)
-            out = self.model(input_ids=state["ids"], position_ids=pos, use_cache=True, **kw).logits[:, -1]
-            state["ids"], state["pos"] = out.argmax(-1, keepdim=True), state["pos"] + 1
-
-        for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-            step()
-        kv_bytes = int(cache.nbytes()["total"])
-        repeats, steps = COST_REPEATS["cuda" if cuda else "cpu"], COST_STEPS["cuda" if cuda else "cpu"]
-        step_seconds = median_step_seconds(step, repeats, steps, cuda)
-        peak = None
-        if cuda:
-            weights = sum(p.nbytes for p in self.model.parameters())
-            peak = weights + int(torch.cuda.max_memory_allocated(self.device)) - before
-        return kv_bytes, 1.0 / step_seconds, peak
+        return live_cost(self.model, lambda: new_cache(self.model, config), lambda c: int(c.nbytes()["total"]), seed)
