@@ -28,7 +28,7 @@ figure a `--budget-on kv` campaign constrains.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from pnmix.config import UNQUANTIZED_BITS, PNMixConfig
@@ -47,12 +47,36 @@ class LayerPlan:
     kinds: tuple[str, ...]
     window: int | None
 
+    @classmethod
+    def full(cls, num_layers: int) -> LayerPlan:
+        """A model of `num_layers` full-attention layers."""
+        return cls((FULL,) * num_layers, None)
+
     @property
     def hybrid(self) -> bool:
         return any(kind != FULL for kind in self.kinds)
 
+    @property
+    def full_layers(self) -> list[int]:
+        """The full-attention layers: the ones a PN-Mix config applies to."""
+        return [i for i, kind in enumerate(self.kinds) if kind == FULL]
+
     def held(self, tokens: int) -> list[int]:
         return held_tokens(self.kinds, self.window, tokens)
+
+    def full_layer_budget(self, budget: float, n_sink: int,
+                          quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+        """The mean bits the full-attention layers may take (key bits, or KV bits: the same sum) so
+        that the whole model's weighted figure stays within `budget`, the windows at 16 bits: what a
+        knapsack over the full layers alone bounds (less 1e-8, so that float rounding in the
+        conversion never puts the weighted figure over the budget). A full-attention model: `budget`
+        itself."""
+        if not self.hybrid:
+            return budget
+        held = self.held(quantized_tokens + n_sink)
+        window = math.fsum(t for t, kind in zip(held, self.kinds, strict=True) if kind != FULL)
+        full = math.fsum(t for t, kind in zip(held, self.kinds, strict=True) if kind == FULL)
+        return (budget * (full + window) - FP16_BITS * window) / full - 1e-8
 
 
 @dataclass(frozen=True)
@@ -123,34 +147,49 @@ def held_tokens(kinds: Sequence[str], window: int | None, tokens: int) -> list[i
     return [tokens if kind == FULL else min(tokens, (window or 0) - 1) for kind in kinds]
 
 
-def weighted_key_bits(config: PNMixConfig | LayerwiseConfig, kinds: Sequence[str], window: int | None,
-                      head_dim: int = 128, quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS,
-                      metadata: bool = True) -> float:
+def weighted_key_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, head_dim: int = 128,
+                      quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS, metadata: bool = True) -> float:
     """Key bits per key element the model holds, each layer weighted by the elements it holds
     (`held_tokens` at T_q + n_sink tokens): a full-attention layer at its config's figure (`total`,
     or `key_bits` with `metadata=False`), a sliding-window layer at 16 bits. A model of full-attention
-    layers only gets `mean_key_bits` itself, to the last digit."""
-    n = len(kinds)
-    if all(kind == FULL for kind in kinds):
+    layers only gets `mean_key_bits` itself, to the last digit: the figure budgets, fronts and the
+    allocator bound on any model."""
+    n = len(plan.kinds)
+    if not plan.hybrid:
         return mean_key_bits(config, n, head_dim, quantized_tokens) if metadata else math.fsum(
             b.key_bits for b in key_bits_by_layer(config, n, head_dim, quantized_tokens)) / n
-    configs = as_layerwise(config).per_layer(n)
-    held = held_tokens(kinds, window, quantized_tokens + configs[0].n_sink)
 
-    def bits(c: PNMixConfig, kind: str) -> float:
-        if kind != FULL:
-            return FP16_BITS
+    def bits(c: PNMixConfig) -> float:
         b = key_bits(c, head_dim, quantized_tokens)
         return b.total if metadata else b.key_bits
 
-    return math.fsum(t * bits(c, k) for t, c, k in zip(held, configs, kinds, strict=True)) / sum(held)
+    return _weighted(config, plan, quantized_tokens, bits)
+
+
+def _weighted(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, quantized_tokens: int,
+              bits: Callable[[PNMixConfig], float]) -> float:
+    """sum(held * bits) / sum(held) over the layers, a sliding-window layer at 16 bits."""
+    configs = as_layerwise(config).per_layer(len(plan.kinds))
+    held = plan.held(quantized_tokens + configs[0].n_sink)
+    return math.fsum(t * (bits(c) if k == FULL else FP16_BITS)
+                     for t, c, k in zip(held, configs, plan.kinds, strict=True)) / sum(held)
+
+
+def weighted_kv_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, head_dim: int = 128,
+                     quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+    """`kv_bits` weighted as `weighted_key_bits`: a sliding-window layer's keys and values at 16 bits.
+    A model of full-attention layers only gets `kv_bits` itself, to the last digit."""
+    if not plan.hybrid:
+        return kv_bits(config, len(plan.kinds), head_dim, quantized_tokens)
+    keys = weighted_key_bits(config, plan, head_dim, quantized_tokens)
+    return (keys + _weighted(config, plan, quantized_tokens, lambda c: value_bits_total(c, quantized_tokens))) / 2
 
 
 def held_key_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, head_dim: int, seq_len: int) -> float:
     """`weighted_key_bits` after `seq_len` tokens, sinks included (T_q = seq_len - n_sink): the key
     bits per key element the model holds at that context."""
     sinks = as_layerwise(config).default.n_sink
-    return weighted_key_bits(config, plan.kinds, plan.window, head_dim, max(seq_len - sinks, 1))
+    return weighted_key_bits(config, plan, head_dim, max(seq_len - sinks, 1))
 
 
 def value_bits(config: PNMixConfig) -> float:

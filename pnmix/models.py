@@ -63,6 +63,7 @@ class EmbeddedModel:
     # model's config says: what the bit and byte figures need without loading the weights.
     layer_kinds: tuple[str, ...] = ()
     window: int | None = None
+    family: str = "llama"  # the transformers model_type its GGUF loads as (the embedded SmolLM2: a Llama)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         assembled=True,
         layer_kinds=tuple(FULL if i % 6 == 5 else SLIDING for i in range(18)),
         window=512,
+        family="gemma3_text",
     ),
 }
 

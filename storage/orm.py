@@ -36,6 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig
 
@@ -109,10 +110,20 @@ class Model(Base):
     num_heads: Mapped[int] = mapped_column(Integer)
     num_kv_heads: Mapped[int] = mapped_column(Integer)
     head_dim: Mapped[int] = mapped_column(Integer)
+    # each layer's kind, ["full", "sliding", ...] (pnmix.names); NULL: every layer full attention
+    layer_kinds: Mapped[list[Any] | None] = mapped_column(default=None)
+    sliding_window: Mapped[int | None] = mapped_column(Integer, nullable=True, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     campaigns: Mapped[list[Campaign]] = relationship(back_populates="model", passive_deletes=True)
+
+    @property
+    def plan(self) -> LayerPlan:
+        """What each layer holds: the bit figures of a hybrid model weigh its layers by it."""
+        if not self.layer_kinds:
+            return LayerPlan.full(self.num_layers)
+        return LayerPlan(tuple(self.layer_kinds), self.sliding_window)
 
 
 class Campaign(Base):
@@ -192,8 +203,8 @@ class FrontPoint(Base):
     accuracy: Mapped[float] = mapped_column(Double)  # aggregate score in [0, 1]
     accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True)  # its standard error; None: unknown
     accuracy_parts: Mapped[dict[str, Any]] = mapped_column(default=dict)  # e.g. passkey, top1_agreement, kl
-    key_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.mean_key_bits(config, layers, head_dim)
-    kv_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.kv_bits(config, layers, head_dim)
+    key_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.weighted_key_bits(config, model.plan, head_dim)
+    kv_bits: Mapped[float] = mapped_column(Double)  # pnmix.bits.weighted_kv_bits(config, model.plan, head_dim)
     kv_bytes: Mapped[int] = mapped_column(BigInteger)  # measured cache.nbytes() total on the workload
     throughput: Mapped[float] = mapped_column(Double)  # decode tokens/s on the workload
     backend: Mapped[str] = mapped_column(String(32))  # torch | triton

@@ -26,11 +26,11 @@ from typing import Any, Literal
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from pnmix.bits import kv_bits, mean_key_bits
+from pnmix.bits import weighted_key_bits, weighted_kv_bits
 from pnmix.config import PNMixConfig
 from pnmix.inputs import BUDGET
 from pnmix.layerwise import LayerwiseConfig, simplest
-from pnmix.names import BACKENDS
+from pnmix.names import BACKENDS, FULL
 from pnmix.storage.errors import InvalidValueError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 from pnmix.storage.vocabulary import BUDGET_ON, METHODS, TRIALS
@@ -63,6 +63,9 @@ class ModelIn:
     num_kv_heads: int
     head_dim: int
     location: str = ""  # GGUF path, checkpoint directory or hub id
+    # each layer's kind (pnmix.names FULL, SLIDING) and the sliding window; empty: all full attention
+    layer_kinds: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 255:
@@ -75,6 +78,9 @@ class ModelIn:
                 raise InvalidValueError(f"invalid {name}={value!r} for model {self.name!r}: a positive integer")
         if self.head_dim % 2:
             raise InvalidValueError(f"invalid head_dim={self.head_dim} for model {self.name!r}: RoPE needs it even")
+        if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
+            raise InvalidValueError(f"invalid layer_kinds for model {self.name!r}: {len(self.layer_kinds)} kinds, "
+                                    f"allowed one per layer ({self.num_layers})")
         if self.num_heads % self.num_kv_heads:
             raise InvalidValueError(
                 f"invalid num_kv_heads={self.num_kv_heads} for model {self.name!r}: "
@@ -85,8 +91,8 @@ class ModelIn:
 @dataclass(frozen=True)
 class FrontPointIn:
     """One Pareto point as the tuner measured it. Bits are not given: `replace_front` computes the
-    key bits (`pnmix.bits.mean_key_bits`) and KV bits (`pnmix.bits.kv_bits`) from `config` and the
-    model's shape.
+    key bits (`pnmix.bits.weighted_key_bits`) and KV bits (`weighted_kv_bits`) from `config` and the
+    model's shape and layer kinds.
 
     config:         a `PNMixConfig` or a `LayerwiseConfig`
     accuracy:       aggregate score in [0, 1] (what the front maximizes)
@@ -212,6 +218,9 @@ def upsert_model(session: Session, model: ModelIn) -> Model:
     row.num_heads = model.num_heads
     row.num_kv_heads = model.num_kv_heads
     row.head_dim = model.head_dim
+    hybrid = any(kind != FULL for kind in model.layer_kinds)
+    row.layer_kinds = list(model.layer_kinds) if hybrid else None
+    row.sliding_window = model.sliding_window if hybrid else None
     session.flush()
     return row
 
@@ -223,15 +232,16 @@ def registry_model(name: str) -> ModelIn | None:
     from pnmix import models
 
     if name in models.EMBEDDED:
-        shape = models.EMBEDDED[name].shape
-        # The embedded SmolLM2 is a Llama-architecture model (docs/design.md, "Models").
-        family, source = "llama", "embedded"
+        spec = models.EMBEDDED[name]
+        shape, family, source = spec.shape, spec.family, "embedded"
     elif name in models.SHAPE_MODELS:
-        spec = models.SHAPE_MODELS[name]
-        shape, family, source = spec.shape, str(spec.config["model_type"]), "shape"
+        shape_spec = models.SHAPE_MODELS[name]
+        shape, family, source = shape_spec.shape, str(shape_spec.config["model_type"]), "shape"
     else:
         return None
-    return ModelIn(name, family, source, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    plan = models.layer_plan(name)
+    return ModelIn(name, family, source, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                   layer_kinds=plan.kinds, sliding_window=plan.window)
 
 
 def create_campaign(
@@ -422,7 +432,8 @@ def replace_front(
     """Replaces the stored front of (campaign, budget) with `points`, atomically.
 
     `budget` must be one of the campaign's budgets. Each point's key bits and KV bits are computed
-    here from its config and the model's shape (`pnmix.bits.mean_key_bits`, `kv_bits`, T_q = 32768);
+    here from its config, the model's shape and what its layers hold (`pnmix.bits.weighted_key_bits`,
+    `weighted_kv_bits`, T_q = 32768: a full-attention model's layer mean, `mean_key_bits` and `kv_bits`);
     the figure the campaign's `budget_on` names must not exceed the budget; trial numbers must be
     distinct. A layer-wise config is checked against the model's layers and stored compactly (its
     default in the config columns, its ranges in `layers`; all layers alike: no ranges). All points are checked
@@ -437,7 +448,7 @@ def replace_front(
     budget = check_budgets([budget])[0]
     if budget not in campaign.budgets:
         raise InvalidValueError(f"budget {budget:g} is not one of campaign {campaign_id}'s budgets {campaign.budgets}")
-    head_dim, num_layers = campaign.model.head_dim, campaign.model.num_layers
+    head_dim, plan = campaign.model.head_dim, campaign.model.plan
     rows: list[FrontPoint] = []
     seen: set[int] = set()
     for point in points:
@@ -448,8 +459,8 @@ def replace_front(
         seen.add(point.trial_number)
         config = simplest(point.config)
         try:
-            key = mean_key_bits(config, num_layers, head_dim)
-            kv = kv_bits(config, num_layers, head_dim)
+            key = weighted_key_bits(config, plan, head_dim)
+            kv = weighted_kv_bits(config, plan, head_dim)
         except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size, layers)
             raise InvalidValueError(f"trial {point.trial_number}: {exc}") from None
         bits = kv if campaign.budget_on == "kv" else key

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from pnmix.bits import key_bits, kv_bits, mean_key_bits, value_bits_total
+from pnmix.bits import LayerPlan, key_bits, kv_bits, mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerRange, LayerwiseConfig, config_from_dict
 from pnmix.storage import Database, FrontPointIn, create_campaign, recommend, replace_front, upgrade
@@ -241,6 +241,7 @@ class LayerFormulaEvaluator:
     that layer's sensitivity, instantly: what a layered campaign's bookkeeping needs."""
 
     head_dim, num_layers = D, 30
+    plan = LayerPlan.full(30)
 
     def __init__(self) -> None:
         self.calls: list[str] = []

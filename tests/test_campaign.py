@@ -16,7 +16,7 @@ from tiny import save_tiny_llama
 from transformers import AutoTokenizer
 
 from pnmix import models
-from pnmix.bits import key_bits
+from pnmix.bits import LayerPlan, key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.storage import Database, list_front_points, upgrade
 from pnmix.storage.testing import postgres_skip_reason, temporary_postgres_url
@@ -147,6 +147,7 @@ class FormulaEvaluator:
     """Scores a config by a fixed function of its fields, instantly: what the campaign's bookkeeping needs."""
 
     head_dim, num_layers = 64, 30
+    plan = LayerPlan.full(30)
 
     def __init__(self) -> None:
         self.calls: list[str] = []

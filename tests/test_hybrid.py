@@ -9,11 +9,19 @@ import torch
 from tiny import tiny_gemma3, tiny_model
 
 from pnmix import PNMixConfig, generate, preset
-from pnmix.bits import held_tokens, key_bits, mean_key_bits, weighted_key_bits
+from pnmix.bits import (
+    LayerPlan,
+    held_tokens,
+    key_bits,
+    kv_bits,
+    mean_key_bits,
+    weighted_key_bits,
+    weighted_kv_bits,
+)
 from pnmix.cache import PNMixCache, PNMixLayer, WindowLayer
 from pnmix.config import ConfigError
 from pnmix.families import UnsupportedModelError, layer_kinds
-from pnmix.layerwise import LayerwiseConfig, load_config
+from pnmix.layerwise import LayerwiseConfig, as_layerwise, load_config
 
 SMALL = PNMixConfig(b_high=3, b_low=1, salient_ratio=0.5, group_size=32, n_sink=4, residual_len=32, value_bits=2,
                     value_group_size=16)
@@ -77,7 +85,7 @@ def test_bytes_weighted_key_bits_equal_a_hand_count_of_the_cache():
     d = 16
     elements = 5 * (WINDOW - 1) * d + (t_q + SMALL.n_sink) * d  # one sequence, one KV head
     kinds = layer_kinds(model.config)
-    want = weighted_key_bits(SMALL, kinds, WINDOW, d, quantized_tokens=t_q, metadata=False)
+    want = weighted_key_bits(SMALL, LayerPlan(tuple(kinds), WINDOW), d, quantized_tokens=t_q, metadata=False)
     assert key_bytes * 8 / elements == pytest.approx(want, rel=1e-12)
     assert held_tokens(kinds, WINDOW, t_q + 4) == [7] * 5 + [100]
     # The plain mean would count the fp16 windows as if they held as many tokens as the full layer.
@@ -87,10 +95,12 @@ def test_bytes_weighted_key_bits_equal_a_hand_count_of_the_cache():
 @pytest.mark.parametrize("config", [preset("pnmix-paper"), preset("kivi2"), preset("kitty"),
                                     load_config('{"default": {}, "layers": {"0-4": {"b_low": 2}}}')])
 def test_full_attention_models_keep_their_figures_to_the_last_digit(config):
-    full = ["full_attention"] * 30
-    assert weighted_key_bits(config, full, None, 64) == mean_key_bits(config, 30, 64)
+    full = LayerPlan.full(30)
+    assert weighted_key_bits(config, full, 64) == mean_key_bits(config, 30, 64)
+    assert weighted_kv_bits(config, full, 64) == kv_bits(config, 30, 64)
+    assert full.full_layer_budget(2.25, 32) == 2.25
     single = config.default if isinstance(config, LayerwiseConfig) else config
-    assert weighted_key_bits(single, full, None, 64) == key_bits(single, 64).total
+    assert weighted_key_bits(single, full, 64) == key_bits(single, 64).total
 
 
 def test_layer_kinds_pn_mix_cannot_serve_are_refused_in_one_line():
@@ -152,7 +162,7 @@ def test_full_attention_models_keep_their_bytes_to_the_last_digit():
     lw = load_config(b'{"default": {"b_high": 3, "b_low": 1}, "layers": {"0-9": {"b_high": 4}}}')
     for config in (preset("pnmix-paper"), preset("kivi2"), lw):
         assert kv_cache_bytes(config, shape, 3, 5000, plan) == kv_cache_bytes(config, shape, 3, 5000)
-        assert weighted_key_bits(config, plan.kinds, plan.window, 64) == mean_key_bits(config, 30, 64)
+        assert weighted_key_bits(config, plan, 64) == mean_key_bits(config, 30, 64)
 
 
 def test_bits_for_gemma3_shows_what_each_layer_holds():
@@ -205,18 +215,118 @@ def test_a_hybrid_model_is_scored_a_sequence_at_a_time(tmp_path, embedded):
     assert ev.proxy_by_layer(SMALL) == [ev.proxy(SMALL)]
 
 
-def test_a_per_layer_method_on_a_hybrid_model_is_refused_in_one_line():
+def test_layer_groups_on_a_hybrid_model_are_refused_in_one_line():
     from pnmix.tuner.profiles import EvalError
-    from pnmix.tuner.queue import check_layer_kinds, check_per_layer
+    from pnmix.tuner.queue import check_layer_kinds
     from pnmix.tuner.space import ALLOCATED, LAYERED, SearchSpace
 
-    for method in (ALLOCATED, LAYERED):
-        says = (f"method {method} chooses a config per layer, for full-attention models only for now: "
-                "'gemma3-270m' has sliding-window layers; use --method pnmix")
-        with pytest.raises(EvalError, match=says):
-            check_layer_kinds(SearchSpace(method=method), "gemma3-270m")
-        check_layer_kinds(SearchSpace(method=method), "smollm2-135m")
-    check_layer_kinds(SearchSpace(method="pnmix"), "gemma3-270m")
-    with pytest.raises(EvalError, match="^pnmix layers chooses a config per layer, .*'gemma3-270m' has sliding-window"):
-        check_per_layer("pnmix layers", "gemma3-270m", "`pnmix eval` scores one config")
-    check_per_layer("pnmix layers", "smollm2-135m", "")
+    says = ("method pnmix-layers groups the layers, for full-attention models only: 'gemma3-270m' has "
+            "sliding-window layers; use --method pnmix-alloc")
+    with pytest.raises(EvalError, match=says):
+        check_layer_kinds(SearchSpace(method=LAYERED), "gemma3-270m")
+    for method in (ALLOCATED, "pnmix"):
+        check_layer_kinds(SearchSpace(method=method), "gemma3-270m")
+    check_layer_kinds(SearchSpace(method=LAYERED), "smollm2-135m")
+
+
+# -- budgets by the bytes each layer holds --------------------------------------------------------
+
+
+GEMMA = LayerPlan(tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)), 512)
+
+
+def test_a_hybrid_models_budget_leaves_its_full_layers_what_the_windows_do_not_hold():
+    """At 32K tokens Gemma 3 270M's 15 windows hold 15 * 511 of its key elements at 16 bits; what a
+    budget leaves the 3 full layers is a hand count of that, and a config at exactly that figure
+    fills the budget; KV bits count the windows' values at 16 bits too."""
+    paper = preset("pnmix-paper")
+    windows, full = 15 * 511, 3 * (32768 + 32)
+    want = (3.0 * (windows + full) - 16 * windows) / full
+    assert GEMMA.full_layer_budget(3.0, 32) == pytest.approx(want - 1e-8, abs=1e-12)
+    weighted = weighted_key_bits(paper, GEMMA, 256)
+    assert weighted == pytest.approx((full * key_bits(paper, 256).total + windows * 16) / (full + windows), rel=1e-14)
+    assert GEMMA.full_layer_budget(weighted, 32) == pytest.approx(key_bits(paper, 256).total - 1e-8, abs=1e-12)
+    from pnmix.bits import value_bits_total
+
+    values = (full * value_bits_total(paper) + windows * 16) / (full + windows)
+    assert weighted_kv_bits(paper, GEMMA, 256) == pytest.approx((weighted + values) / 2, rel=1e-14)
+
+
+def test_a_hybrid_models_budgets_below_its_floor_are_refused_in_one_line():
+    from pnmix.tuner.profiles import EvalError
+    from pnmix.tuner.queue import check_budgets_reachable
+    from pnmix.tuner.space import SearchSpace
+
+    space = SearchSpace(method="pnmix-alloc")
+    floor = space.with_plan(GEMMA).min_bits(256)
+    # the windows alone put 7.2% of the elements at 16 bits: the floor is well above the plain one
+    assert floor == pytest.approx(0.0723 * 16 + 0.9277 * space.min_bits(256), abs=2e-3)
+    with pytest.raises(EvalError, match=rf"invalid budget 2: .* allowed budgets >= {floor:.5f} key bits"):
+        check_budgets_reachable(space.with_plan(GEMMA), [2.0], 256, "gemma3-270m")
+    check_budgets_reachable(space, [2.0], 256, "gemma3-270m")  # the plain space would have taken it
+
+
+class HybridFormulaEvaluator:
+    """Gemma 3 270M's layout scored by a formula of each full layer's bits (the last layer the most
+    sensitive; the windows exact), instantly: what the allocator's bookkeeping on a hybrid needs."""
+
+    head_dim, num_layers, plan = 256, 18, GEMMA
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def layer_loss(self, c: PNMixConfig, i: int) -> float:
+        if self.plan.kinds[i] != "full_attention":
+            return 0.0
+        bits = c.b_low + (c.b_high - c.b_low) * c.salient_ratio
+        return (1 + i) * 2.0 ** -bits
+
+    def per_layer(self, config) -> list[PNMixConfig]:
+        return config.per_layer(18) if isinstance(config, LayerwiseConfig) else [config] * 18
+
+    def sensitivity(self, candidates):  # every layer's row, as the proxy's trace records them
+        return {c: [self.layer_loss(x, i) for i, x in enumerate(self.per_layer(c))] for c in candidates}
+
+    def proxy(self, config) -> float:
+        return sum(self.layer_loss(c, i) for i, c in enumerate(self.per_layer(config)))
+
+    def evaluate(self, config, measure: bool = True):
+        from pnmix.tuner.score import Score
+
+        self.calls.append(config.label)
+        acc = max(0.0, 1.0 - self.proxy(config) / 10)
+        return Score(config=config.to_dict(), accuracy=acc, parts={"fidelity": acc}, fidelity_agreement=0.0,
+                     fidelity_kl=0.0, key_bits=weighted_key_bits(config, GEMMA, 256), kv_bytes=1,
+                     decode_tokens_per_s=1.0, peak_memory_bytes=None, backend="t", device="cpu", versions={},
+                     seconds=0.0, profile="smoke", accuracy_se=0.01, units={"fidelity": [0.1, 0.2]})
+
+
+def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tmp_path):
+    """A pnmix-alloc campaign on Gemma 3's layout: every stored point's key bits are the weighted
+    figure, within its budget; no config names a window; the most sensitive full layer gets the
+    most bits; and the front is served by budget as on any model."""
+    from pnmix.storage import Database, get_campaign, list_front_points, recommend, upgrade
+    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.session import find_or_create_campaign
+    from pnmix.tuner.space import SearchSpace
+
+    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    upgrade(db)
+    spec = CampaignSpec(model="gemma3-270m", budgets=(3.0, 3.5), n_trials=6, method="pnmix-alloc",
+                        profile="smoke", tasks=("fidelity",), space=SearchSpace(method="pnmix-alloc"))
+    campaign_id = find_or_create_campaign(db, spec)
+    CampaignRunner(db, db.url, campaign_id, spec, HybridFormulaEvaluator()).run()
+    with db.session(readonly=True) as s:
+        assert get_campaign(s, campaign_id).model.plan == GEMMA
+        points = list_front_points(s, "gemma3-270m", campaign_id=campaign_id).items
+        assert {p.budget for p in points} == {3.0, 3.5}
+        for p in points:
+            assert p.key_bits == weighted_key_bits(p.config, GEMMA, 256) <= p.budget + 1e-9
+            assert not set(as_layerwise(p.config).named_layers(18)) - {5, 11, 17}
+        best = recommend(s, "gemma3-270m", 3.0)
+        layers = as_layerwise(best.config).per_layer(18)
+        assert key_bits(layers[17], 256).total > key_bits(layers[5], 256).total
+        # the full layers share what the windows leave: at 16 bits their 7% take about a bit of it
+        full_mean = sum(key_bits(layers[i], 256).total for i in (5, 11, 17)) / 3
+        assert full_mean <= GEMMA.full_layer_budget(3.0, layers[0].n_sink) + 1e-9
+        assert best.key_bits - full_mean > 0.9

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import optuna
 
-from pnmix.bits import mean_key_bits, value_bits_total
+from pnmix.bits import LayerPlan, mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, simplest
 from pnmix.tuner import record
@@ -42,6 +43,7 @@ from pnmix.tuner.layers import (
     joint_layers,
     joint_table,
     moves,
+    spread,
 )
 from pnmix.tuner.profiles import EvalError
 from pnmix.tuner.proxy import ProxyMeasure
@@ -65,9 +67,15 @@ class AllocatorLoop:
         self.tables: dict[tuple[PNMixConfig, str], Any] = {}  # by key-side shared fields and kind (kl, joint)
         self.sensitivity_seconds = 0.0
         self.joint = space.values_per_layer  # items: each layer's keys, then each layer's values
+        # The layers the knapsack allocates: the full-attention ones (a sliding window stays in the
+        # model's dtype, whatever its config says). Each holds as many elements, so the knapsack
+        # bounds their plain mean, against the budget less what the windows hold (`_budget`).
+        self.plan = space.plan or LayerPlan.full(num_layers)
+        self.full = self.plan.full_layers
+        self._plain = replace(space, plan=None)  # a full layer's own figure, not weighted
 
     def cost(self, config: AnyConfig) -> float:
-        """A config's bits under the campaign's budget kind (key or KV bits)."""
+        """A config's bits under the campaign's budget kind (key or KV bits; weighted on a hybrid model)."""
         return self.space.cost(config, self.head_dim)
 
     def item_cost(self, item: Candidate, base: PNMixConfig) -> float:
@@ -76,19 +84,32 @@ class AllocatorLoop:
         2L items is the KV bits."""
         if isinstance(item, ValueFormat):
             return value_bits_total(item.on(base))
-        return mean_key_bits(item, 1, self.head_dim) if self.joint else self.cost(item)
+        return mean_key_bits(item, 1, self.head_dim) if self.joint else self._plain.cost(item, self.head_dim)
+
+    def _budget(self, budget: float, base: PNMixConfig) -> float:
+        """The bound on the knapsack's mean: the budget itself on a full-attention model, what the
+        full-attention layers may take beside the windows on a hybrid one."""
+        return self.plan.full_layer_budget(budget, base.n_sink)
+
+    def _rows(self, table: dict[Any, list[float]]) -> dict[Any, list[float]]:
+        """A per-layer table restricted to the layers the knapsack allocates."""
+        if not self.plan.hybrid:
+            return table
+        return {c: [row[i] for i in self.full] for c, row in table.items()}
 
     def _items(self, config: AnyConfig) -> list[Candidate]:
         """A config as the knapsack's items (`_config`'s inverse)."""
-        layers = as_layerwise(config).per_layer(self.num_layers)
+        every = as_layerwise(config).per_layer(self.num_layers)
+        layers = [every[i] for i in self.full]
         if not self.joint:
             return list(layers)
         return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size))
 
     def _config(self, items: Sequence[Candidate]) -> AnyConfig:
-        """The config of the knapsack's items, in its simplest form."""
-        layers = joint_layers(items) if self.joint else list(items)
-        return simplest(LayerwiseConfig.from_layers(layers))  # type: ignore[arg-type]
+        """The config of the knapsack's items, in its simplest form; on a hybrid model the windows
+        take the full layers' most common config, so that no range names a sliding layer."""
+        layers: list[PNMixConfig] = joint_layers(items) if self.joint else list(items)  # type: ignore[arg-type]
+        return simplest(LayerwiseConfig.from_layers(spread(layers, self.plan)))
 
     # -- warm starts -----------------------------------------------------------------------------
 
@@ -149,7 +170,8 @@ class AllocatorLoop:
         best = self.best_scored(studies[0], base, budget)
         start = best if best is not None else allocations[0]
         table: Table = self.joint_table(base) if self.joint else {c: row for c, row in self.table(base).items()}
-        for changed in moves(self._items(start), table, budget, lambda item: self.item_cost(item, base)):
+        for changed in moves(self._items(start), table, self._budget(budget, base),
+                             lambda item: self.item_cost(item, base)):
             cfg = self._config(changed)
             if config_key(cfg.to_dict()) not in taken:
                 return cfg, Origin.MOVE
@@ -163,15 +185,17 @@ class AllocatorLoop:
         weighs value errors too lightly against key errors: alone it traded value bits for key
         bits that real scores did not repay. Empty when nothing fits."""
         out: list[AnyConfig] = []
+        within = self._budget(budget, base)
         try:
-            layers = allocate(self.table(base, trial), budget, self.head_dim, cost=self.cost)
-            out.append(simplest(LayerwiseConfig.from_layers(layers)))
+            layers = allocate(self.table(base, trial), within, self.head_dim,
+                              cost=lambda item: self.item_cost(item, base))
+            out.append(self._config(layers))
         except EvalError:
             pass
         if self.joint:
             joint = self.joint_table(base, trial)
             try:
-                items = allocate(joint, budget, self.head_dim, cost=lambda item: self.item_cost(item, base))
+                items = allocate(joint, within, self.head_dim, cost=lambda item: self.item_cost(item, base))
                 cfg = self._config(items)
                 if cfg not in out:
                     out.append(cfg)
@@ -180,13 +204,13 @@ class AllocatorLoop:
         return out
 
     def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
-        """The keys' sensitivity table at `base`'s shared fields: each candidate's proxy KL per layer
-        (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with `base`'s value
-        format (with per-layer values, `base` holds the space's); computed once per loop, the seconds it took
-        recorded on the trial that needed it (`sensitivity_s`)."""
+        """The keys' sensitivity table at `base`'s shared fields: each candidate's proxy KL per
+        allocated layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with
+        `base`'s value format (with per-layer values, `base` holds the space's); computed once per
+        loop, the seconds it took recorded on the trial that needed it (`sensitivity_s`)."""
         keys = self._keys_base(base)
         rows = self._computed((keys, "kl"), trial,
-                              lambda: dict(self.evaluator.sensitivity(candidates_like(keys, self.space))))
+                              lambda: self._rows(dict(self.evaluator.sensitivity(candidates_like(keys, self.space)))))
         values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
         return {c.with_(**values): row for c, row in rows.items()}  # type: ignore[union-attr]
 
@@ -199,7 +223,7 @@ class AllocatorLoop:
             formats = self.space.value_choices(self.head_dim)
             values = self.evaluator.value_sensitivity(formats, keys)
             outputs = self.evaluator.sensitivity(candidates_like(keys, self.space), measure=ProxyMeasure.OUTPUT)
-            return joint_table(outputs, {ValueFormat(*f): row for f, row in values.items()})
+            return joint_table(self._rows(outputs), self._rows({ValueFormat(*f): row for f, row in values.items()}))
 
         return self._computed((keys, "joint"), trial, compute)
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from pnmix import models
-from pnmix.bits import mean_key_bits
+from pnmix.bits import LayerPlan, weighted_key_bits
 from pnmix.config import PNMixConfig, preset
-from pnmix.families import layer_kinds, rope_pairing
+from pnmix.families import layer_kinds, rope_pairing, sliding_window
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.names import FULL, SLIDING
 from pnmix.tuner import fidelity
@@ -112,6 +112,8 @@ class Evaluator:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
         self.layer_kinds = layer_kinds(self.model.config)
+        # What each layer holds: the bit figures weigh the layers by it (pnmix.bits.weighted_key_bits).
+        self.plan = LayerPlan(tuple(self.layer_kinds), sliding_window(self.model.config))
         # A model with sliding-window layers is scored a sequence at a time (tuner/sequential.py).
         self.sequential = SLIDING in self.layer_kinds
         self.head_dim = self.loaded.shape.head_dim
@@ -553,7 +555,7 @@ class Evaluator:
         return Score.from_units(
             got.units, got.agreements, timings, cost, text_kls=got.text_kls,
             config=config.to_dict(),
-            key_bits=mean_key_bits(config, self.num_layers, self.head_dim),
+            key_bits=weighted_key_bits(config, self.plan, self.head_dim),
             backend=self.backend,
             device=self._device_name(),
             versions=versions(),

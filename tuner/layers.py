@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pnmix.bits import key_bits
+from pnmix.bits import LayerPlan, key_bits
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig
 from pnmix.tuner.profiles import EvalError
@@ -135,6 +135,18 @@ def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
         if best is None:
             return choice
         choice[best[1]] = best[2]
+
+
+def spread(full: Sequence[PNMixConfig], plan: LayerPlan) -> list[PNMixConfig]:
+    """One config per layer of a model from its full-attention layers' configs (in `plan.full_layers`
+    order): its sliding-window layers, whose windows stay in the model's dtype whatever they are
+    given, take the full layers' most common config, so the compact form names no sliding layer."""
+    if not plan.hybrid:
+        return list(full)
+    every = [max(dict.fromkeys(full), key=list(full).count)] * len(plan.kinds)
+    for i, cfg in zip(plan.full_layers, full, strict=True):
+        every[i] = cfg
+    return every
 
 
 def layerwise_for_budget(base: PNMixConfig, budget: float, head_dim: int, space: SearchSpace,

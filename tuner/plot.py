@@ -135,9 +135,10 @@ def _same_method(a: PNMixConfig, b: PNMixConfig) -> bool:
 
 
 def layers_plot(sensitivity: list[float], chosen: list[PNMixConfig], chosen_kl: list[float], head_dim: int,
-                path: Path, title: str) -> Path:
-    """Per layer: the base config's proxy KL (the sensitivity profile), the allocated config's KL,
-    and the allocated config's key bits (right axis)."""
+                path: Path, title: str, layers: list[int]) -> Path:
+    """Per allocated layer (`layers`: their indices; a hybrid model's full-attention layers): the
+    base config's proxy KL (the sensitivity profile), the allocated config's KL, and the allocated
+    config's key bits (right axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +146,6 @@ def layers_plot(sensitivity: list[float], chosen: list[PNMixConfig], chosen_kl: 
 
     from pnmix.bits import key_bits
 
-    layers = list(range(len(sensitivity)))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.bar([i - 0.2 for i in layers], sensitivity, width=0.4, color="C0", label="base config: attention KL")
     ax.bar([i + 0.2 for i in layers], chosen_kl, width=0.4, color="C1", label="layer-wise: attention KL")

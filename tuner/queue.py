@@ -92,21 +92,15 @@ def check_budgets_reachable(space: Any, budgets: Sequence[float], head_dim: int,
                         f"fits it; allowed budgets >= {floor:.5f} {space.budget_on} bits, the smallest that can be met")
 
 
-def check_per_layer(what: str, model: str, instead: str) -> None:
-    """A per-layer choice on a model with sliding-window layers: one line (the proxy and the
-    allocator do not yet tell the windows, which stay unquantized, from the quantized layers)."""
+def check_layer_kinds(space: Any, model: str) -> None:
+    """pnmix-layers on a model with sliding-window layers: one line (its groups are cut from every
+    layer's sensitivity, windows included; pnmix-alloc allocates the full-attention layers alone)."""
     from pnmix import models
 
-    if models.layer_plan(model).hybrid:
-        raise EvalError(f"{what} chooses a config per layer, for full-attention models only for now: "
-                        f"{shorten(model)} has sliding-window layers; {instead}")
-
-
-def check_layer_kinds(space: Any, model: str) -> None:
-    """A per-layer method (pnmix-alloc, pnmix-layers) on a model with sliding-window layers: one line."""
-    if space.layered:
-        check_per_layer(f"method {space.method}", model,
-                        "use --method pnmix (one config for its full-attention layers)")
+    if space.layered and not space.allocated and models.layer_plan(model).hybrid:
+        raise EvalError(f"method {space.method} groups the layers, for full-attention models only: "
+                        f"{shorten(model)} has sliding-window layers; use --method pnmix-alloc (the default: a "
+                        "config per full-attention layer) or --method pnmix")
 
 
 def check_runnable(spec: Any) -> None:

@@ -23,8 +23,10 @@ Kitty-like method compare on one model:
 
 A budget bounds `budget_on`'s figure (`cost`): the key bits per key element (a layer-wise
 config's mean over layers), or the KV bits, keys and values together per cached element
-(`pnmix.bits.kv_bits`). Searching values only makes sense under a KV budget: under a key budget
-they cost nothing and the most value bits would always win, so the space refuses that pairing.
+(`pnmix.bits.kv_bits`); on a model with sliding-window layers, either figure weighted by the
+elements each layer holds at 32K tokens (`with_plan`, `pnmix.bits.weighted_key_bits`).
+Searching values only makes sense under a KV budget: under a key budget they cost nothing and
+the most value bits would always win, so the space refuses that pairing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from pnmix.bits import LayerPlan
 from pnmix.config import GROUP_SIZES, PNMixConfig
 from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
 from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, METHODS, BudgetOn
@@ -62,6 +65,9 @@ class SearchSpace:
     # pnmix-layers: the layers of each group, most sensitive group first (`with_groups`); a
     # campaign forms them from the model's sensitivity profile before its first trial
     groups: tuple[tuple[int, ...], ...] = ()
+    # A model with sliding-window layers: what each layer holds, so that `cost` weighs the layers by
+    # their elements (`with_plan`; None on a full-attention model, whose figures need no plan)
+    plan: LayerPlan | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -105,6 +111,10 @@ class SearchSpace:
                             "layer 0..L-1 once")
         return replace(self, groups=tuple(tuple(g) for g in groups))
 
+    def with_plan(self, plan: LayerPlan) -> SearchSpace:
+        """This space on a model whose layers hold what `plan` says (kept only for hybrid models)."""
+        return replace(self, plan=plan if plan.hybrid else None)
+
     @property
     def num_layers(self) -> int:
         return sum(len(g) for g in self.groups) if self.groups else 1
@@ -117,9 +127,13 @@ class SearchSpace:
     # -- what a config costs -------------------------------------------------------------------------
 
     def cost(self, config: AnyConfig, head_dim: int) -> float:
-        """The figure a budget bounds: key bits (layers' mean) or KV bits, metadata included."""
-        from pnmix.bits import kv_bits, mean_key_bits
+        """The figure a budget bounds: key bits (layers' mean) or KV bits, metadata included; on a
+        hybrid model (`plan`), weighted by the elements each layer holds, windows at 16 bits."""
+        from pnmix.bits import kv_bits, mean_key_bits, weighted_key_bits, weighted_kv_bits
 
+        if self.plan is not None:
+            weighted = weighted_kv_bits if self.budget_on == BudgetOn.KV else weighted_key_bits
+            return weighted(config, self.plan, head_dim)
         layers = self.num_layers if isinstance(config, LayerwiseConfig) else 1
         if self.budget_on == BudgetOn.KV:
             return kv_bits(config, layers, head_dim)
@@ -383,7 +397,7 @@ class SearchSpace:
 
     def to_options(self) -> dict[str, Any]:
         """The fields a stored campaign keeps to rebuild this space (not the model's layer groups)."""
-        return {k: v for k, v in asdict(self).items() if k != "groups"}
+        return {k: v for k, v in asdict(self).items() if k not in ("groups", "plan")}
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),

@@ -24,7 +24,7 @@ from typing import Any
 
 import optuna
 
-from pnmix.bits import kv_bits, mean_key_bits
+from pnmix.bits import weighted_key_bits, weighted_kv_bits
 from pnmix.layerwise import AnyConfig
 from pnmix.storage.errors import StorageError
 from pnmix.tuner import record
@@ -58,7 +58,9 @@ class Objective:
         self.spec, self.studies, self.sharing, self.evaluator, self.progress = (
             spec, studies, sharing, evaluator, progress)
         self.head_dim, self.num_layers = evaluator.head_dim, evaluator.num_layers
-        self.space = spec.space  # the runner sets the grouped space (and the allocator) before any trial
+        # The runner sets the grouped space (and the allocator) before any trial; on a hybrid model the
+        # space weighs the layers by what they hold.
+        self.space = spec.space.with_plan(evaluator.plan)
         self.allocator: AllocatorLoop | None = None
         # Kernel specialisations its trials compiled (CUDA), and the compiler's seconds on them.
         self.kernels_compiled = 0
@@ -105,8 +107,9 @@ class Objective:
         else:
             config = self.space.suggest(trial, self.studies.pairs(budget, self.head_dim), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
-        record.write_config(trial, config, bits, mean_key_bits(config, self.num_layers, self.head_dim),
-                            kv_bits(config, self.num_layers, self.head_dim), origin)
+        plan = self.evaluator.plan
+        record.write_config(trial, config, bits, weighted_key_bits(config, plan, self.head_dim),
+                            weighted_kv_bits(config, plan, self.head_dim), origin)
         trial.set_constraint(f"{self.space.budget_on}_bits", bits - budget)
         return config, bits
 

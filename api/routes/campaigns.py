@@ -63,7 +63,8 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
         options={"space": space.to_options(), "multi_fidelity": False, "tasks": body.tasks, "holdout": body.holdout},
     )
     try:  # refused inside the write session: it rolls back, nothing is stored
-        check_budgets_reachable(space, body.budgets, campaign.model.head_dim, body.model)
+        check_budgets_reachable(space.with_plan(campaign.model.plan), body.budgets, campaign.model.head_dim,
+                                body.model)
     except EvalError as exc:
         raise ProblemError(422, "Unprocessable Content", str(exc)) from None
     response.headers["Location"] = f"/v1/campaigns/{campaign.id}"

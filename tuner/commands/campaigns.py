@@ -201,7 +201,8 @@ def check_campaign(spec: CampaignSpec) -> None:
 
     models.resolve(spec.model, purpose="accuracy")
     check_layer_kinds(spec.space, spec.model)
-    check_budgets_reachable(spec.space, spec.budgets, models.model_shape(spec.model).head_dim, spec.model)
+    space = spec.space.with_plan(models.layer_plan(spec.model))  # a hybrid model's budgets are weighted
+    check_budgets_reachable(space, spec.budgets, models.model_shape(spec.model).head_dim, spec.model)
     for entry in spec.tasks or ():
         if entry.startswith("texts:"):
             check_usable(spec.model, TextsTask.parse(entry))

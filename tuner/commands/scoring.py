@@ -269,8 +269,9 @@ def _print_validation(config_file: str, model: str, evaluator: Any, scores: dict
 
 def layers(
     model: ModelOpt = "smollm2-135m",
-    bits: Annotated[float | None, typer.Option(help="mean key-bit budget (default: the base config's own bits)",
-                                               parser=Number(inputs.BUDGET))] = None,
+    bits: Annotated[float | None, typer.Option(
+        help="key-bit budget, weighted by what each layer holds (default: the base config's own bits)",
+        parser=Number(inputs.BUDGET))] = None,
     preset_name: PresetOpt = None,
     config_file: Annotated[str | None, typer.Option(
         "--config", help="the base PNMixConfig as a JSON file (default: --preset, else pnmix-paper)",
@@ -284,40 +285,42 @@ def layers(
 ) -> None:
     """Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
     config, then every layer's bit pair and salient ratio chosen so that the summed KL is least
-    with mean key bits within --bits (tuner/layers.py; docs/layerwise.md)."""
+    with the model's key bits within --bits (on a hybrid model: its full-attention layers, the
+    windows at 16 bits, weighted by what each layer holds; tuner/layers.py; docs/layerwise.md)."""
     import json
 
-    from pnmix.bits import mean_key_bits
+    from pnmix.bits import weighted_key_bits
     from pnmix.config import PNMixConfig, preset
+    from pnmix.layerwise import LayerwiseConfig, simplest
     from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.layers import candidates_like, layerwise_for_budget
+    from pnmix.tuner.layers import candidates_like, layerwise_for_budget, spread
     from pnmix.tuner.profiles import profile
-    from pnmix.tuner.queue import check_per_layer
     from pnmix.tuner.space import SearchSpace
 
     base = load_config_file(config_file) if config_file else preset(preset_name or "pnmix-paper")
     if not isinstance(base, PNMixConfig):
         raise EvalError(f"--config {config_file}: give a single PNMixConfig as the base, not a layer-wise one")
-    check_per_layer("pnmix layers", model, "`pnmix eval` scores one config on its full-attention layers")
     ev = Evaluator(model, profile(profile_name), tasks=("fidelity",))
-    n_layers, d = ev.loaded.shape.num_layers, ev.head_dim
-    budget = bits if bits is not None else mean_key_bits(base, n_layers, d)
+    d, plan = ev.head_dim, ev.plan
+    budget = bits if bits is not None else weighted_key_bits(base, plan, d)
     space = SearchSpace()
     with console.status("proxy KL of every candidate, layer by layer"):
-        kl_of = {c: ev.proxy_by_layer(c) for c in candidates_like(base, space)}
-    lw = layerwise_for_budget(base, budget, d, space, kl_of)
-    chosen = lw.per_layer(n_layers)
+        kl_of = {c: ev.proxy_by_layer(c) for c in candidates_like(base, space)}  # the full-attention layers'
+    # The full-attention layers share what the budget leaves beside the windows (16 bits).
+    allocated = layerwise_for_budget(base, plan.full_layer_budget(budget, base.n_sink), d, space, kl_of)
+    chosen = allocated.per_layer(len(plan.full_layers))
+    lw = simplest(LayerwiseConfig.from_layers(spread(chosen, plan)))
     layer_kl = [kl_of[c][i] for i, c in enumerate(chosen)]
     report: dict[str, Any] = {
-        "model": model, "base": base.to_dict(), "budget": budget, "base_key_bits": mean_key_bits(base, n_layers, d),
-        "key_bits": mean_key_bits(lw, n_layers, d), "sensitivity": kl_of[base], "layer_kl": layer_kl,
-        "config": lw.to_dict()}
+        "model": model, "base": base.to_dict(), "budget": budget, "base_key_bits": weighted_key_bits(base, plan, d),
+        "key_bits": weighted_key_bits(lw, plan, d), "layers": plan.full_layers, "sensitivity": kl_of[base],
+        "layer_kl": layer_kl, "config": lw.to_dict()}
     if output:
         write_regular_file(Path(output), lw.to_json() + "\n")
     if plot:
         from pnmix.tuner.plot import layers_plot
 
-        layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot),
+        layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot), report["layers"],
                     f"{model}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "
                     f"({report['key_bits']:.3f} bits)")
     if as_json:
@@ -332,11 +335,11 @@ def _print_layers(report: dict[str, Any], base: Any, lw: Any, chosen: list[Any],
     for col in ("layer", "base KL", "chosen", "its KL"):
         table.add_column(col, justify="right")
     for i, c in enumerate(chosen):
-        table.add_row(str(i), f"{kl_of[base][i]:.4f}", f"{c.b_high}/{c.b_low} r{c.salient_ratio:g}",
+        table.add_row(str(report["layers"][i]), f"{kl_of[base][i]:.4f}", f"{c.b_high}/{c.b_low} r{c.salient_ratio:g}",
                       f"{kl_of[c][i]:.4f}")
     console.print(table)
     console.print(f"layer-wise: {lw.label}")
-    console.print(f"mean key bits {report['key_bits']:.3f} (budget {report['budget']:.3f}; base "
+    console.print(f"key bits {report['key_bits']:.3f} (budget {report['budget']:.3f}; base "
                   f"{report['base_key_bits']:.3f}); summed KL {sum(report['layer_kl']):.3f} "
                   f"(base {sum(kl_of[base]):.3f})"
                   + (f"; wrote {output}" if output else "") + (f"; plot {plot}" if plot else "")
