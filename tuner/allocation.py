@@ -106,9 +106,12 @@ class AllocatorLoop:
         return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size))
 
     def _config(self, items: Sequence[Candidate]) -> AnyConfig:
-        """The config of the knapsack's items, in its simplest form; on a hybrid model the windows
-        take the full layers' most common config, so that no range names a sliding layer."""
-        layers: list[PNMixConfig] = joint_layers(items) if self.joint else list(items)  # type: ignore[arg-type]
+        """The config of the knapsack's items, in its simplest form."""
+        return self._layers_config(joint_layers(items) if self.joint else list(items))  # type: ignore[arg-type]
+
+    def _layers_config(self, layers: list[PNMixConfig]) -> AnyConfig:
+        """The config of the allocated layers' configs; on a hybrid model the windows take the full
+        layers' most common config, so that no range names a sliding layer."""
         return simplest(LayerwiseConfig.from_layers(spread(layers, self.plan)))
 
     # -- warm starts -----------------------------------------------------------------------------
@@ -188,8 +191,8 @@ class AllocatorLoop:
         within = self._budget(budget, base)
         try:
             layers = allocate(self.table(base, trial), within, self.head_dim,
-                              cost=lambda item: self.item_cost(item, base))
-            out.append(self._config(layers))
+                              cost=lambda c: self._plain.cost(c, self.head_dim))
+            out.append(self._layers_config(layers))
         except EvalError:
             pass
         if self.joint:

@@ -320,9 +320,9 @@ def layers(
     if plot:
         from pnmix.tuner.plot import layers_plot
 
-        layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot), report["layers"],
+        layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot),
                     f"{model}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "
-                    f"({report['key_bits']:.3f} bits)")
+                    f"({report['key_bits']:.3f} bits)", report["layers"])
     if as_json:
         print(json.dumps(report))
     else:
