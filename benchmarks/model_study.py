@@ -167,7 +167,9 @@ def report(path: Path) -> None:
     for row in res["rows"]:
         a, m, h = row["alloc"], row["minus"], row["holdout"]
         gap = "-" if not h else f"{h['minus_in_search']:+.3f} +- {h['minus_in_search_se']:.3f}"
-        layer_bits = ", ".join(f"{i}: {b:.2f}" for i, b in row["full_layer_bits"].items())
+        bits = list(row["full_layer_bits"].values())
+        layer_bits = (", ".join(f"{i}: {b:.2f}" for i, b in row["full_layer_bits"].items()) if len(bits) <= 6
+                      else f"{min(bits):.2f} to {max(bits):.2f} over {len(bits)} layers")
         lines.append(f"| {row['budget']:g} ({row['full_bits']:.3f}) | {a['label']} | {a['bits']:.3f} | "
                      f"{a['accuracy']:.3f} +- {a['accuracy_se']:.3f} | {cell(m, 'uniform')} | {cell(m, 'pnmix-paper')} "
                      f"| {cell(m, 'kivi2')} | {cell(m, 'fp16')} | {gap} | {layer_bits} |")
