@@ -213,6 +213,21 @@ def test_a_hybrid_model_is_scored_a_sequence_at_a_time(tmp_path, embedded):
     assert len(trace.keys) == 1 and len(ev.trace().keys) == 6 and torch.equal(trace.keys[0], ev.trace().keys[5])
     assert ev.proxy(SMALL) > 0 and ev.proxy(preset("fp16")) == 0
     assert ev.proxy_by_layer(SMALL) == [ev.proxy(SMALL)]
+    # `pnmix layers` allocates the full-attention layer alone, within the weighted budget.
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "small.json").write_text(SMALL.to_json())
+    out = subprocess.run([sys.executable, "-P", "-m", "pnmix.api.cli", "layers", "--model", str(tmp_path), "--config",
+                          str(tmp_path / "small.json"), "--bits", "2.5", "--profile", "smoke", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["layers"] == [5] and len(report["sensitivity"]) == 1
+    config = load_config(json.dumps(report["config"]))
+    assert report["key_bits"] == weighted_key_bits(config, ev.plan, 16) <= 2.5 + 1e-9
+    assert not as_layerwise(config).named_layers(6)
 
 
 def test_layer_groups_on_a_hybrid_model_are_refused_in_one_line():
