@@ -7,7 +7,7 @@ model, paired on the same items, with held-out scores, and where the allocator p
 Budgets are given as the mean key bits of the model's full-attention layers (`--full-bits`; "paper"
 is pnmix-paper's own figure). On a full-attention model that is the budget itself; on a hybrid model
 the campaign's budget is the weighted figure at 32K tokens in which the sliding windows count at 16
-bits (`pnmix.bits.LayerPlan.full_layer_budget` is the inverse), so both models are compared at the
+bits (`pnmix.bits.LayerPlan.budget_for`), so both models are compared at the
 same bits in the layers PN-Mix quantizes. One evaluator scores everything (the profile's items and
 trajectories, seed 0, a quarter of every part's units held out), so every difference is paired:
   alloc    a `pnmix-alloc` campaign (the default method), `--trials` scored configs a budget;
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pnmix.bits import DEFAULT_QUANTIZED_TOKENS, FP16_BITS, LayerPlan, key_bits, weighted_key_bits
+from pnmix.bits import key_bits, weighted_key_bits
 from pnmix.config import preset
 from pnmix.layerwise import as_layerwise, config_from_dict
 
@@ -40,18 +40,6 @@ BASELINES = ("pnmix-paper", "kivi2", "fp16")
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def budget_for(full_bits: float, plan: LayerPlan, n_sink: int = 32) -> float:
-    """The campaign budget at which the full-attention layers may take `full_bits` on average: the
-    budget itself on a full-attention model; on a hybrid, the weighted figure with the windows at
-    16 bits, rounded down to 1e-4."""
-    if not plan.hybrid:
-        return full_bits
-    held = plan.held(DEFAULT_QUANTIZED_TOKENS + n_sink)
-    full = sum(held[i] for i in plan.full_layers)
-    window = sum(held) - full
-    return math.floor((full_bits * full + FP16_BITS * window) / (full + window) * 1e4) / 1e4
 
 
 def run_campaign(method: str, ev: Any, budgets: tuple[float, ...], trials: int, db: Any) -> dict[float, Any]:
@@ -102,7 +90,7 @@ def study(model: str, device: str, profile_name: str, trials: int, full_bits: li
     targets = [key_bits(paper, d).total if b == "paper" else float(b) for b in full_bits]
     # pnmix-paper's own figure rounded up, so that it fits the budget named after it
     budgets = tuple(math.ceil(weighted_key_bits(paper, plan, d) * 1e4) / 1e4 if b == "paper"
-                    else budget_for(float(b), plan) for b in full_bits)
+                    else plan.budget_for(float(b)) for b in full_bits)
     res.update(plan={"kinds": list(plan.kinds), "window": plan.window}, full_bits=targets, budgets=list(budgets))
     log(f"{model}: budgets {budgets} (full layers' mean key bits {[round(b, 3) for b in targets]})")
     db = Database(f"sqlite:///{out / f'study-{model}.db'}")

@@ -64,6 +64,19 @@ class LayerPlan:
     def held(self, tokens: int) -> list[int]:
         return held_tokens(self.kinds, self.window, tokens)
 
+    def budget_for(self, full_bits: float, n_sink: int = 32,
+                   quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
+        """The model's weighted budget at which its full-attention layers may take `full_bits` on
+        average, the windows at 16 bits (`full_layer_budget`'s inverse, rounded down to 1e-4 so the
+        full layers never get more): a hybrid model's counterpart of a full-attention model's budget
+        `full_bits`, which a full-attention model gets back unchanged."""
+        if not self.hybrid:
+            return full_bits
+        held = self.held(quantized_tokens + n_sink)
+        full = math.fsum(held[i] for i in self.full_layers)
+        window = math.fsum(held) - full
+        return math.floor((full_bits * full + FP16_BITS * window) / (full + window) * 1e4) / 1e4
+
     def full_layer_budget(self, budget: float, n_sink: int,
                           quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
         """The mean bits the full-attention layers may take (key bits, or KV bits: the same sum) so

@@ -261,6 +261,10 @@ def test_a_hybrid_models_budget_leaves_its_full_layers_what_the_windows_do_not_h
     weighted = weighted_key_bits(paper, GEMMA, 256)
     assert weighted == pytest.approx((full * key_bits(paper, 256).total + windows * 16) / (full + windows), rel=1e-14)
     assert GEMMA.full_layer_budget(weighted, 32) == pytest.approx(key_bits(paper, 256).total - 1e-8, abs=1e-12)
+    # `budget_for` is its inverse, rounded down: the counterpart of a full-attention model's budget
+    for bits in (1.5, 2.0, 2.25, 3.0):
+        assert bits - 2e-3 < GEMMA.full_layer_budget(GEMMA.budget_for(bits), 32) <= bits
+        assert LayerPlan.full(30).budget_for(bits) == bits
     from pnmix.bits import value_bits_total
 
     values = (full * value_bits_total(paper) + windows * 16) / (full + windows)

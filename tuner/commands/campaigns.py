@@ -147,6 +147,7 @@ def tune(
     enqueue: Annotated[bool, typer.Option(help="only queue it for `pnmix worker`")] = False,
 ) -> None:
     """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
+    from pnmix import models
     from pnmix.tuner.campaign import CampaignSpec, optuna_storage
     from pnmix.tuner.plot import pareto_plot
     from pnmix.tuner.session import find_or_create_campaign, open_db
@@ -154,7 +155,10 @@ def tune(
 
     chosen = with_lm_eval(task_list(tasks, items, texts_task(texts, text_prefix, text_tokens)), lm_eval_task,
                           lm_eval_limit)
-    spec = CampaignSpec(model=model, budgets=tuple(budgets or (3.0, 2.5, 2.25, 2.0, 1.5)), n_trials=trials,
+    if not budgets:  # on a hybrid model, the budgets that leave its full-attention layers these bits
+        plan = models.layer_plan(model)
+        budgets = [plan.budget_for(b) for b in (3.0, 2.5, 2.25, 2.0, 1.5)]
+    spec = CampaignSpec(model=model, budgets=tuple(budgets), n_trials=trials,
                         method=method, profile=profile_name, objectives=objective_list(objectives), seed=seed,
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
                         space=SearchSpace(method=method, budget_on=budget_on, search_values=search_values,
@@ -357,8 +361,10 @@ def run_main_job(
 ) -> None:
     """The main job: bit-budget table, then a small real allocator campaign (quick profile, budgets 3.0
     and 2.25 key bits; a quarter of the items held out), its fronts, the recommendation at <= 2.25 bits
-    beside pnmix-paper with its held-out score, and a plot."""
+    beside pnmix-paper with its held-out score, and a plot. On a hybrid model the budgets are the
+    weighted figures that leave its full-attention layers 3.0 and 2.25 bits."""
 
+    from pnmix import models
     from pnmix.storage import recommend_with_ties
     from pnmix.tuner.campaign import CampaignSpec
     from pnmix.tuner.plot import pareto_plot
@@ -370,18 +376,20 @@ def run_main_job(
     # 2.25 key bits lies just under pnmix-paper's 2.263 (d = 64), which the 3.0 budget scores among its
     # warm starts: the recommendation at <= 2.25 bits, a layer-wise config, is compared with it on the
     # same items, in the search and on the held-out items.
-    spec = CampaignSpec(model=model, budgets=(3.0, 2.25), n_trials=trials, profile="quick", method=ALLOCATED,
+    plan = models.layer_plan(model)
+    loose, tight = plan.budget_for(3.0), plan.budget_for(2.25)
+    spec = CampaignSpec(model=model, budgets=(loose, tight), n_trials=trials, profile="quick", method=ALLOCATED,
                         space=SearchSpace(method=ALLOCATED))
     campaign_id = find_or_create_campaign(db, spec)
     console.print(f"campaign {campaign_id} on {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
     with db.session(readonly=True) as s:
-        rec = recommend_with_ties(s, model, 2.25, campaign_id=campaign_id)
+        rec = recommend_with_ties(s, model, tight, campaign_id=campaign_id)
         p = rec.point
         path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}",
                            recommended=(p.budget, p.trial_number))
-        console.print(f"recommendation at <= 2.25 key bits: {p.config.to_json()} "
+        console.print(f"recommendation at <= {tight:g} key bits: {p.config.to_json()} "
                       f"(key bits {p.key_bits:.3f}, accuracy {pm(p.accuracy, p.accuracy_se)})")
         console.print(holdout_line(p))
         print_ties(rec)
