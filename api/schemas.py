@@ -69,6 +69,10 @@ class ModelPublic(BaseModel):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    layer_kinds: list[str] | None = Field(
+        default=None, description="each layer's kind (full_attention, sliding_attention); null: every layer full "
+        "attention. A model with sliding-window layers has budgets weighted by the elements each layer holds")
+    sliding_window: int | None = Field(default=None, description="the sliding layers' window; null: none")
     front_points: int = Field(description="stored Pareto points over all campaigns")
     budgets: list[float] = Field(description="budgets that have points, largest first")
 
@@ -78,6 +82,7 @@ class ModelPublic(BaseModel):
         return cls(
             name=m.name, family=m.family, source=m.source, location=m.location, num_layers=m.num_layers,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            layer_kinds=m.layer_kinds, sliding_window=m.sliding_window,
             front_points=s.front_points, budgets=s.budgets,
         )
 
@@ -133,8 +138,10 @@ class PointPublic(BaseModel):
                                       "was stored without one")
     accuracy_parts: dict[str, float]
     key_bits: float = Field(description="key bits per element, the layers' mean (pnmix.bits.mean_key_bits, "
-                            "T_q = 32768)")
-    kv_bits: float = Field(description="key and value bits per cached element (pnmix.bits.kv_bits)")
+                            "T_q = 32768); on a model with sliding-window layers weighted by the elements each "
+                            "layer holds, the windows at 16 bits (pnmix.bits.weighted_key_bits)")
+    kv_bits: float = Field(description="key and value bits per cached element (pnmix.bits.kv_bits; weighted "
+                           "likewise, pnmix.bits.weighted_kv_bits)")
     budget_on: BitsOf = Field(description="the figure the campaign's budget constrained: key or kv bits")
     kv_bytes: int = Field(description="measured KV-cache bytes on the campaign's workload")
     throughput: float = Field(description="measured decode tokens/s on the campaign's workload")

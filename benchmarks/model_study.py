@@ -14,8 +14,9 @@ trajectories, seed 0, a quarter of every part's units held out), so every differ
   uniform  a `pnmix` campaign (one config for every full layer), as many trials: the best uniform
            config it finds;
   then per budget: each campaign's best (the most accurate point of its front), pnmix-paper and KIVI-2
-  where they fit, and fp16, each with its SE; alloc minus each, paired; the held-out score of the
-  alloc campaign's recommendation minus its in-search score; the alloc pick's key bits per full layer.
+  where they fit, and fp16, each with its SE; alloc minus each, paired; the alloc campaign's
+  recommendation (`pnmix recommend`: the fewest bits among the points tied with the best) with its
+  held-out score minus its in-search score; the alloc pick's key bits per full layer.
 Resumable: the campaigns live in DIR/study-MODEL.db.
 """
 
@@ -71,7 +72,7 @@ def study(model: str, device: str, profile_name: str, trials: int, full_bits: li
     import optuna
     import torch
 
-    from pnmix.storage import Database, list_front_points, upgrade
+    from pnmix.storage import Database, recommend, upgrade
     from pnmix.tuner.evaluate import Evaluator
     from pnmix.tuner.profiles import profile
     from pnmix.tuner.stats import paired
@@ -115,10 +116,11 @@ def study(model: str, device: str, profile_name: str, trials: int, full_bits: li
                         for k in ("uniform", *BASELINES) if k in row}
         layers = as_layerwise(config_from_dict(row["alloc"]["config"])).per_layer(len(plan.kinds))
         row["full_layer_bits"] = {i: key_bits(layers[i], d).total for i in plan.full_layers}
-        with db.session(readonly=True) as s:
-            points = list_front_points(s, model, campaign_id=runs["pnmix-alloc"]["campaign_id"]).items
-            held = [p.holdout_summary() for p in points if p.budget == budget and p.holdout_accuracy is not None]
-        row["holdout"] = held[0] if held else None
+        with db.session(readonly=True) as s:  # what `pnmix recommend --bits BUDGET` answers, held out
+            rec = recommend(s, model, budget, campaign_id=runs["pnmix-alloc"]["campaign_id"])
+            row["recommended"] = {"label": rec.config.label, "key_bits": rec.key_bits, "accuracy": rec.accuracy,
+                                  "accuracy_se": rec.accuracy_se}
+            row["holdout"] = rec.holdout_summary()
         rows.append(row)
         log(f"{budget:g}: alloc {row['alloc']['accuracy']:.3f} ({row['alloc']['label'][:70]}); "
             + "; ".join(f"- {k} {d_:+.3f} +- {se:.3f}" for k, (d_, se) in row["minus"].items()))
@@ -149,18 +151,20 @@ def report(path: Path) -> None:
     lines = [f"{res['model']}, profile {res['profile']}, {res['trials']} trials a budget a campaign; "
              f"{res['env']['gpu']}, torch {res['env']['torch']}, {res['env']['date']}", "",
              "| budget (full layers' bits) | allocator's best | bits | accuracy +- SE | minus best uniform "
-             "| minus pnmix-paper | minus KIVI-2 | minus fp16 | held-out minus in-search | full layers' key bits |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| minus pnmix-paper | minus KIVI-2 | minus fp16 | full layers' key bits | recommended: held-out minus "
+             "in-search |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for row in res["rows"]:
         a, m, h = row["alloc"], row["minus"], row["holdout"]
-        gap = "-" if not h else f"{h['minus_in_search']:+.3f} +- {h['minus_in_search_se']:.3f}"
+        r = row["recommended"]
+        gap = f"{r['label']} ({r['key_bits']:.3f} bits): " + (
+            "-" if not h else f"{h['minus_in_search']:+.3f} +- {h['minus_in_search_se']:.3f}")
         bits = list(row["full_layer_bits"].values())
         layer_bits = (", ".join(f"{i}: {b:.2f}" for i, b in row["full_layer_bits"].items()) if len(bits) <= 6
                       else f"{min(bits):.2f} to {max(bits):.2f} over {len(bits)} layers")
         lines.append(f"| {row['budget']:g} ({row['full_bits']:.3f}) | {a['label']} | {a['bits']:.3f} | "
                      f"{a['accuracy']:.3f} +- {a['accuracy_se']:.3f} | {cell(m, 'uniform')} | {cell(m, 'pnmix-paper')} "
-                     f"| {cell(m, 'kivi2')} | {cell(m, 'fp16')} | {gap} | {layer_bits} |")
+                     f"| {cell(m, 'kivi2')} | {cell(m, 'fp16')} | {layer_bits} | {gap} |")
     for key, label, marker in (("alloc", "allocator's best", "D"), ("uniform", "best uniform", "o")):
         pts = [(r[key]["bits"], r[key]["accuracy"], r[key]["accuracy_se"] or 0) for r in res["rows"]]
         xs, ys, es = zip(*pts, strict=True)

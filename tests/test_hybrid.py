@@ -324,12 +324,17 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tm
     """A pnmix-alloc campaign on Gemma 3's layout: every stored point's key bits are the weighted
     figure, within its budget; no config names a window; the most sensitive full layer gets the
     most bits; and the front is served by budget as on any model."""
+    from fastapi.testclient import TestClient
+
+    from pnmix.api.app import create_app
+    from pnmix.api.settings import Settings
     from pnmix.storage import Database, get_campaign, list_front_points, recommend, upgrade
+    from pnmix.storage.testing import sqlite_url
     from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
     from pnmix.tuner.session import find_or_create_campaign
     from pnmix.tuner.space import SearchSpace
 
-    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    db = Database(sqlite_url(tmp_path))
     upgrade(db)
     spec = CampaignSpec(model="gemma3-270m", budgets=(3.0, 3.5), n_trials=6, method="pnmix-alloc",
                         profile="smoke", tasks=("fidelity",), space=SearchSpace(method="pnmix-alloc"))
@@ -349,3 +354,9 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tm
         full_mean = sum(key_bits(layers[i], 256).total for i in (5, 11, 17)) / 3
         assert full_mean <= GEMMA.full_layer_budget(3.0, layers[0].n_sink) + 1e-9
         assert best.key_bits - full_mean > 0.9
+    # The service says what the model's layers hold, and answers by the weighted figure.
+    with TestClient(create_app(Settings(database_url=sqlite_url(tmp_path)))) as client:
+        model = client.get("/v1/models").json()["items"][0]
+        assert (model["layer_kinds"], model["sliding_window"]) == (list(GEMMA.kinds), 512)
+        answer = client.get("/v1/recommend", params={"model": "gemma3-270m", "target_bits": 3.0}).json()
+        assert answer["point"]["key_bits"] == best.key_bits
