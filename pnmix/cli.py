@@ -233,7 +233,7 @@ def _layerwise_bits(config: Any, n_layers: int, d: int, tokens: int) -> tuple[di
 
 def budget_table(model: str, seq_len: int = 8192) -> Table:
     """Key bits and KV bytes of the presets and a small grid, for one model: what a budget buys."""
-    from pnmix.bits import held_key_bits
+    from pnmix.bits import held_key_bits, weighted_key_bits
     from pnmix.models import layer_plan, model_shape
 
     shape, plan = model_shape(model), layer_plan(model)
@@ -246,8 +246,9 @@ def budget_table(model: str, seq_len: int = 8192) -> Table:
                   + (f"; {plan.kinds.count(FULL)} of {len(plan.kinds)} layers full attention, the rest hold a "
                      f"window of {plan.window} in fp16" if plan.hybrid else ""))
     columns = ["config", "b_H/b_L", "G", "r", "sinks", "key bits", "total", "value bits", "KV MiB", "vs fp16"]
-    if plan.hybrid:  # the model's figure: layers weighted by the key elements they hold at seq_len
-        columns.insert(7, f"model key bits @{seq_len}")
+    if plan.hybrid:  # the model's figure: layers weighted by the key elements they hold at seq_len, and
+        # at 32K tokens, the figure a budget bounds
+        columns[7:7] = [f"model key bits @{seq_len}", "@32K (budgets)"]
     for col in columns:
         table.add_column(col, justify="right")
     for name, cfg in sorted(rows, key=lambda row: key_bits(row[1], d).total):
@@ -257,7 +258,7 @@ def budget_table(model: str, seq_len: int = 8192) -> Table:
                  f"{kb.key_bits:.3f}", f"{kb.total:.3f}", f"{value_bits(cfg):.2f}", f"{kv.total / 2**20:.2f}",
                  f"{kv.fp16_total / kv.total:.2f}x"]
         if plan.hybrid:
-            cells.insert(7, f"{held_key_bits(cfg, plan, d, seq_len):.3f}")
+            cells[7:7] = [f"{held_key_bits(cfg, plan, d, seq_len):.3f}", f"{weighted_key_bits(cfg, plan, d):.3f}"]
         table.add_row(*cells)
     return table
 
