@@ -44,7 +44,7 @@ from typing import Any
 
 import optuna
 
-from pnmix.bits import key_bits
+from pnmix.bits import LayerPlan, key_bits
 from pnmix.config import PNMixConfig
 from pnmix.tuner import racing
 from pnmix.tuner.profiles import EvalError
@@ -67,6 +67,7 @@ class Replay:
         self.by_key = {config_key(r["config"]): r for r in records}
         self.head_dim, self.model_name, self.seed = head_dim, "replay", seed
         self.num_layers = 30  # the ground truth is of uniform configs: any layer count gives their bits
+        self.plan = LayerPlan.full(30)
         self.profile = SimpleNamespace(name=profile)
         self.ledger: list[tuple[str, float, bool]] = []  # (config key, seconds charged, fully scored)
         self.full: set[str] = set()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig, preset
 from pnmix.tuner import racing
 from pnmix.tuner.profiles import EvalError
@@ -33,6 +34,7 @@ class CountingEvaluator:
     count of how often each config was scored."""
 
     model_name, seed, tasks, head_dim, num_layers = "smollm2-135m", 0, ("passkey",), 64, 30
+    plan = LayerPlan.full(30)
 
     class profile:  # noqa: N801 (the evaluator's profile attribute)
         name = "smoke"

@@ -32,6 +32,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from pnmix.bits import LayerPlan
+
 HEAD_DIM = 64  # smollm2-135m, the registry model the stub campaigns name
 UNITS = 64  # per-unit outcomes of the stub's one part (what racing pairs)
 
@@ -39,6 +41,7 @@ UNITS = 64  # per-unit outcomes of the stub's one part (what racing pairs)
 class StubEvaluator:
     head_dim = HEAD_DIM
     num_layers = 30  # the embedded model's; uniform configs cost the same bits at any layer count
+    plan = LayerPlan.full(30)  # every layer full attention: the figures are the layers' mean
 
     def __init__(self) -> None:
         self.calls = 0

@@ -32,7 +32,7 @@ class Exhausting:
 
     def __init__(self, evaluator: Evaluator, failures: dict[int, str]) -> None:
         self.inner, self.failures, self.calls = evaluator, failures, 0
-        self.head_dim, self.num_layers = evaluator.head_dim, evaluator.num_layers
+        self.head_dim, self.num_layers, self.plan = evaluator.head_dim, evaluator.num_layers, evaluator.plan
 
     def proxy(self, config):
         return self.inner.proxy(config)
