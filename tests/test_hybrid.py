@@ -360,3 +360,45 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tm
         assert (model["layer_kinds"], model["sliding_window"]) == (list(GEMMA.kinds), 512)
         answer = client.get("/v1/recommend", params={"model": "gemma3-270m", "target_bits": 3.0}).json()
         assert answer["point"]["key_bits"] == best.key_bits
+
+
+@pytest.mark.slow
+def test_pnmix_tune_on_a_hybrid_checkpoint_stores_fronts_by_the_weighted_figure(tmp_path, embedded):
+    """`pnmix tune` (the allocator, the default method) on a local hybrid checkpoint, end to end
+    through the real evaluator on the live path: the model row keeps its layer kinds, every stored
+    point's key bits are the weighted figure within the budget, no config names a window, and
+    `pnmix recommend` answers from that front."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from pnmix import models
+    from pnmix.storage import Database, list_front_points
+
+    tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
+    model = tiny_gemma3(window=WINDOW, head_dim=32, vocab_size=len(tok), max_position_embeddings=2048,
+                        eos_token_id=tok.eos_token_id)
+    folder = tmp_path / "tiny-gemma3"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    cli = [sys.executable, "-P", "-m", "pnmix.api.cli"]
+    out = subprocess.run([*cli, "tune", "--model", str(folder), "--profile", "smoke", "--tasks", "fidelity",
+                          "--budgets", "2.5", "--trials", "3", "--storage", url],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = LayerPlan(tuple(layer_kinds(model.config)), WINDOW)
+    db = Database(url)
+    with db.session(readonly=True) as s:
+        points = list_front_points(s, str(folder)).items
+        assert points and points[0].campaign.model.plan == plan
+        for p in points:
+            assert p.key_bits == weighted_key_bits(p.config, plan, 32) <= 2.5 + 1e-9
+            assert not set(as_layerwise(p.config).named_layers(6)) - {5}
+    db.dispose()
+    out = subprocess.run([*cli, "recommend", "--model", str(folder), "--bits", "2.5", "--storage", url, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["key_bits"] in {p.key_bits for p in points}
