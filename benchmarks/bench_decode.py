@@ -1,6 +1,7 @@
 """PN-Mix decode kernels on the GPU: build, check against the torch reference, time, compare with SDPA.
 
     python benchmarks/bench_decode.py [--out DIR] [--shapes 1x32768,32x8192,...] [--kernels gluon,triton]
+                                      [--heads 4/1/256]    # another head shape (default 32/8/128)
     python benchmarks/bench_decode.py --plans [--out DIR]   # the launch plan against its neighbours
 
 For each (batch, context) shape, with 32 query / 8 KV heads, d = 128 and the `pnmix-paper` config
@@ -512,7 +513,11 @@ def main() -> None:
     ap.add_argument("--kernel", default="gluon", choices=list(KERNELS), help="for --profile: the kernel")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
     ap.add_argument("--plans", action="store_true", help="only the launch-plan comparison")
+    ap.add_argument("--heads", default=f"{HQ}/{HKV}/{D}", metavar="HQ/HKV/D",
+                    help="query heads, KV heads and head dim of the timed shapes (Gemma 3 270M: 4/1/256)")
     args = ap.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = (int(x) for x in args.heads.split("/"))
     if args.plans:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -547,6 +552,7 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     env = {
         "date": datetime.date.today().isoformat(),
+        "heads": args.heads,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
