@@ -505,6 +505,7 @@ def check_wiring(fh, dtype: torch.dtype = torch.bfloat16, ref_device: str = "cud
 
 
 def main() -> None:
+    global HQ, HKV, D
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
@@ -516,7 +517,6 @@ def main() -> None:
     ap.add_argument("--heads", default=f"{HQ}/{HKV}/{D}", metavar="HQ/HKV/D",
                     help="query heads, KV heads and head dim of the timed shapes (Gemma 3 270M: 4/1/256)")
     args = ap.parse_args()
-    global HQ, HKV, D
     HQ, HKV, D = (int(x) for x in args.heads.split("/"))
     if args.plans:
         out_dir = Path(args.out)
