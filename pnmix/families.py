@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pnmix.bits import ModelShape
 from pnmix.config import ConfigError
 from pnmix.errors import PNMixError
 from pnmix.layerwise import AnyConfig, LayerwiseConfig
@@ -95,11 +96,18 @@ def require_full_attention(model_config: Any, what: str) -> None:
             f"{kinds.count(SLIDING)} sliding-window layers (generation with a PN-Mix cache serves it)")
 
 
+def shape_of_config(config: Any) -> ModelShape:
+    """The layer count, heads, KV heads and head dim a transformers config gives its text decoder."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelShape(config.num_hidden_layers, heads, kv_heads, head_dim)
+
+
 def check_model(model_config: Any, config: AnyConfig) -> tuple[Pairing, int]:
     """Validates a (model, PN-Mix config) pair, a layer-wise config's ranges against the model's
     layers too; returns (pairing, head_dim)."""
-    from pnmix.models import shape_of_config
-
     pairing = rope_pairing(model_config)
     shape = shape_of_config(model_config)
     config.check_head_dim(shape.head_dim)

@@ -136,6 +136,8 @@ class LoadedModel:
 
     @property
     def shape(self) -> ModelShape:
+        from pnmix.families import shape_of_config
+
         return shape_of_config(self.model.config)
 
 
@@ -252,6 +254,8 @@ def model_shape(name: str) -> ModelShape:
         return EMBEDDED[name].shape
     if name in SHAPE_MODELS:
         return SHAPE_MODELS[name].shape
+    from pnmix.families import shape_of_config
+
     return shape_of_config(auto_config(resolve(name)))
 
 
@@ -278,14 +282,6 @@ def auto_config(source: ModelSource) -> Any:
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read the config of {source.name!r}: {str(exc).strip().splitlines()[0][:200]}") \
             from None
-
-
-def shape_of_config(config: Any) -> ModelShape:
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return ModelShape(config.num_hidden_layers, heads, kv_heads, head_dim)
 
 
 def load(
