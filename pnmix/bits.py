@@ -64,6 +64,13 @@ class LayerPlan:
     def held(self, tokens: int) -> list[int]:
         return held_tokens(self.kinds, self.window, tokens)
 
+    def _held_by_kind(self, tokens: int) -> tuple[float, float]:
+        """(tokens the full-attention layers hold together, tokens the windows hold together) after
+        `tokens`: in the proportions of their elements, since a token is as many in every layer."""
+        held = self.held(tokens)
+        full = math.fsum(held[i] for i in self.full_layers)
+        return full, math.fsum(held) - full
+
     def budget_for(self, full_bits: float, n_sink: int = 32,
                    quantized_tokens: int = DEFAULT_QUANTIZED_TOKENS) -> float:
         """The model's weighted budget at which its full-attention layers may take `full_bits` on
@@ -72,9 +79,7 @@ class LayerPlan:
         `full_bits`, which a full-attention model gets back unchanged."""
         if not self.hybrid:
             return full_bits
-        held = self.held(quantized_tokens + n_sink)
-        full = math.fsum(held[i] for i in self.full_layers)
-        window = math.fsum(held) - full
+        full, window = self._held_by_kind(quantized_tokens + n_sink)
         return math.floor((full_bits * full + FP16_BITS * window) / (full + window) * 1e4) / 1e4
 
     def full_layer_budget(self, budget: float, n_sink: int,
@@ -86,9 +91,7 @@ class LayerPlan:
         itself."""
         if not self.hybrid:
             return budget
-        held = self.held(quantized_tokens + n_sink)
-        window = math.fsum(t for t, kind in zip(held, self.kinds, strict=True) if kind != FULL)
-        full = math.fsum(t for t, kind in zip(held, self.kinds, strict=True) if kind == FULL)
+        full, window = self._held_by_kind(quantized_tokens + n_sink)
         return (budget * (full + window) - FP16_BITS * window) / full - 1e-8
 
 

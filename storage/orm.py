@@ -110,7 +110,8 @@ class Model(Base):
     num_heads: Mapped[int] = mapped_column(Integer)
     num_kv_heads: Mapped[int] = mapped_column(Integer)
     head_dim: Mapped[int] = mapped_column(Integer)
-    # each layer's kind, ["full", "sliding", ...] (pnmix.names); NULL: every layer full attention
+    # each layer's kind, ["full_attention", "sliding_attention", ...] (pnmix.names FULL, SLIDING); NULL:
+    # every layer full attention
     layer_kinds: Mapped[list[Any] | None] = mapped_column(default=None)
     sliding_window: Mapped[int | None] = mapped_column(Integer, nullable=True, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -26,11 +26,11 @@ from typing import Any, Literal
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from pnmix.bits import weighted_key_bits, weighted_kv_bits
+from pnmix.bits import LayerPlan, weighted_key_bits, weighted_kv_bits
 from pnmix.config import PNMixConfig
 from pnmix.inputs import BUDGET
 from pnmix.layerwise import LayerwiseConfig, simplest
-from pnmix.names import BACKENDS, FULL
+from pnmix.names import BACKENDS
 from pnmix.storage.errors import InvalidValueError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 from pnmix.storage.vocabulary import BUDGET_ON, METHODS, TRIALS
@@ -218,7 +218,7 @@ def upsert_model(session: Session, model: ModelIn) -> Model:
     row.num_heads = model.num_heads
     row.num_kv_heads = model.num_kv_heads
     row.head_dim = model.head_dim
-    hybrid = any(kind != FULL for kind in model.layer_kinds)
+    hybrid = LayerPlan(model.layer_kinds, model.sliding_window).hybrid
     row.layer_kinds = list(model.layer_kinds) if hybrid else None
     row.sliding_window = model.sliding_window if hybrid else None
     session.flush()

@@ -30,7 +30,6 @@ from pnmix.bits import LayerPlan, weighted_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.families import layer_kinds, rope_pairing, sliding_window
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
-from pnmix.names import FULL, SLIDING
 from pnmix.tuner import fidelity
 from pnmix.tuner import shipped as shipped_module
 from pnmix.tuner import tasks as tasks_module
@@ -111,11 +110,10 @@ class Evaluator:
         self.loaded = models.load(model, purpose="accuracy", dtype=dtype, device=device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
-        self.layer_kinds = layer_kinds(self.model.config)
         # What each layer holds: the bit figures weigh the layers by it (pnmix.bits.weighted_key_bits).
-        self.plan = LayerPlan(tuple(self.layer_kinds), sliding_window(self.model.config))
+        self.plan = LayerPlan(tuple(layer_kinds(self.model.config)), sliding_window(self.model.config))
         # A model with sliding-window layers is scored a sequence at a time (tuner/sequential.py).
-        self.sequential = SLIDING in self.layer_kinds
+        self.sequential = self.plan.hybrid
         self.head_dim = self.loaded.shape.head_dim
         self.num_layers = self.loaded.shape.num_layers
         self.device = str(self.model.device)
@@ -359,7 +357,7 @@ class Evaluator:
         trace = self.trace()
         if not self.sequential:
             return trace, config
-        full = [i for i, kind in enumerate(self.layer_kinds) if kind == FULL]
+        full = self.plan.full_layers
         kept = replace(trace, queries=[trace.queries[i] for i in full], keys=[trace.keys[i] for i in full],
                        values=None if trace.values is None else [trace.values[i] for i in full])
         per_layer = as_layerwise(config).per_layer(self.num_layers)
