@@ -19,7 +19,9 @@ for each sliding one: transformers' own sliding-window layer, which keeps the la
 and values in the model's dtype, so those layers attend exactly as with transformers' cache (the
 "pnmix" attention function runs SDPA, with the model's sliding mask, on the plain tensors it
 returns). PN-Mix quantizes the full-attention layers, where the long context and nearly all the
-bytes sit.
+bytes sit. A cache built from recorded prefills (pnmix/prefill.py, the scoring engine's batches
+of sequences of different lengths) holds `BatchWindowLayer`s instead: the same window, kept per
+sequence, attended with the same sliding mask.
 """
 
 from __future__ import annotations
@@ -665,9 +667,95 @@ class PNMixCache(Cache):
 
     def nbytes(self) -> dict[str, Any]:
         """{"layers": [per-layer region bytes, every layer], "regions": summed by region, "total": all bytes}."""
-        per_layer = [layer.nbytes() for layer in self.layers if isinstance(layer, PNMixLayer | WindowLayer)]
+        per_layer = [layer.nbytes() for layer in self.layers
+                     if isinstance(layer, PNMixLayer | WindowLayer | BatchWindowLayer)]
         regions = {r: sum(layer[r] for layer in per_layer) for r in REGIONS}
         return {"layers": per_layer, "regions": regions, "total": sum(regions.values())}
+
+
+class BatchWindowLayer(SeenTokensLayer):
+    """A sliding-window layer of a batch of recorded prefills (`pnmix.prefill.build_cache`): every
+    sequence keeps its own last `window - 1` tokens in the model's dtype, as transformers' sliding
+    layer does for one sequence, and the newest tokens attend causally over the last `window`
+    positions (transformers' sliding mask: key position > query position - window). Sequences of
+    different lengths sit in one batch without padding; `update` hands the attention function a
+    `LayerStep`, which appends and attends here, as a `PNMixLayer` does."""
+
+    is_croppable = False
+
+    def __init__(self, window: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.window = window
+        self.prefilled, self.multi_token = True, False
+        self.lengths = [int(k.shape[1]) for k in keys]  # positions seen per sequence
+        keep = [min(n, window - 1) for n in self.lengths]
+        self.start = [n - k for n, k in zip(self.lengths, keep, strict=True)]  # position of slot 0
+        self.count = keep  # slots in use per sequence
+        h, _, d = keys[0].shape
+        self.k = keys[0].new_zeros((len(keys), h, max(keep) + 1, d))
+        self.v = torch.zeros_like(self.k)
+        for b, n in enumerate(keep):
+            if n:
+                self.k[b, :, :n] = keys[b][:, -n:]
+                self.v[b, :, :n] = values[b][:, -n:]
+        self.seen = max(self.lengths)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a BatchWindowLayer is built from recorded prefills")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.seen += key_states.shape[-2]
+        step = LayerStep(self, key_states, value_states)  # type: ignore[arg-type]
+        return step, step
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [B, H_kv, n, d]: every sequence's next n tokens."""
+        n = key.shape[2]
+        if max(self.count) + n > self.k.shape[2]:
+            self._compact(n)
+        at = torch.tensor(self.count, device=key.device)[:, None] + torch.arange(n, device=key.device)
+        _scatter_tokens(self.k, at, key.to(self.k.dtype))
+        _scatter_tokens(self.v, at, value.to(self.v.dtype))
+        self.count = [c + n for c in self.count]
+        self.lengths = [m + n for m in self.lengths]
+
+    def _compact(self, n: int) -> None:
+        """Room for n more tokens a sequence: each keeps only its last window - 1 (what the next
+        query can still see), in a buffer grown to fit them and the n."""
+        keep = [min(c, self.window - 1) for c in self.count]
+        b, h, _, d = self.k.shape
+        k = self.k.new_zeros((b, h, max(keep) + 2 * n, d))
+        v = torch.zeros_like(k)
+        for row, (c, m) in enumerate(zip(self.count, keep, strict=True)):
+            k[row, :, :m] = self.k[row, :, c - m : c]
+            v[row, :, :m] = self.v[row, :, c - m : c]
+        self.start = [s + c - m for s, c, m in zip(self.start, self.count, keep, strict=True)]
+        self.k, self.v, self.count = k, v, keep
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [B, Hq, q_len, d] of the newest q_len tokens -> [B, q_len, Hq, d]."""
+        b, hq, q_len, d = query.shape
+        group = hq // self.k.shape[1]
+        dev = query.device
+        width = max(self.count)
+        slot = torch.arange(width, device=dev)
+        pos = torch.tensor(self.start, device=dev)[:, None] + slot  # [B, W]: each slot's position
+        held = slot[None] < torch.tensor(self.count, device=dev)[:, None]
+        q_pos = torch.tensor(self.lengths, device=dev)[:, None] - q_len + torch.arange(q_len, device=dev)
+        p, qp = pos[:, None, :], q_pos[:, :, None]
+        mask = held[:, None, :] & (p <= qp) & (p > qp - self.window)  # [B, q_len, W]
+        q = query.reshape(b, self.k.shape[1], group * q_len, d)
+        mask = mask.repeat(1, group, 1)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, self.k[:, :, :width], self.v[:, :, :width], attn_mask=mask, scale=scaling)
+        return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
+
+    def nbytes(self) -> dict[str, int]:
+        """The window each sequence holds, as transformers' sliding layer keeps it (window - 1 tokens)."""
+        per_token = 2 * self.k.shape[1] * self.k.shape[3] * self.k.dtype.itemsize
+        held = sum(min(c, self.window - 1) for c in self.count)
+        return {**dict.fromkeys(REGIONS, 0), "window": held * per_token}
 
 
 class WindowLayer(DynamicSlidingWindowLayer):

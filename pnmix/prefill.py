@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from pnmix.cache import LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
+from pnmix.cache import BatchWindowLayer, LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
 from pnmix.config import PNMixConfig
-from pnmix.families import check_model, require_full_attention, rope_pairing
+from pnmix.families import check_model, rope_pairing, sliding_window
 from pnmix.generation import cache_kwargs, use_pnmix_attention
 from pnmix.layerwise import AnyConfig
 from pnmix.saliency import Pairing, saliency_scores
@@ -93,7 +93,8 @@ class _RecordingCache(Cache):
     def __init__(self, model_config: Any) -> None:
         text = model_config.get_text_config(decoder=True)
         pairing = rope_pairing(model_config)
-        require_full_attention(model_config, "the scoring engine")
+        # Every layer records its states, a sliding-window one too: its prefill attention ran
+        # under the model's sliding mask, and `build_cache` keeps its window of them.
         super().__init__(layers=[_RecordingLayer(pairing) for _ in range(text.num_hidden_layers)])
 
 
@@ -163,15 +164,20 @@ def build_cache(model: Any, config: AnyConfig, states: list[PrefillState], multi
     """`config`'s cache of a batch of recorded prefills, as if each had been prefilled alone.
 
     Sequence b holds states[b]'s tokens from slot 0 (no padding); the next token of sequence b
-    sits at position states[b].length.
+    sits at position states[b].length. A sliding-window layer (a hybrid model) becomes a
+    `BatchWindowLayer` holding each sequence's window of its states.
     """
     if not states:
         raise ValueError("build_cache needs at least one prefill state")
     check_model(model.config, config)
     use_pnmix_attention(model)
     cache = PNMixCache(model.config, config, multi_token=multi_token)
-    for li, layer in enumerate(la for la in cache.layers if isinstance(la, PNMixLayer)):
-        _load_layer(layer, layer.config, states, li)  # a layer-wise config: each layer its own
+    for li, layer in enumerate(cache.layers):
+        if isinstance(layer, PNMixLayer):
+            _load_layer(layer, layer.config, states, li)  # a layer-wise config: each layer its own
+        else:
+            cache.layers[li] = BatchWindowLayer(sliding_window(model.config) or 0, [s.keys[li] for s in states],
+                                                [s.values[li] for s in states])
     return cache
 
 

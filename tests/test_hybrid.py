@@ -70,6 +70,49 @@ def test_quantized_full_layers_beside_exact_windows():
     assert regions["packed_keys"] > 0 and cache.nbytes()["total"] == sum(regions.values())
 
 
+@pytest.mark.parametrize("config", [preset("fp16"), SMALL], ids=["fp16", "small"])
+def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config):
+    """The scoring engine's batch (sequences of different lengths, each sliding layer a
+    `BatchWindowLayer` built from the recorded prefill) gives every sequence the tokens `generate`
+    gives it alone with transformers' own window layer; its teacher-forced replay gives the live
+    replay's distributions; its bytes are the live cache's."""
+    from pnmix.cache import BatchWindowLayer
+    from pnmix.generation import new_cache
+    from pnmix.prefill import build_cache
+    from pnmix.tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory, live_cost
+    from pnmix.tuner.fidelity import replay
+
+    model = tiny_gemma3(window=WINDOW, max_position_embeddings=2048, vocab_size=4096)  # the cost prompt's ids < 4000
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (1, n), generator=gen) for n in (5, 40, 23, 70)]
+    engine = ScoringEngine(model, None)
+    states = engine._prefill(prompts)
+    new = 45  # past the full layer's first residual flush, many windows past every prompt
+    got = engine.greedy(config, states, new, stop=False)
+    for row, ids in enumerate(prompts):
+        want, _ = generate(model, ids, config, max_new_tokens=new, min_new_tokens=new)
+        assert torch.equal(got[row], want[0]), row
+    kinds = [type(layer) for layer in build_cache(model, config, states).layers]
+    assert kinds == [BatchWindowLayer] * 5 + [PNMixLayer]
+    # Teacher forcing: the whole continuation in one forward pass per batch, as the live replay token by token.
+    trajs = [Trajectory(p[0].tolist(), got[i, :30].tolist(), torch.randn(30, model.config.vocab_size, generator=gen))
+             for i, p in enumerate(prompts)]
+    engine.add_trajectories(trajs)
+    batched = engine.fidelity(config)
+    for (agree, kl), traj in zip(batched, trajs, strict=True):
+        live = replay(model, torch.tensor([traj.prompt_ids]), traj.tokens, config, traj.reference_logits)
+        assert agree == live.agreement and kl == pytest.approx(live.mean_kl, rel=1e-4)
+    held, _, _ = engine.measure_cost(config)
+    live, _, _ = live_cost(model, lambda: new_cache(model, config), lambda c: int(c.nbytes()["total"]))
+    assert held == live
+    window = 5 * 2 * 1 * (WINDOW - 1) * 16 * 4  # 5 layers, K and V, 1 KV head, head dim 16, fp32
+    full_fp16 = 2 * (COST_PROMPT_TOKENS + COST_NEW_TOKENS - 1) * 16 * 4
+    if config == preset("fp16"):
+        assert held == window + full_fp16
+    else:
+        assert window < held < window + full_fp16
+
+
 def test_bytes_weighted_key_bits_equal_a_hand_count_of_the_cache():
     """The weighted key bits of the config on this model equal the key bytes the cache holds over the
     key elements it holds (bf16: sinks and windows at 16 bits, as the formula counts them)."""
@@ -118,16 +161,10 @@ def test_layer_kinds_pn_mix_cannot_serve_are_refused_in_one_line():
                                 '"value_group_size": 16}, "layers": {"2": {"b_low": 2}}}')
     with pytest.raises(ConfigError, match=r"invalid layers='2': allowed full-attention layers \(5\)"):
         PNMixCache(model.config, sets_a_window)
-    for message in ("the scoring engine runs", "the static path runs"):
-        with pytest.raises(UnsupportedModelError, match=message):
-            if "engine" in message:
-                from pnmix.prefill import record_prefill
+    from pnmix.static import StaticGenerator
 
-                record_prefill(model, torch.ones((1, 8), dtype=torch.long))
-            else:
-                from pnmix.static import StaticGenerator
-
-                StaticGenerator(model, SMALL, max_len=64)
+    with pytest.raises(UnsupportedModelError, match="the static path runs"):
+        StaticGenerator(model, SMALL, max_len=64)
     # Full-attention models are untouched: every layer is one kind.
     assert layer_kinds(tiny_model("llama").config) == ["full_attention"] * 2
 
@@ -183,27 +220,27 @@ def test_bits_for_gemma3_shows_what_each_layer_holds():
 
 
 @pytest.mark.slow
-def test_a_hybrid_model_is_scored_a_sequence_at_a_time(tmp_path, embedded):
-    """The evaluator scores a model with sliding-window layers on the live path (tuner/sequential.py):
-    fp16 replays its own trajectories exactly, a quantized config does not, and its bytes count the
-    quantized full-attention layer beside the fp16 windows."""
+def test_the_evaluator_scores_a_hybrid_model(tmp_path, embedded):
+    """The evaluator scores a model with sliding-window layers on the batched engine: fp16 replays
+    its own trajectories exactly, a quantized config does not (and the live path agrees), and its
+    bytes count the quantized full-attention layer beside the fp16 windows."""
     from transformers import AutoTokenizer
 
     from pnmix import models
     from pnmix.tuner.evaluate import Evaluator
     from pnmix.tuner.profiles import profile
-    from pnmix.tuner.sequential import SequentialEngine
 
     tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
     model = tiny_gemma3(window=WINDOW, vocab_size=len(tok), max_position_embeddings=2048, eos_token_id=tok.eos_token_id)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     ev = Evaluator(str(tmp_path), profile("smoke"), tasks=("fidelity",))
-    assert ev.sequential and isinstance(ev.engine, SequentialEngine)
+    assert ev.plan.hybrid
     fp16, small = ev.evaluate(preset("fp16")), ev.evaluate(SMALL)
     assert fp16.parts["fidelity"] == pytest.approx(1.0, abs=1e-5) and fp16.fidelity_agreement == 1.0
     assert small.parts["fidelity"] < 0.999 and len(small.units["fidelity"]) == 2
-    assert ev.evaluate(SMALL, reference=True, measure=False).units == small.units  # the live path, both ways
+    live = ev.evaluate(SMALL, reference=True, measure=False).units["fidelity"]  # generate's path, token by token
+    assert live == pytest.approx(small.units["fidelity"], rel=1e-4)
     # 512 prompt + 31 new tokens: 5 sliding layers hold 7 tokens in fp32 (CPU), the full layer all 543.
     window_bytes = 5 * 2 * 1 * (WINDOW - 1) * 16 * 4
     assert fp16.kv_bytes == window_bytes + 2 * 543 * 16 * 4

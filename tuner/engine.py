@@ -9,7 +9,9 @@ config's caches from those states (saliency, quantize, pack: the live prefill's 
   graphs without torch.compile) for the configs it covers (fp16, and keys and values both
   quantized), else on the batched
   dynamic cache, which is also the CPU path. Rows stop at the end-of-sequence token, as `generate`
-  does for one item.
+  does for one item. A model with sliding-window layers (Gemma 3) decodes on the batched dynamic
+  cache, its windows kept per sequence (`pnmix.cache.BatchWindowLayer`): the static path serves
+  full-attention models only.
 - fidelity and texts: all trajectories (fp16 continuations, or the user's documents: tuner/texts.py)
   of a part are teacher-forced together, the whole trajectory in one forward
   pass where the logits fit (`replay_chunk`), through caches that keep their dequantized view up
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from pnmix.families import SLIDING, layer_kinds, sliding_window
 from pnmix.generation import cache_kwargs
 from pnmix.layerwise import AnyConfig, as_layerwise
 from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill, record_prefills
@@ -184,6 +187,8 @@ class ScoringEngine:
         self.eos: list[int] = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         self.progress = progress or (lambda message: None)
         self.context = context_of(model)
+        self.kinds = layer_kinds(model.config)
+        self.window = sliding_window(model.config)  # None: every layer full attention
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._last_only: dict[str, int] = {"logits_to_keep": 1} if keeps else {}
         self._budget = memory_bytes if memory_bytes is not None else free_bytes(self.device)
@@ -358,7 +363,7 @@ class ScoringEngine:
         if not stop:
             logits0[:, eos] = float("-inf")
         first = logits0.argmax(-1)
-        method = static_method(config, self.device, head_dim) if self.device.type == "cuda" else None
+        method = self._static_method(config, head_dim)
         cache = build_cache(self.model, config, states)
         if method is not None:
             # Graphs without torch.compile: a trial decodes a few dozen steps per batch, and compiling the
@@ -474,7 +479,7 @@ class ScoringEngine:
             before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         head_dim = state.keys[0].shape[-1]
-        method = static_method(config, self.device, head_dim) if cuda else None
+        method = self._static_method(config, head_dim)
         first = state.logits.argmax(-1)[None]
         cache = build_cache(self.model, config, [state])
         repeats, steps = COST_REPEATS["cuda" if cuda else "cpu"], COST_STEPS["cuda" if cuda else "cpu"]
@@ -499,17 +504,31 @@ class ScoringEngine:
             peak = weights + int(torch.cuda.max_memory_allocated(self.device)) - before
         return kv_bytes, 1.0 / step_seconds, peak
 
+    def _static_method(self, config: AnyConfig, head_dim: int) -> str | AnyConfig | None:
+        """What the static path runs for `config` (`pnmix.static.static_method`); None on the CPU and
+        for a model with sliding-window layers, which decode on the batched dynamic cache."""
+        if self.device.type != "cuda" or self.window is not None:
+            return None
+        return static_method(config, self.device, head_dim)
+
     def _held_bytes(self, config: AnyConfig, state: Any) -> int:
-        """The bytes `config`'s cache holds after the cost workload's new tokens. Every layer holds the
-        same token counts, so one layer's appends give the bytes of every layer of its format (a
-        layer-wise config: one layer per distinct format, times its count)."""
+        """The bytes `config`'s cache holds after the cost workload's new tokens. Every full-attention
+        layer holds the same token counts, so one layer's appends give the bytes of every layer of its
+        format (a layer-wise config: one layer per distinct format, times its count); a
+        sliding-window layer holds its last window - 1 tokens of keys and values in the model's dtype."""
         per_layer = as_layerwise(config).per_layer(len(state.keys))
+        full = [i for i, kind in enumerate(self.kinds) if kind != SLIDING]
         kv_bytes = 0
-        for fmt in dict.fromkeys(per_layer):
-            layer = build_layer(self.model, fmt, [state], layer_idx=per_layer.index(fmt))
+        if self.window is not None:
+            h, _, d = state.keys[0].shape
+            held = min(state.length + COST_NEW_TOKENS - 1, self.window - 1)
+            kv_bytes += (len(per_layer) - len(full)) * 2 * h * held * d * state.keys[0].dtype.itemsize
+        full_formats = [per_layer[i] for i in full]
+        for fmt in dict.fromkeys(full_formats):
+            layer = build_layer(self.model, fmt, [state], layer_idx=full[full_formats.index(fmt)])
             k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
             for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
                 layer.append(k, v)
-            kv_bytes += per_layer.count(fmt) * sum(layer.nbytes().values())
+            kv_bytes += full_formats.count(fmt) * sum(layer.nbytes().values())
             del layer
         return kv_bytes

@@ -39,11 +39,10 @@ from pnmix.tuner.holdout import HOLDOUT, split, total_for
 from pnmix.tuner.profiles import EvalError, Profile
 from pnmix.tuner.proxy import ProxyMeasure
 from pnmix.tuner.score import Rung, Score, Split, versions
-from pnmix.tuner.sequential import SequentialEngine
 from pnmix.tuner.texts import TextsTask
 
 Progress = Callable[[str], None]
-Engine = ScoringEngine | SequentialEngine
+
 
 TASKS = ("passkey", "kv_lookup", "fidelity", "items", "texts", "lm_eval")
 DEFAULT_TASKS = ("passkey", "kv_lookup", "fidelity")
@@ -112,8 +111,6 @@ class Evaluator:
         self.pairing = rope_pairing(self.model.config)
         # What each layer holds: the bit figures weigh the layers by it (pnmix.bits.weighted_key_bits).
         self.plan = LayerPlan(tuple(layer_kinds(self.model.config)), sliding_window(self.model.config))
-        # A model with sliding-window layers is scored a sequence at a time (tuner/sequential.py).
-        self.sequential = self.plan.hybrid
         self.head_dim = self.loaded.shape.head_dim
         self.num_layers = self.loaded.shape.num_layers
         self.device = str(self.model.device)
@@ -122,7 +119,7 @@ class Evaluator:
         self.harness = (harness.HarnessPart(lm_eval_task, lm_eval_limit, self.model, self.tokenizer, model,
                                             progress=self.progress)
                         if harness.PART in chosen and lm_eval_task else None)
-        self._engine: Engine | None = None
+        self._engine: ScoringEngine | None = None
         self._trace: Any = None
         self._shipped_looked = False  # tuner/shipped.py: looked up once
         self._shipped_found: shipped_module.Shipped | None = None
@@ -151,7 +148,7 @@ class Evaluator:
         built = [str(name) for name in data.get("built", DEFAULT_TASKS)]
         return {"items": items, "trajectories": trajectories, "built": built}
 
-    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> tuple[Engine, dict[str, Any]] | None:
+    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> tuple[ScoringEngine, dict[str, Any]] | None:
         """The shipped preparation (as `_read_dict` gives it) and an engine holding its parts that this
         evaluator runs, once the unquantized model here answers every item right and agrees with the
         trajectories' tokens (tuner/shipped.py); None, with one line on stderr, when it does not."""
@@ -185,10 +182,8 @@ class Evaluator:
                 return None
         return engine, data
 
-    def _new_engine(self, quiet: bool = False) -> Engine:
+    def _new_engine(self, quiet: bool = False) -> ScoringEngine:
         progress = None if quiet else self.progress
-        if self.sequential:
-            return SequentialEngine(self.model, self.tokenizer, progress=progress)
         return ScoringEngine(self.model, self.tokenizer, progress=progress)
 
     def gguf_sha256(self) -> str | None:
@@ -264,12 +259,12 @@ class Evaluator:
         return data
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> ScoringEngine:
         self.prepare()
         assert self._engine is not None
         return self._engine
 
-    def _build(self, engine: Engine, parts: list[str]) -> dict[str, Any]:
+    def _build(self, engine: ScoringEngine, parts: list[str]) -> dict[str, Any]:
         """For the built-in `parts`: candidates answered by fp16 in the engine (kept: those it gets
         right), and fp16 trajectories."""
         p, fp16 = self.profile, preset("fp16")
@@ -355,7 +350,7 @@ class Evaluator:
         """The trace and config the proxy weighs: on a model with sliding-window layers, only its
         full-attention layers (the windows stay unquantized: their attention is exact)."""
         trace = self.trace()
-        if not self.sequential:
+        if not self.plan.hybrid:
             return trace, config
         full = self.plan.full_layers
         kept = replace(trace, queries=[trace.queries[i] for i in full], keys=[trace.keys[i] for i in full],
