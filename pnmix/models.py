@@ -301,6 +301,8 @@ def load(
     location = str(_converted_dir(source)) if source.kind == "embedded" else source.location
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.local_only)
+        if source.kind == "embedded":
+            check_tokenizer(tokenizer, name)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or torch.float32,
                                                      local_files_only=source.local_only)
     except OSError as exc:
@@ -319,6 +321,8 @@ def load_tokenizer(name: str) -> tuple[Any, int | None]:
     location = str(_converted_dir(source)) if source.kind == "embedded" else source.location
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.local_only)
+        if source.kind == "embedded":
+            check_tokenizer(tokenizer, name)
         config = AutoConfig.from_pretrained(location, local_files_only=source.local_only)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the tokenizer of {name!r} from {location}: "
@@ -478,6 +482,24 @@ def gguf_digest(path: Path) -> str:
     known[key] = {"identity": identity, "sha256": digest}
     _write_digests(index, known)
     return digest
+
+
+TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog."
+
+
+def check_tokenizer(tokenizer: Any, what: str) -> None:
+    """Refuses, in one line, a tokenizer converted from a GGUF that splits plain English into pieces
+    far smaller than words: transformers 5.17 converts Gemma 3's GGUF vocabulary that way (20 tokens
+    for the probe's 9 words as read, 44, one a character, once saved and read back; 5.25: 10), and a
+    model fed such ids answers nothing right, so every score of it would be noise."""
+    import transformers
+
+    ids = tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+    words = len(TOKENIZER_PROBE.split())
+    if len(ids) > 2 * words:
+        raise ModelError(f"transformers {transformers.__version__} reads the tokenizer of {what} into "
+                         f"{len(ids)} tokens for a {words}-word sentence (characters, not words): use a "
+                         "transformers release that reads it whole (5.25 does)")
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -137,3 +137,26 @@ def test_a_damaged_gguf_of_the_original_size_is_refused_in_one_line(tmp_path, mo
         models.load("smollm2-135m")
     assert str(caught.value).startswith(f"cannot read GGUF file {damaged}: ") and "\n" not in str(caught.value)
     assert not list((tmp_path / "cache" / "models").glob("smollm2*"))
+
+
+def test_a_gguf_tokenizer_read_as_characters_is_refused_in_one_line():
+    """Some transformers releases read Gemma 3's GGUF vocabulary into single characters; such a model
+    answers nothing right, so the conversion refuses it (a word-level tokenizer passes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pnmix.models import TOKENIZER_PROBE, ModelError, check_tokenizer
+
+    chars = sorted(set(TOKENIZER_PROBE))
+    words = sorted(set(TOKENIZER_PROBE.replace(".", " .").split()))
+
+    def fast(vocab: list[str], split: pre_tokenizers.PreTokenizer) -> PreTrainedTokenizerFast:
+        core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(["<unk>", *vocab])}, unk_token="<unk>"))
+        core.pre_tokenizer = split
+        return PreTrainedTokenizerFast(tokenizer_object=core)
+
+    check_tokenizer(fast(words, pre_tokenizers.WhitespaceSplit()), "model.gguf")  # 10 tokens for 9 words
+    by_char = fast(chars, pre_tokenizers.Split("", behavior="isolated"))
+    assert len(by_char.encode(TOKENIZER_PROBE)) == len(TOKENIZER_PROBE)
+    with pytest.raises(ModelError, match=r"reads the tokenizer of model.gguf into 44 tokens for a 9-word sentence"):
+        check_tokenizer(by_char, "model.gguf")

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The model study (model_study.py) on one GPU machine without network, in calls of at most 10 minutes:
+# the Gemma 3 GGUF arrives in parts (a call carries at most 64 MiB), the wheels once, and the study
+# resumes from its database in a later call while the machine stays up.
+#
+#   STEP=part PART=.gemma/part.a benchmarks/gpu_model_study.sh   # keep one part (and install .whl/)
+#     (.gemma/: the GGUF split under the carry limit, its name and sha256 beside the parts)
+#   STEP=study benchmarks/gpu_model_study.sh                     # assemble, check, run or resume
+#
+# STEP=study: MODEL (gemma3-270m), PROFILE (full), TRIALS (8), FULL_BITS (2.0,paper,2.5), OUT.
+# What must survive between calls lives under /tmp/pnmix-study (parts, wheels, cache, database);
+# the results (JSON, table, plot, log) are copied to $OUT at the end of every call.
+set -uo pipefail
+KEEP=/tmp/pnmix-study
+mkdir -p "$KEEP/parts" "$KEEP/site"
+# The wheels once; the project's own wheel (`pip wheel --no-deps -w .whl .`) again whenever a call carries it.
+if [ -d .whl ] && [ ! -e "$KEEP/site/.installed" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" \
+    .whl/*.whl && touch "$KEEP/site/.installed"
+elif ls .whl/pnmix-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" .whl/pnmix-*.whl
+fi
+export PYTHONPATH=$KEEP/site PYTHONUNBUFFERED=1
+case "${STEP:-study}" in
+part)
+  cp "$PART" "$KEEP/parts/" && ls -la "$KEEP/parts" ;;
+study)
+  MODEL=${MODEL:-gemma3-270m}
+  OUT=${OUT:-out/model_study}
+  mkdir -p "$OUT" "$KEEP/out"
+  if [ "$MODEL" = gemma3-270m ]; then
+    gguf=$KEEP/$(cat .gemma/name)
+    if [ ! -f "$gguf" ]; then
+      cat "$KEEP"/parts/part.* > "$gguf"
+      [ "$(sha256sum "$gguf" | cut -c1-64)" = "$(cat .gemma/sha256)" ] || { echo "GGUF sha256 mismatch"; rm -f "$gguf"; exit 1; }
+    fi
+    export PNMIX_GEMMA3_GGUF=$gguf
+  fi
+  export PNMIX_CACHE_DIR=$KEEP/cache
+  timeout "${STUDY_SECONDS:-540}" python3 -P benchmarks/model_study.py --model "$MODEL" --device cuda \
+    --profile "${PROFILE:-full}" --trials "${TRIALS:-8}" --full-bits "${FULL_BITS:-2.0,paper,2.5}" \
+    --out "$KEEP/out" 2>&1 | grep -v -e Warning -e "warnings.warn" -e "it/s\]" | tee -a "$KEEP/out/study.log" | tail -40
+  cp "$KEEP"/out/*.json "$KEEP"/out/*.md "$KEEP"/out/*.png "$KEEP"/out/study.log "$OUT"/ 2>/dev/null
+  ls "$OUT" ;;
+esac
