@@ -13,13 +13,15 @@
 set -uo pipefail
 KEEP=/tmp/pnmix-study
 mkdir -p "$KEEP/parts" "$KEEP/site"
-# The wheels once; the project's own wheel (`pip wheel --no-deps -w .whl .`) again whenever a call carries it.
-if [ -d .whl ] && [ ! -e "$KEEP/site/.installed" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" \
-    .whl/*.whl && touch "$KEEP/site/.installed"
-elif ls .whl/pnmix-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" .whl/pnmix-*.whl
-fi
+# .whl/: the packages the image lacks (and transformers 5.25: the image's 5.17 converts Gemma 3's GGUF
+# tokenizer into characters), installed once; .pnw/: the project's own wheel (`pip wheel --no-deps -w
+# .pnw .`), installed again whenever a call carries it.
+for d in .whl .pnw; do
+  if ls $d/*.whl >/dev/null 2>&1 && { [ $d = .pnw ] || [ ! -e "$KEEP/site/.installed" ]; }; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" \
+      $d/*.whl && touch "$KEEP/site/.installed"
+  fi
+done
 export PYTHONPATH=$KEEP/site PYTHONUNBUFFERED=1
 case "${STEP:-study}" in
 part)
