@@ -3,6 +3,7 @@ model, paired on the same items, with held-out scores, and where the allocator p
 
     python benchmarks/model_study.py --model gemma3-270m --profile quick --out DIR   # campaigns + rescoring
     python benchmarks/model_study.py --report DIR/model_study-gemma3-270m.json     # table and plot
+    STEP=study benchmarks/gpu_model_study.sh    # on a GPU machine without network (its header says how)
 
 Budgets are given as the mean key bits of the model's full-attention layers (`--full-bits`; "paper"
 is pnmix-paper's own figure). On a full-attention model that is the budget itself; on a hybrid model
