@@ -148,7 +148,8 @@ class Evaluator:
         built = [str(name) for name in data.get("built", DEFAULT_TASKS)]
         return {"items": items, "trajectories": trajectories, "built": built}
 
-    def _checked(self, shipped: shipped_module.Shipped, wanted: list[str]) -> tuple[ScoringEngine, dict[str, Any]] | None:
+    def _checked(self, shipped: shipped_module.Shipped,
+                 wanted: list[str]) -> tuple[ScoringEngine, dict[str, Any]] | None:
         """The shipped preparation (as `_read_dict` gives it) and an engine holding its parts that this
         evaluator runs, once the unquantized model here answers every item right and agrees with the
         trajectories' tokens (tuner/shipped.py); None, with one line on stderr, when it does not."""
