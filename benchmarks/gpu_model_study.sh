@@ -3,9 +3,13 @@
 # the Gemma 3 GGUF arrives in parts (a call carries at most 64 MiB), the wheels once, and the study
 # resumes from its database in a later call while the machine stays up.
 #
-#   STEP=part PART=.gemma/part.a benchmarks/gpu_model_study.sh   # keep one part (and install .whl/)
-#     (.gemma/: the GGUF split under the carry limit, its name and sha256 beside the parts)
-#   STEP=study benchmarks/gpu_model_study.sh                     # assemble, check, run or resume
+#   GGUF=path/to.gguf STEP=split benchmarks/gpu_model_study.sh   # here: .gemma/part.a, .b, ... (58 MiB
+#                                                   # each), its name and sha256 (add /.gemma/ to .git/info/exclude)
+#   STEP=part PART=.gemma/part.a benchmarks/gpu_model_study.sh   # there: keep one part (and install .whl/)
+#   STEP=study benchmarks/gpu_model_study.sh                     # there: assemble, check, run or resume
+# A call carries at most 64 MiB with the working tree: the wheels (.whl/, about 28 MiB with
+# transformers 5.25 and what it needs) go in a call of their own or beside a smaller part, the
+# project's wheel (.pnw/) beside any part. Chain the calls: the machine goes back 30 s after one.
 #
 # STEP=study: MODEL (gemma3-270m), PROFILE (full), TRIALS (8), FULL_BITS (2.0,paper,2.5), OUT.
 # What must survive between calls lives under /tmp/pnmix-study (parts, wheels, cache, database);
@@ -24,6 +28,10 @@ for d in .whl .pnw; do
 done
 export PYTHONPATH=$KEEP/site PYTHONUNBUFFERED=1
 case "${STEP:-study}" in
+split)
+  mkdir -p .gemma && rm -f .gemma/part.*
+  split -b 58M -a 1 "${GGUF:?GGUF=the .gguf file to split}" .gemma/part.
+  basename "$GGUF" > .gemma/name && sha256sum "$GGUF" | cut -c1-64 > .gemma/sha256 && ls -la .gemma ;;
 part)
   cp "$PART" "$KEEP/parts/" && ls -la "$KEEP/parts" ;;
 study)
