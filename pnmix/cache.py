@@ -90,14 +90,10 @@ def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor,
     `flushed`: blocks this step quantized; queries before a block's flush see its unquantized
     copy (appended as extra key slots) instead of the view's quantized one.
     """
-    b, hq, q_len, d = query.shape
-    kv_heads = view_k.shape[1]
-    group = hq // kv_heads
+    q_len = query.shape[2]
     length = int(max(lengths))
     k = view_k[:, :, :length]
     v = view_v[:, :, :length]
-    # Query head h' reads KV head h' // group: fold the group into the query axis.
-    q = query.reshape(b, kv_heads, group * q_len, d)
     dev = query.device
     lens = torch.tensor(lengths, device=dev)
     pos = torch.arange(length, device=dev)
@@ -105,6 +101,18 @@ def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor,
     mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
     if flushed:
         k, v, mask = _with_flushed(k, v, mask, q_pos, flushed)
+    return masked_attention(query, k, v, mask, scaling)
+
+
+def masked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """query [B, Hq, q_len, d] over k/v [B, H_kv, L, d] where mask [B, q_len, L] (bool) allows ->
+    [B, q_len, Hq, d]. Query head h' reads KV head h' // group: the group is folded into the query
+    axis, so one SDPA call serves grouped-query attention without repeating the keys."""
+    b, hq, q_len, d = query.shape
+    kv_heads = k.shape[1]
+    group = hq // kv_heads
+    q = query.reshape(b, kv_heads, group * q_len, d)
     mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
@@ -735,8 +743,7 @@ class BatchWindowLayer(SeenTokensLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query [B, Hq, q_len, d] of the newest q_len tokens -> [B, q_len, Hq, d]."""
-        b, hq, q_len, d = query.shape
-        group = hq // self.k.shape[1]
+        q_len = query.shape[2]
         dev = query.device
         width = max(self.count)
         slot = torch.arange(width, device=dev)
@@ -745,11 +752,7 @@ class BatchWindowLayer(SeenTokensLayer):
         q_pos = torch.tensor(self.lengths, device=dev)[:, None] - q_len + torch.arange(q_len, device=dev)
         p, qp = pos[:, None, :], q_pos[:, :, None]
         mask = held[:, None, :] & (p <= qp) & (p > qp - self.window)  # [B, q_len, W]
-        q = query.reshape(b, self.k.shape[1], group * q_len, d)
-        mask = mask.repeat(1, group, 1)[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, self.k[:, :, :width], self.v[:, :, :width], attn_mask=mask, scale=scaling)
-        return out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
+        return masked_attention(query, self.k[:, :, :width], self.v[:, :, :width], mask, scaling)
 
     def nbytes(self) -> dict[str, int]:
         """The window each sequence holds, as transformers' sliding layer keeps it (window - 1 tokens)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pnmix.bits import ModelShape
+from pnmix.bits import LayerPlan, ModelShape
 from pnmix.config import ConfigError
 from pnmix.errors import PNMixError
 from pnmix.layerwise import AnyConfig, LayerwiseConfig
@@ -94,6 +94,12 @@ def require_full_attention(model_config: Any, what: str) -> None:
         raise UnsupportedModelError(
             f"{what} runs models whose every layer is full-attention; model type {model_type!r} has "
             f"{kinds.count(SLIDING)} sliding-window layers (generation with a PN-Mix cache serves it)")
+
+
+def plan_of_config(config: Any) -> LayerPlan:
+    """Each layer's kind and the sliding window a transformers config gives its text decoder (what
+    the bit figures weigh the layers by, `pnmix.bits.weighted_key_bits`)."""
+    return LayerPlan(tuple(layer_kinds(config)), sliding_window(config))
 
 
 def shape_of_config(config: Any) -> ModelShape:

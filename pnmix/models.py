@@ -267,10 +267,9 @@ def layer_plan(name: str) -> LayerPlan:
         return LayerPlan(spec.layer_kinds or (FULL,) * spec.shape.num_layers, spec.window)
     if name in SHAPE_MODELS:
         return LayerPlan((FULL,) * SHAPE_MODELS[name].shape.num_layers, None)
-    from pnmix.families import layer_kinds, sliding_window
+    from pnmix.families import plan_of_config
 
-    config = auto_config(resolve(name))
-    return LayerPlan(tuple(layer_kinds(config)), sliding_window(config))
+    return plan_of_config(auto_config(resolve(name)))
 
 
 def auto_config(source: ModelSource) -> Any:

@@ -172,12 +172,12 @@ def build_cache(model: Any, config: AnyConfig, states: list[PrefillState], multi
     check_model(model.config, config)
     use_pnmix_attention(model)
     cache = PNMixCache(model.config, config, multi_token=multi_token)
+    window = sliding_window(model.config) or 0
     for li, layer in enumerate(cache.layers):
         if isinstance(layer, PNMixLayer):
             _load_layer(layer, layer.config, states, li)  # a layer-wise config: each layer its own
         else:
-            cache.layers[li] = BatchWindowLayer(sliding_window(model.config) or 0, [s.keys[li] for s in states],
-                                                [s.values[li] for s in states])
+            cache.layers[li] = BatchWindowLayer(window, [s.keys[li] for s in states], [s.values[li] for s in states])
     return cache
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from pnmix.families import SLIDING, layer_kinds, sliding_window
+from pnmix.families import plan_of_config
 from pnmix.generation import cache_kwargs
 from pnmix.layerwise import AnyConfig, as_layerwise
 from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill, record_prefills
@@ -187,8 +187,7 @@ class ScoringEngine:
         self.eos: list[int] = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         self.progress = progress or (lambda message: None)
         self.context = context_of(model)
-        self.kinds = layer_kinds(model.config)
-        self.window = sliding_window(model.config)  # None: every layer full attention
+        self.plan = plan_of_config(model.config)  # what each layer holds (kinds, sliding window)
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._last_only: dict[str, int] = {"logits_to_keep": 1} if keeps else {}
         self._budget = memory_bytes if memory_bytes is not None else free_bytes(self.device)
@@ -507,7 +506,7 @@ class ScoringEngine:
     def _static_method(self, config: AnyConfig, head_dim: int) -> str | AnyConfig | None:
         """What the static path runs for `config` (`pnmix.static.static_method`); None on the CPU and
         for a model with sliding-window layers, which decode on the batched dynamic cache."""
-        if self.device.type != "cuda" or self.window is not None:
+        if self.device.type != "cuda" or self.plan.hybrid:
             return None
         return static_method(config, self.device, head_dim)
 
@@ -517,12 +516,10 @@ class ScoringEngine:
         format (a layer-wise config: one layer per distinct format, times its count); a
         sliding-window layer holds its last window - 1 tokens of keys and values in the model's dtype."""
         per_layer = as_layerwise(config).per_layer(len(state.keys))
-        full = [i for i, kind in enumerate(self.kinds) if kind != SLIDING]
-        kv_bytes = 0
-        if self.window is not None:
-            h, _, d = state.keys[0].shape
-            held = min(state.length + COST_NEW_TOKENS - 1, self.window - 1)
-            kv_bytes += (len(per_layer) - len(full)) * 2 * h * held * d * state.keys[0].dtype.itemsize
+        full = self.plan.full_layers
+        held = self.plan.held(state.length + COST_NEW_TOKENS - 1)
+        h, _, d = state.keys[0].shape
+        kv_bytes = sum(2 * h * held[i] * d * state.keys[0].dtype.itemsize for i in range(len(held)) if i not in full)
         full_formats = [per_layer[i] for i in full]
         for fmt in dict.fromkeys(full_formats):
             layer = build_layer(self.model, fmt, [state], layer_idx=full[full_formats.index(fmt)])

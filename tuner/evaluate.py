@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from pnmix import models
-from pnmix.bits import LayerPlan, weighted_key_bits
+from pnmix.bits import weighted_key_bits
 from pnmix.config import PNMixConfig, preset
-from pnmix.families import layer_kinds, rope_pairing, sliding_window
+from pnmix.families import plan_of_config, rope_pairing
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.tuner import fidelity
 from pnmix.tuner import shipped as shipped_module
@@ -110,7 +110,7 @@ class Evaluator:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.pairing = rope_pairing(self.model.config)
         # What each layer holds: the bit figures weigh the layers by it (pnmix.bits.weighted_key_bits).
-        self.plan = LayerPlan(tuple(layer_kinds(self.model.config)), sliding_window(self.model.config))
+        self.plan = plan_of_config(self.model.config)
         self.head_dim = self.loaded.shape.head_dim
         self.num_layers = self.loaded.shape.num_layers
         self.device = str(self.model.device)
