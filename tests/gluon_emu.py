@@ -62,6 +62,9 @@ class Smem:
     def reshape(self, shape: list[int]) -> Smem:
         return Smem(self.t.view(shape))
 
+    def slice(self, start: int, length: int, dim: int = 0) -> Smem:
+        return Smem(self.t.narrow(dim, int(start), int(length)))
+
     def permute(self, order: list[int]) -> Smem:
         return Smem(self.t.permute(*order))
 

@@ -124,6 +124,19 @@ def test_emulated_kernel_with_at_most_16_salient_channels():
     assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
 
 
+@pytest.mark.parametrize("head_dim,n_salient", [(64, 6), (64, 8), (64, 12), (128, 40), (128, 126)])
+def test_emulated_block_kernel_with_salient_counts_inside_their_class(head_dim, n_salient):
+    # A count that does not fill its size class: the high-plane buffers hold the first and the last
+    # half of the class (channels counted once: 12 of 16 hold 4 twice, 8 of 16 all of them) or, below
+    # half the class (6 of 16), the count alone with masked copies; layer-wise configs run these.
+    case = Case(b_low=1, b_high=3, group_size=128, ratio=n_salient / head_dim, head_dim=head_dim, gqa=3, splits=2)
+    q, cache = build(case, fresh_generator())
+    assert launch.kernel_module(cache.group_size) is block and cache.n_salient_channels == n_salient
+    const = launch.kernel_constants(1, 3, head_dim, 128, 1, 3, n_salient, 2, 32)
+    assert not const["FULL"] and const["FEW"] == (n_salient < const["NSC_P"] // 2)
+    assert_emulated_matches_reference(q, cache, case.head_dim**-0.5, case.splits)
+
+
 def test_emulated_block_kernel_with_two_blocks_per_group():
     # G = 256: a group's plane words are two blocks (the second starts 8 halves into each channel's
     # words), and the key scales and query operands change every other block.
@@ -277,6 +290,8 @@ COMPILED = [
     (64, 64, 2, 3, 32, 1, 64, 3, "*fp16", 2),  # one value group per head, word kernel, 1-bit values
     (128, 128, 1, 3, 64, 2, 32, 4, "*bf16", 3),  # pnmix-paper with 3 value slots
     (64, 256, 2, 3, 32, 4, 64, 2, "*fp16", 3),  # 3 value slots, one value group per head, two blocks per group
+    (128, 128, 1, 3, 40, 2, 32, 4, "*bf16", 2),  # a layer-wise count inside its class (64): the halves' copies
+    (64, 128, 1, 3, 6, 2, 32, 3, "*fp16", 2),  # fewer than half of the class (16): masked copies
 ]
 
 
@@ -288,17 +303,25 @@ def test_kernel_compiles_for_sm90_with_its_shared_ring(part):
     configs = COMPILED[part::3]
     code = (
         "import json, sys\n"
-        "from pnmix.kernels.gluon.launch import compile_offline\n"
+        "from pnmix.kernels.gluon.launch import compile_offline, offline_resources\n"
         "for config in json.loads(sys.argv[1]):\n"
         "    k = compile_offline(*config[:9], value_slots=config[9])\n"
         "    ptx = k.asm['ptx']\n"
-        "    print(json.dumps([k.metadata.shared, 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx]))\n"
+        "    regs, stack = offline_resources(k)\n"
+        "    mma, copies = 'mma.sync.aligned.m16n8k16' in ptx, 'cp.async' in ptx\n"
+        "    print(json.dumps([k.metadata.shared, mma, copies, regs, stack]))\n"
     )
     done = run_compiler(code, configs)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == len(configs), done.stderr[-2000:]
     # d, G, b_low, b_high, salient channels, value bits, value group: the ring is all the shared memory
     want = [[launch.ring_bytes(c[0], c[2], c[3], c[4], c[5], c[6], c[1], c[9]), True, True] for c in configs]
-    assert rows == want, (rows, done.stderr[-2000:])
+    assert [r[:3] for r in rows] == want, (rows, done.stderr[-2000:])
+    # No spills on this Triton (the stack holds nothing), and at least as many warps a scheduler
+    # partition as the launch plan counts (`resident_programs` with REGISTERS): it never over-fills an SM.
+    assert all(r[4] == 0 for r in rows), rows
+    per_partition = [16384 // (32 * (-(-r[3] // 8) * 8)) for r in rows]
+    assert min(per_partition) >= 16384 // (32 * launch.REGISTERS), rows
 
 
 @pytest.mark.parametrize("n_bh,ng_cap,resident,want", [

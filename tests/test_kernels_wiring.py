@@ -146,7 +146,8 @@ def test_decode_kernel_switch(monkeypatch):
 def test_salient_counts_of_one_size_class_share_a_compiled_kernel():
     # The salient count is a run-time argument: counts inside one size class give the same
     # compile-time constants (one specialisation), a count that fills its class compiles as a
-    # constant (its own), and no salient channels at all is its own as well.
+    # constant (its own), one below half of the class (only below 8) is its own, and no salient
+    # channels at all is its own as well.
     from pnmix.kernels.gluon.launch import kernel_constants
 
     def const(n_sc: int) -> dict:
@@ -154,8 +155,11 @@ def test_salient_counts_of_one_size_class_share_a_compiled_kernel():
 
     assert const(38) == const(44) == const(58)  # 64-channel class, not full
     assert const(20) == const(26)  # 32-channel class
-    assert len({repr(const(n)) for n in (0, 6, 12, 20, 32, 38, 64)}) == 7 - 1  # 6 and 12 share the 16 class
+    assert const(10) == const(12)  # 16-channel class, at least half of it
+    # 6 fills less than half of its class (FEW: masked copies), so it is its own as well
+    assert len({repr(const(n)) for n in (0, 6, 10, 12, 20, 32, 38, 64)}) == 8 - 1
     assert const(64)["FULL"] and not const(58)["FULL"] and not const(0)["SAL"]
+    assert const(6)["FEW"] and not const(8)["FEW"] and not const(58)["FEW"]
 
 
 def test_compile_counter_counts_compiles_and_disk_cache_reads():

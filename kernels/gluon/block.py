@@ -187,15 +187,36 @@ def _run_offsets(C: gl.constexpr, G32: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
+def _salient_rows(js, n_sc, NSC_P: gl.constexpr, FEW: gl.constexpr):
+    """Row js of the salient buffers [NSC_P, ...] -> the salient channel it holds (its index among
+    the n_sc) and whether its query counts. The buffers' first half holds channels 0 .. NSC_P / 2 - 1
+    and the second half the last NSC_P / 2, n_sc - NSC_P / 2 .. n_sc - 1: every row a real channel,
+    so the plane copies need no mask and cost what a count filling its class costs; a channel held
+    twice counts in the first half only. With FEW (n_sc < NSC_P / 2, only in the class of 16) row
+    js holds channel js, and the rows from n_sc on are not copied."""
+    HALF: gl.constexpr = NSC_P // 2
+    if FEW:
+        ch = js
+        keep = js < n_sc
+    else:
+        ch = gl.where(js < HALF, js, js + (n_sc - NSC_P))
+        keep = gl.where(js < HALF, js < n_sc, ch >= HALF)
+    return ch, keep
+
+
+@gluon.jit
 def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp, vsc, vze,
-                 ksc, kze, off_lo, off_hi, m_hi, off_v, off_s, off_k, G32: gl.constexpr,
+                 ksc, kze, off_lo, off_hi, off_v, off_s, off_k, G32: gl.constexpr,
                  B_LOW: gl.constexpr, D: gl.constexpr, NH: gl.constexpr, n_sc, SAL: gl.constexpr, NW: gl.constexpr,
-                 SW: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr):
+                 SW: gl.constexpr, PL_P: gl.constexpr, PH_P: gl.constexpr, NSC_P: gl.constexpr, FULL: gl.constexpr,
+                 FEW: gl.constexpr):
     """Starts the asynchronous copies of block `blk` (128 tokens): into the one-slot key buffers
     its 16 bytes of every channel's (low) and salient channel's (high) plane words, and at a
     group's first block the group's key scale and zero rows; into value slot `slot` the value
     words of its 8 tiles and its value scales and zeros. `valid` False (past the split's end)
-    copies nothing. klo and khi count int16 halves of the plane words. The caller commits."""
+    copies nothing. klo and khi count int16 halves of the plane words; off_hi covers the salient rows,
+    or half of them where the count does not fill its class (`_salient_rows` says which channels each
+    half holds). The caller commits."""
     GB: gl.constexpr = G32 // 4  # blocks per group
     g = blk // GB
     q8 = (blk % GB) * 8  # the block's first half-word in a channel's words of the group
@@ -205,8 +226,18 @@ def _issue_block(blk, valid, slot, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks
     if NH > 0:
         if SAL:
             hi = khi + g * (NH * n_sc * G32 * 2) + q8
+            HALF: gl.constexpr = NSC_P // 2
             for p in gl.static_range(NH):
-                _async_load(buf_hi.index(p), hi + p * (n_sc * G32 * 2) + off_hi, mask=m_hi & valid)
+                plane = hi + p * (n_sc * G32 * 2)
+                rows = buf_hi.index(p)
+                if FULL:  # off_hi covers every row
+                    _async_load(rows, plane + off_hi, mask=(off_hi >= 0) & valid)
+                elif FEW:  # rows 0 .. n_sc - 1 of the first half
+                    _async_load(rows.slice(0, HALF), plane + off_hi, mask=(off_hi < n_sc * G32 * 2) & valid)
+                else:  # channels 0 .. HALF - 1, then the last HALF
+                    _async_load(rows.slice(0, HALF), plane + off_hi, mask=(off_hi >= 0) & valid)
+                    _async_load(rows.slice(HALF, HALF), plane + (n_sc - HALF) * (G32 * 2) + off_hi,
+                                mask=(off_hi >= 0) & valid)
     for tile in gl.static_range(8):
         _async_load(buf_v.index(slot * 8 + tile), vp + (blk * 128 + 2 * tile) * NW + off_v,
                     mask=(off_v >= 0) & valid)
@@ -307,7 +338,8 @@ def _block_kernel(
     ops, pm_ptr, pl_ptr, pa_ptr, ksw_ptr,
     qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, NSC_P: gl.constexpr,
+    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, FEW: gl.constexpr,
+    NSC_P: gl.constexpr,
     BV: gl.constexpr, GV: gl.constexpr, ONE_SCALE: gl.constexpr, BLOCK_R: gl.constexpr,
     VSLOTS: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
@@ -378,8 +410,7 @@ def _block_kernel(
         buf_ss = gl.allocate_shared_memory(gl.int32, [1, NSC_P], SMEM1)  # the words of the salient scales
         # Element offsets of the copies, from the block's first word / token / row.
         off_lo = _run_offsets(D, G32, CP_KEYS)
-        off_hi = _run_offsets(NSC_P, G32, CP_KEYS)
-        m_hi = off_hi < n_sc * G32 * 2
+        off_hi = _run_offsets(NSC_P if FULL else NSC_P // 2, G32, CP_KEYS)  # all rows, or a half
         # Value words, scales and zeros reach the ring in row order (`_token_of_row`), as the
         # scores' rows: P^T's token pairs are then the values' and the scales' as stored.
         n_v = gl.arange(0, 16 * NW, layout=CP_V)  # [member e, pair i, word] -> row 2 i + e (`_value_codes`)
@@ -401,8 +432,8 @@ def _block_kernel(
         g_start = packed * groups_per_split
         b_start = g_start * (G32 // 4)
         _issue_block(b_start, b_start >= 0, 0, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks, klo, khi, vp,
-                     vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi, off_v, off_s, off_k,
-                     G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
+                     vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, off_v, off_s, off_k,
+                     G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P, NSC_P, FULL, FEW)
         async_copy.commit_group()
         n_groups = gl.load(ops.n_groups_ptr + b)
         g_end = gl.minimum(g_start + groups_per_split, n_groups)
@@ -418,16 +449,18 @@ def _block_kernel(
                        other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         js = gl.arange(0, NSC_P, layout=KCOL)
         order = ops.order_ptr + b.to(gl.int64) * ops.stride_ob + h * ops.stride_oh
-        sal = gl.load(order + (D - n_sc) + js, mask=js < n_sc, other=0)
-        q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & (js < n_sc)[:, None],
+        js, keep = _salient_rows(js, n_sc, NSC_P, FEW)  # rows -> salient channels (js below: the channel)
+        sal = gl.load(order + (D - n_sc) + js, mask=keep, other=0)
+        q_sal = (gl.load(q_rows[None, :] + sal[:, None], mask=(q_heads < GQ)[None, :] & keep[:, None],
                          other=0.0).to(gl.float32) * (qk_scale * (1 << B_LOW))).to(gl.float16)
         # In shared memory, not registers: they are read once per group, and the loop's registers
         # decide how many programs an SM holds.
         buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
         buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
-        js_cp = gl.arange(0, NSC_P, layout=CP_SAL)
-        off_ss = gl.load(order + (D - n_sc) + js_cp, mask=js_cp < n_sc, other=0) // 2
-        off_ss = gl.where(js_cp < n_sc, off_ss, -1)
+        js_cp, keep_cp = _salient_rows(gl.arange(0, NSC_P, layout=CP_SAL), n_sc, NSC_P, FEW)
+        # Every row's word is copied (a row not kept holds a real channel's, or channel 0's with FEW), so
+        # its scale is finite and the zero query of the row is the whole mask.
+        off_ss = gl.load(order + (D - n_sc) + js_cp, mask=keep_cp, other=0) // 2
         # The words of the salient channels' scales need the channel order: their own copy group.
         _issue_salient_scales(b_start, n_blk > 0, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
         async_copy.commit_group()
@@ -467,7 +500,7 @@ def _block_kernel(
                               gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
                 # The salient channels' scales: each in the low or high half of its copied word.
                 s_word = buf_ss.index(0).load(KCOL)
-                s_sal = gl.where(js < n_sc, _low_half_f16(s_word >> ((sal % 2) * 16)), 0.0)
+                s_sal = _low_half_f16(s_word >> ((sal % 2) * 16))
                 u_hi = buf_qs.load(B_OP) * s_sal[:, None]
                 c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
                             gl.zeros([16, 8], gl.float32, layout=MMA))
@@ -480,8 +513,8 @@ def _block_kernel(
             hw = (hw, (hw[0] >> 8, hw[1] >> 8, hw[2] >> 8, hw[3] >> 8))
             _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
             _issue_block(blk + 1, i + 1 < n_blk, nxt, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
-                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi, m_hi,
-                         off_v, off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P)
+                         klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi,
+                         off_v, off_s, off_k, G32, B_LOW, D, NH, n_sc, SAL, NW, SW, PL_P, PH_P, NSC_P, FULL, FEW)
             _issue_salient_scales(blk + 1, i + 1 < n_blk, buf_ss, ksw_ptr + ks_off // 2, off_ss, G32, D)
             async_copy.commit_group()
             # The block's 8 tiles of scores (16 independent MMA chains), with DELAY each step's pair

@@ -469,11 +469,13 @@ def _fp16_tail(ops, b, h, t, n_tail, qk_scale, GQ: gl.constexpr, D: gl.constexpr
             stride_t = ops.stride_rt
         first = (t + region * (n_tail - 1)) % n_tail  # this program's first chunk of the region
         for t0 in range(first * BLOCK_R, n_tok, n_tail * BLOCK_R):
+            # Through fp32 (exact from bf16, so the same rounding): Triton 3.9 turns a direct bf16 ->
+            # fp16 cast into one cvt per element, and the block kernel then spills (255 registers).
             kt = gl.load(k_base + (t0 + t_b)[None, :] * stride_t + c_b[:, None],
-                         mask=(t0 + t_b < n_tok)[None, :], other=0.0).to(gl.float16)
+                         mask=(t0 + t_b < n_tok)[None, :], other=0.0).to(gl.float32).to(gl.float16)
             # The values' load issued with the keys': one round trip to memory per chunk, not two.
             vt = gl.load(v_base + (t0 + t_a)[None, :] * stride_t + c_a[:, None],
-                         mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float16)
+                         mask=(t0 + t_a < n_tok)[None, :], other=0.0).to(gl.float32).to(gl.float16)
             scores = mma_v2(u0, kt, gl.zeros([16, BLOCK_R], gl.float32, layout=MMA))
             scores = gl.where((t0 + tcol < n_tok)[None, :], scores, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(scores, axis=1))

@@ -215,15 +215,17 @@ def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_
     """The kernel's compile-time constants besides its layouts. The salient channel count is not
     one (it is the kernel's run-time `n_sc`): only its size class NSC_P, whether there are any (SAL)
     and whether they fill the class (FULL: then the count is NSC_P itself, and the kernel compiles
-    as with the count a constant) are. So configs that differ only in their salient ratio mostly
-    share a compiled kernel. `value_slots`: the block kernel's VSLOTS (`LaunchPlan`)."""
+    as with the count a constant) are, and for `block` whether they fill less than half of it (FEW:
+    only counts below 8, whose copies keep a mask; `block._salient_rows`). So configs that differ only
+    in their salient ratio mostly share a compiled kernel. `value_slots`: the block kernel's VSLOTS (`LaunchPlan`)."""
     nsc_p = next_pow2(max(n_salient, 16))
     kernel = kernel_module(group_size)
     return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, SAL=n_salient > 0,
                 FULL=n_salient == nsc_p, NSC_P=nsc_p, BV=value_bits, GV=kernel_value_group(d, value_group),
                 ONE_SCALE=value_group == d, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
-                **kernel.CONSTANTS, **({"VSLOTS": value_slots} if kernel is block else {}))
+                **kernel.CONSTANTS,
+                **({"VSLOTS": value_slots, "FEW": 0 < n_salient < nsc_p // 2} if kernel is block else {}))
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -324,3 +326,26 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
     return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": 1, **({"maxnreg": max_registers} if max_registers else {})})
+
+
+def offline_resources(compiled: Any) -> tuple[int, int]:
+    """Registers a thread and stack bytes (spills) of a `compile_offline` result, read from its cubin
+    by the cuobjdump that Triton ships beside its ptxas."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {out[-500:]}")
+    return int(m.group(1)), int(m.group(2))
+
