@@ -225,7 +225,7 @@ def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_
                 ONE_SCALE=value_group == d, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
                 **kernel.CONSTANTS,
-                **({"VSLOTS": value_slots, "FEW": 0 < n_salient < nsc_p // 2} if kernel is block else {}))
+                **({"VSLOTS": value_slots, "FEW": n_salient < nsc_p // 2} if kernel is block else {}))
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
