@@ -122,16 +122,17 @@ def random_salient(bsz: int, gen: torch.Generator, n_pairs: int = N_SALIENT_PAIR
     return torch.cat([pairs, pairs + D // 2], dim=-1)
 
 
-def build(bsz: int, ctx: int, gen: torch.Generator) -> tuple[DecodeCache, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                             dict]:
-    """A layer holding `ctx` tokens per sequence, from fresh random bf16 K/V (also returned for SDPA)."""
+def build(bsz: int, ctx: int, gen: torch.Generator, n_pairs: int = N_SALIENT_PAIRS) -> tuple[
+        DecodeCache, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """A layer holding `ctx` tokens per sequence, from fresh random bf16 K/V (also returned for SDPA),
+    with `n_pairs` salient channel pairs."""
     n_groups = (ctx - N_SINK) // G
     res = ctx - N_SINK - n_groups * G
     assert 0 <= res <= RESIDUAL
     k = torch.randn((bsz, HKV, ctx, D), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn((bsz, HKV, ctx, D), generator=gen, device="cuda", dtype=torch.bfloat16)
     k.mul_(1.5).add_(0.25)  # not centred, not unit: scales and zeros both matter
-    sal = random_salient(bsz, gen)
+    sal = random_salient(bsz, gen, n_pairs)
     region = slice(N_SINK, N_SINK + n_groups * G)
     pk = quantize_pack_keys(k[:, :, region], sal, B_LOW, B_HIGH, G)
     pv = quantize_pack_values(v[:, :, region], V_BITS, V_GROUP)
@@ -417,6 +418,65 @@ def bench_plans(gen: torch.Generator, fh) -> list[dict]:
     return rows
 
 
+# `--splits`: the split count of small batches, the split kernel and the combine timed apart.
+SPLIT_SHAPES = [(1, 32768), (1, 8192), (4, 32768)]
+SPLIT_COUNTS = (16, 32, 64, 96, 128, 192, 256)
+# `--salient`: salient channel pairs of one size class (64 channels: 32 pairs fill it) at the large shapes.
+SALIENT_PAIRS = (32, 20, 30)
+
+
+def graph_us(fn) -> float:
+    """Median GPU time of `fn` replayed from a CUDA graph (us, L2 flushed)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def bench_splits(gen: torch.Generator, fh) -> list[dict]:
+    """Split kernel + combine under the planned split count and its neighbours (SPLIT_COUNTS), each part
+    also timed alone; outputs checked against the planned plan's."""
+    launch = gluon.launch
+    rows = []
+    for bsz, ctx in SPLIT_SHAPES:
+        torch.cuda.empty_cache()
+        cache, q, *_ = build(bsz, ctx, gen)
+        planned = launch.plan_launch(q, cache)
+        ref = None
+        for count in (None, *SPLIT_COUNTS):
+            plan = planned if count is None else launch.plan_launch(q, cache, count)
+            out = torch.empty_like(q)
+            split = launch.split_launch(q, cache, D**-0.5, plan)
+            row = {"batch": bsz, "ctx": ctx, "planned": count is None, "splits": plan.num_splits,
+                   "groups_per_split": plan.groups_per_split, "tail_programs": plan.n_tail,
+                   "both_us": graph_us(lambda split=split, out=out: (split.run(), split.combine(out))),
+                   "kernel_us": graph_us(split.run),
+                   "combine_us": graph_us(lambda split=split, out=out: split.combine(out))}
+            ref = out.float() if ref is None else ref
+            row["rel_diff"] = float((out.float() - ref).norm() / ref.norm())
+            log(f"splits {json.dumps(row)}", fh)
+            rows.append(row)
+    return rows
+
+
+def bench_salient(gen: torch.Generator, fh) -> list[dict]:
+    """The block kernel with salient counts inside one size class against the count that fills it,
+    at the large benchmark shapes, one after the other in one process."""
+    rows = []
+    for bsz, ctx in SHAPES[1:]:
+        for pairs in SALIENT_PAIRS:
+            torch.cuda.empty_cache()
+            cache, q, *_ = build(bsz, ctx, gen, pairs)
+            out = torch.empty_like(q)
+            row = {"batch": bsz, "ctx": ctx, "salient": 2 * pairs,
+                   "us": graph_us(lambda cache=cache, q=q, out=out: gluon.decode_attention(q, cache, D**-0.5,
+                                                                                            out=out))}
+            log(f"salient {json.dumps(row)}", fh)
+            rows.append(row)
+    return rows
+
+
 def check_wiring(fh, dtype: torch.dtype = torch.bfloat16, ref_device: str = "cuda") -> dict:
     """Generation through `pnmix` with PNMIX backend torch (on `ref_device`) vs triton (on CUDA).
 
@@ -514,19 +574,26 @@ def main() -> None:
     ap.add_argument("--kernel", default="gluon", choices=list(KERNELS), help="for --profile: the kernel")
     ap.add_argument("--wiring", action="store_true", help="only the end-to-end generation check")
     ap.add_argument("--plans", action="store_true", help="only the launch-plan comparison")
+    ap.add_argument("--splits", action="store_true",
+                    help="only the split counts of small batches, split kernel and combine timed apart")
+    ap.add_argument("--salient", action="store_true",
+                    help="only salient counts inside one size class against the count that fills it")
     ap.add_argument("--heads", default=f"{HQ}/{HKV}/{D}", metavar="HQ/HKV/D",
                     help="query heads, KV heads and head dim of the timed shapes (Gemma 3 270M: 4/1/256)")
     args = ap.parse_args()
     HQ, HKV, D = (int(x) for x in args.heads.split("/"))
-    if args.plans:
+    for flag, name, bench in ((args.plans, "plans", bench_plans), (args.splits, "splits", bench_splits),
+                              (args.salient, "salient", bench_salient)):
+        if not flag:
+            continue
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                "python": platform.python_version()}
-        with open(out_dir / "plans.log", "w") as fh:
-            rows = bench_plans(torch.Generator(device="cuda").manual_seed(0), fh)
-        (out_dir / "plans.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        with open(out_dir / f"{name}.log", "w") as fh:
+            rows = bench(torch.Generator(device="cuda").manual_seed(0), fh)
+        (out_dir / f"{name}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
         return
     if args.wiring:
         out_dir = Path(args.out)
