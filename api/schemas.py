@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from pnmix.inputs import BUDGET
+from pnmix.models import SHAPE_MODELS
 from pnmix.names import BACKENDS
 from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from pnmix.storage.read import OPTIMIZE, ModelSummary
@@ -254,8 +255,11 @@ class CampaignCreate(BaseModel):
         "if": {"properties": {"search_values": {"const": True}}, "required": ["search_values"]},
         "then": {"properties": {"budget_on": {"const": "kv"}}, "required": ["budget_on"]}})
 
+    # The shape models are excluded in the schema too, so that a client generating requests from it
+    # never sends a schema-valid body the service refuses (422).
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name (not a "
-                       "random-weight shape model: a campaign scores accuracy)")
+                       "random-weight shape model: a campaign scores accuracy)",
+                       json_schema_extra={"not": {"enum": sorted(SHAPE_MODELS)}})
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True},
                                   description="bit budgets, on the figure `budget_on` names")
     n_trials: WholeNumber = Field(default=30, ge=TRIALS.low, le=TRIALS.high,
