@@ -11,6 +11,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    JsonValue,
     StringConstraints,
     field_validator,
     model_validator,
@@ -242,6 +243,9 @@ class CampaignPage(Page):
     items: list[CampaignPublic]
 
 
+SHAPE_NAMES: list[JsonValue] = [*sorted(SHAPE_MODELS)]  # random-weight models: no campaign (CampaignCreate.model)
+
+
 class CampaignCreate(BaseModel):
     """A campaign to enqueue; a `pnmix worker` picks it up.
 
@@ -259,7 +263,7 @@ class CampaignCreate(BaseModel):
     # never sends a schema-valid body the service refuses (422).
     model: str = Field(min_length=1, max_length=255, description="a stored model or a registry name (not a "
                        "random-weight shape model: a campaign scores accuracy)",
-                       json_schema_extra={"not": {"enum": sorted(SHAPE_MODELS)}})
+                       json_schema_extra={"not": {"enum": SHAPE_NAMES}})
     budgets: list[Budget] = Field(min_length=1, max_length=16, json_schema_extra={"uniqueItems": True},
                                   description="bit budgets, on the figure `budget_on` names")
     n_trials: WholeNumber = Field(default=30, ge=TRIALS.low, le=TRIALS.high,
