@@ -76,9 +76,8 @@ def attend(kernel: str, q: torch.Tensor, cache: DecodeCache, scale: float, out=N
     return KERNELS[kernel](q, cache, scale, out=out)
 
 
-def time_us(fn) -> dict:
-    """GPU time of `fn` replayed from a CUDA graph and called eagerly (do_bench medians, L2 flushed
-    before each call), and the host time of one eager call (us)."""
+def graph_us(fn) -> float:
+    """Median GPU time of `fn` replayed from a CUDA graph (us, L2 flushed before each replay)."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -88,8 +87,13 @@ def time_us(fn) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    out = {"graph": do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3,
-           "eager": do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3}
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def time_us(fn) -> dict:
+    """GPU time of `fn` replayed from a CUDA graph and called eagerly (do_bench medians, L2 flushed
+    before each call), and the host time of one eager call (us)."""
+    out = {"graph": graph_us(fn), "eager": do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3}
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(50):
@@ -423,15 +427,6 @@ SPLIT_SHAPES = [(1, 32768), (1, 8192), (4, 32768)]
 SPLIT_COUNTS = (16, 32, 64, 96, 128, 192, 256)
 # `--salient`: salient channel pairs of one size class (64 channels: 32 pairs fill it) at the large shapes.
 SALIENT_PAIRS = (32, 20, 30)
-
-
-def graph_us(fn) -> float:
-    """Median GPU time of `fn` replayed from a CUDA graph (us, L2 flushed)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def bench_splits(gen: torch.Generator, fh) -> list[dict]:

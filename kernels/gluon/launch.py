@@ -11,6 +11,10 @@ capacities only) turned into a grid and arguments (`SplitLaunch`); the partials 
 from __future__ import annotations
 
 import functools
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -331,11 +335,6 @@ def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient:
 def offline_resources(compiled: Any) -> tuple[int, int]:
     """Registers a thread and stack bytes (spills) of a `compile_offline` result, read from its cubin
     by the cuobjdump that Triton ships beside its ptxas."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
@@ -348,4 +347,3 @@ def offline_resources(compiled: Any) -> tuple[int, int]:
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage: {out[-500:]}")
     return int(m.group(1)), int(m.group(2))
-
