@@ -65,10 +65,8 @@ SHAPES = [(1, 32768), (32, 8192), (32, 32768), (110, 8192)]
 # "gluon-168": the same kernel with its registers capped at 168 a thread (3 warps per scheduler,
 # 12 an SM by registers, where the uncapped kernel's 213-217 allow 8), spilling the rest.
 # "gluon-3slot": the block kernel with 3 value slots (a block's value products beside the next
-# block's scores; `LaunchPlan.value_slots`). "gluon-i8": the block kernel's key products as int8
-# MMAs on the bit planes (`LaunchPlan.int8_keys`).
-GLUON_PLANS = {"gluon": {}, "gluon-168": {"max_registers": 168}, "gluon-3slot": {"value_slots": 3},
-               "gluon-i8": {"int8_keys": True}}
+# block's scores; `LaunchPlan.value_slots`).
+GLUON_PLANS = {"gluon": {}, "gluon-168": {"max_registers": 168}, "gluon-3slot": {"value_slots": 3}}
 KERNELS = {**{name: functools.partial(gluon.decode_attention, **options) for name, options in GLUON_PLANS.items()},
            "triton": decode_attention}
 

@@ -107,7 +107,7 @@ def _tensor(x: Any) -> torch.Tensor:
 class FakeGluon:
     """The `gl` namespace of the kernel, on torch."""
 
-    int8, int16, int32, int64 = torch.int8, torch.int16, torch.int32, torch.int64
+    int16, int32, int64 = torch.int16, torch.int32, torch.int64
     float16, float32 = torch.float16, torch.float32
 
     def __init__(self) -> None:
@@ -207,19 +207,14 @@ class FakeGluon:
         return torch.stack([a, b], dim=-1)
 
     exp2 = staticmethod(torch.exp2)
-    abs = staticmethod(torch.abs)
     where = staticmethod(torch.where)
     static_range = staticmethod(range)
 
 
 def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """fp16: the exact sum rounded toward zero to fp32: the tensor cores' accumulation truncates, so
-    an offset carried in the accumulator biases it (measured on the H200; `_value_products`). int8:
-    the exact int32 sum."""
-    if a.dtype == torch.int8:
-        assert b.dtype == torch.int8 and acc.dtype == torch.int32, "int8 products accumulate in int32"
-        return (acc.long() + a.long() @ b.long()).to(torch.int32)
-    assert a.dtype == b.dtype == torch.float16, "mma_v2 operands are fp16 or int8 here"
+    """The exact sum rounded toward zero to fp32: the tensor cores' accumulation truncates, so an
+    offset carried in the accumulator biases it (measured on the H200; `_value_products`)."""
+    assert a.dtype == b.dtype == torch.float16, "mma_v2 operands are fp16 here"
     exact = acc.double() + a.double() @ b.double()
     out = exact.float()
     return torch.where(out.double().abs() > exact.abs(), torch.nextafter(out, torch.zeros_like(out)), out)
@@ -227,12 +222,6 @@ def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor
 
 def _halves_f16(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.to(torch.int16).view(torch.float16), (x >> 16).to(torch.int16).view(torch.float16)], -1)
-
-
-def _bytes_i8(w: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] -> int8 [..., 4 W], element 4 w + b byte b of word w (as s8)."""
-    b = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8).view(torch.int8)
-    return b.reshape(*w.shape[:-1], 4 * w.shape[-1])
 
 
 def _f16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
@@ -284,7 +273,7 @@ _GLUON = {"mma_v2": _mma_v2, "async_copy": FakeAsyncCopy, "_thread_barrier": lam
 _REPLACED = {"_halves_f16": _halves_f16, "_low_half_f16": _low_half_f16, "_mul_pairs": _mul_pairs,
              "_byte_perm": _byte_perm, "_byte_perm_by": _byte_perm, "_pack_halves": _pack_halves,
              "_transposed_blocks": _transposed_blocks, "_f16_pairs_rounded": _f16_pairs_rounded,
-             "_value_pairs": _value_pairs, "_bytes_i8": _bytes_i8}
+             "_value_pairs": _value_pairs}
 
 
 class Emulator:

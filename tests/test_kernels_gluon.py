@@ -32,12 +32,10 @@ from pnmix.kernels.plan import length_bucket  # noqa: E402
 
 
 def emulated(q: torch.Tensor, cache, scale: float, splits: int | None, n_tail: int | None = None,
-             tail_last: bool = False, max_groups: int | None = None, value_slots: int = 2,
-             int8_keys: bool = False) -> torch.Tensor:
+             tail_last: bool = False, max_groups: int | None = None, value_slots: int = 2) -> torch.Tensor:
     """The kernel's output through the emulator, with the plan's tail programs set (n_tail None: as
     planned) and launched first or last."""
-    plan = dataclasses.replace(launch.plan_launch(q, cache, splits, max_groups, value_slots=value_slots,
-                                                  int8_keys=int8_keys),
+    plan = dataclasses.replace(launch.plan_launch(q, cache, splits, max_groups, value_slots=value_slots),
                                tail_last=tail_last,
                                **({"n_tail": n_tail} if n_tail else {}))
     split = launch.split_launch(q, cache, scale, plan)
@@ -73,11 +71,10 @@ def test_the_cases_cover_the_kernel_branches():
     assert {c.group_size for c in MMA_CASES} == {32, 64, 128} and {c.gqa for c in MMA_CASES} == {1, 3, 4}
 
 
-def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None, tail_last=False, value_slots=2,
-                                      int8_keys=False):
+def assert_emulated_matches_reference(q, cache, scale, splits, n_tail=None, tail_last=False, value_slots=2):
     """Runs the emulated kernel; asserts every output finite and within 1e-2 relative error of the
     fp32 dequantize-then-attend reference. Returns both outputs."""
-    out = emulated(q, cache, scale, splits, n_tail, tail_last, value_slots=value_slots, int8_keys=int8_keys)
+    out = emulated(q, cache, scale, splits, n_tail, tail_last, value_slots=value_slots)
     assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
     want = decode_reference(q, cache, scale)
     err = ((out.float() - want).norm() / want.norm()).item()

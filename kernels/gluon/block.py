@@ -26,7 +26,6 @@ from pnmix.kernels.gluon.common import (
     _REINTERPRET_IS_PUBLIC,
     MAX_GQA,
     _async_load,
-    _byte_perm,
     _fp16_tail,
     _head_operands,
     _packed_partials,
@@ -87,27 +86,10 @@ def layouts(d: int, value_bits: int, value_group: int, n_sc_p: int, one_scale: b
     cp_s = linear_layout(s_bits[5:], s_bits[:5], [8, 8 * nvg])
     if one_scale:  # [8 tiles, 8 words]: word r of tile t is the block's word t + 8 r (tile-major lanes)
         cp_s = linear_layout([[0, 4]], [[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], [8, 8])
-    def words8(channels: int) -> Any:
-        """[16 rows, channels // 4 words]: an int8 A operand's registers as int32 words (`_i8_operand`):
-        register bases row + 8, then the words of the other 16 channels and of the next 32."""
-        regs = [[8, 0]] + [[0, 4 << i] for i in range(max(channels // 16, 1).bit_length() - 1)]
-        return linear_layout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [16, max(channels // 4, 4)])
-
-    shared = shared_layouts(d, value_bits, value_group, n_sc_p, one_scale)
     own = dict(RUNS_LO=runs(d), RUNS_HI=runs(n_sc_p),
                SMEM2=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
-               CP_KEYS=gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]), CP_S=cp_s, CP_SAL=flat_layout(1),
-               A8=gl.DotOperandLayout(operand_index=0, parent=shared["MMA"], k_width=4),
-               B8=gl.DotOperandLayout(operand_index=1, parent=shared["MMA"], k_width=4),
-               W8_LO=words8(d), W8_HI=words8(n_sc_p))
-    return shared | own
-
-
-def int8_keys_admitted(d: int, n_salient: int) -> bool:
-    """Whether the int8 key products (`I8`) serve this head dim and salient count: an int8 MMA
-    reduces 32 channels, so the head dim and the salient buffers (the size class) must hold a
-    multiple of 32 (no salient channels, or 17 and more)."""
-    return d % 32 == 0 and (n_salient == 0 or next_pow2(max(n_salient, 16)) >= 32)
+               CP_KEYS=gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]), CP_S=cp_s, CP_SAL=flat_layout(1))
+    return shared_layouts(d, value_bits, value_group, n_sc_p, one_scale) | own
 
 
 def ring_bytes(d: int, b_low: int, b_high: int, n_salient: int, value_bits: int, value_group: int,
@@ -194,134 +176,6 @@ def _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, S: gl.constexpr, H: gl.cons
                 x = _plane_pairs(hw_s[p], K, magic + p * 0x04000400)
                 acc = mma_v2(_plane_operand(x, NSC_P, A_OP), u_hi, acc)
     return acc * inv_pos[(S % 2) * 2 + H][:, None] + bias
-
-
-@gluon.jit
-def _i8_channel(c):
-    """Column c of the int8 key products -> the buffer row it reads: byte b of the word of lane t
-    (`_i8_words`) is channel 2 t + b % 2 + 8 (b // 2) of its 16, c = 4 t + b."""
-    return (c // 16) * 16 + ((c % 16) // 4) * 2 + c % 2 + ((c % 4) // 2) * 8
-
-
-@gluon.jit
-def _i8_order(x, L: gl.constexpr):
-    """A row [D] in channel order -> in `_i8_channel`'s (element c is x[_i8_channel(c)]), in layout L."""
-    D: gl.constexpr = x.shape[0]
-    return gl.convert_layout(gl.reshape(gl.permute(gl.reshape(x, [D // 16, 2, 4, 2]), [0, 2, 1, 3]), [D]), L)
-
-
-@gluon.jit
-def _i8_words(x):
-    """A plane's words [C // 2 pairs, 8 runs] (`_plane_words`) -> the int8 products' words (lo, hi)
-    [C // 32, 2, 4, 8 runs]: word (m, h, t) of run r holds the run's first byte (lo: tokens 0-7)
-    or second (hi: 8-15) of channels 2t, 2t + 1, 2t + 8, 2t + 9 of the 16 from 32 m + 16 h, which
-    are pairs t and t + 4 of those 16, both in the thread's registers: one PRMT a word."""
-    C2: gl.constexpr = x.shape[0]
-    r0, r1 = gl.split(gl.permute(gl.reshape(x, [C2 // 16, 2, 2, 4, 8]), [0, 1, 3, 4, 2]))
-    return _byte_perm(r0, r1, 0x6420), _byte_perm(r0, r1, 0x7531)
-
-
-@gluon.jit
-def _i8_block(w):
-    """A block's plane words (`_block_words`, 4 slots) -> their int8 words (`_i8_words`): the
-    runs' first bytes for steps 0 and 1, their second bytes for steps 2 and 3."""
-    l0, h0 = _i8_words(w[0])
-    l1, h1 = _i8_words(w[1])
-    l2, h2 = _i8_words(w[2])
-    l3, h3 = _i8_words(w[3])
-    return (l0, l1, l2, l3), (h0, h1, h2, h3)
-
-
-@gluon.jit
-def _bytes_i8(w):
-    """int32 words [R, W] -> int8 [R, 4 W] (element 4 w + b: byte b of word w) in the same registers:
-    each word joined four times is one packed asm operand."""
-    x4 = gl.reshape(gl.join(gl.join(w, w), gl.join(w, w)), [w.shape[0], 4 * w.shape[1]])
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [x4], dtype=gl.int8, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _i8_operand(z, K: gl.constexpr, W8: gl.constexpr, A8: gl.constexpr):
-    """Words z [C // 32, 2, 4, 8 runs] (`_i8_words`) -> a tile's int8 A operand [16 tokens, C]: row r
-    < 8 bit K of run r's byte, row 8 + r bit K + 1 (`_token_of_row`), each as bit x 2^k in place
-    (one LOP3 for four channels; bit 7 reads as -128 in the s8 operand, `inv_pos`). Column 4 w + b
-    is byte b of word w = 8 m + 4 h + t (`_i8_channel`)."""
-    EVEN: gl.constexpr = (((0x01010101 << K) + 0x80000000) % (1 << 32)) - 0x80000000  # as a signed word
-    ODD: gl.constexpr = (((0x01010101 << (K + 1)) + 0x80000000) % (1 << 32)) - 0x80000000
-    M: gl.constexpr = z.shape[0]
-    w = gl.reshape(gl.permute(gl.join(z & EVEN, z & ODD), [4, 3, 0, 1, 2]), [16, M * 8])
-    w = gl.convert_layout(w, W8, assert_trivial=True)
-    return gl.convert_layout(_bytes_i8(w), A8, assert_trivial=True)
-
-
-@gluon.jit
-def _i8_halves(v):
-    """int32 v, |v| <= 16256 -> int8 (hi, lo), v = 128 hi + lo, lo in [-64, 63]."""
-    hi = (v + 64) >> 7
-    return hi.to(gl.int8), (v - hi * 128).to(gl.int8)
-
-
-@gluon.jit
-def _i8_weighted(u, N: gl.constexpr, W0: gl.constexpr):
-    """The B operands (hi, lo) of u x 2^w for the weights w = W0 .. W0 + N - 1 of N planes (4
-    slots, unused ones repeat the first)."""
-    b0 = _i8_halves(u << W0)
-    b1 = b0
-    b2 = b0
-    b3 = b0
-    if N > 1:
-        b1 = _i8_halves(u << (W0 + 1))
-    if N > 2:
-        b2 = _i8_halves(u << (W0 + 2))
-    if N > 3:
-        b3 = _i8_halves(u << (W0 + 3))
-    return b0, b1, b2, b3
-
-
-@gluon.jit
-def _rounded(x):
-    """fp32 -> int32, rounded half away from zero."""
-    return gl.where(x >= 0, x + 0.5, x - 0.5).to(gl.int32)
-
-
-@gluon.jit
-def _tile_scores_i8(b_lo, b_hi, sigma, bias, lw, hw, inv_pos, S: gl.constexpr, H: gl.constexpr,
-                    B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, MMA: gl.constexpr,
-                    W8_LO: gl.constexpr, W8_HI: gl.constexpr, A8: gl.constexpr):
-    """`_tile_scores` with int8 MMAs (m16n8k32, s8 x s8 -> s32): the planes' bits are the A operand
-    as they lie in their bytes (`_i8_operand`), and U x 2^w, in fixed point with one scale sigma per
-    head, is split into two int8 B operands, hi and lo, summed in two exact accumulators: score =
-    (128 hi + lo) x sigma x 2^-k + bias. No constant part, no rounding before the fp32 product."""
-    K: gl.constexpr = 4 * (S % 2) + 2 * H
-    lw_s = lw[0] if S < 2 else lw[1]
-    hw_s = hw[0] if S < 2 else hw[1]
-    acc_h = gl.zeros([16, 8], gl.int32, layout=MMA)
-    acc_l = gl.zeros([16, 8], gl.int32, layout=MMA)
-    for p in gl.static_range(B_LOW):
-        a = _i8_operand(lw_s[p], K, W8_LO, A8)
-        acc_h = mma_v2(a, b_lo[p][0], acc_h)
-        acc_l = mma_v2(a, b_lo[p][1], acc_l)
-    if NH > 0:
-        if SAL:
-            for p in gl.static_range(NH):
-                a = _i8_operand(hw_s[p], K, W8_HI, A8)
-                acc_h = mma_v2(a, b_hi[p][0], acc_h)
-                acc_l = mma_v2(a, b_hi[p][1], acc_l)
-    s = (acc_h * 128 + acc_l).to(gl.float32)
-    return s * inv_pos[(S % 2) * 2 + H][:, None] * sigma[None, :] + bias
-
-
-@gluon.jit
-def _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, S: gl.constexpr, H: gl.constexpr, magic,
-            B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, D: gl.constexpr, NSC_P: gl.constexpr,
-            MMA: gl.constexpr, A_OP: gl.constexpr, I8: gl.constexpr, W8_LO: gl.constexpr, W8_HI: gl.constexpr,
-            A8: gl.constexpr):
-    """Tile (S, H)'s scores by the kernel's key products: int8 (`_tile_scores_i8`) or fp16."""
-    if I8:
-        s = _tile_scores_i8(b_lo, b_hi, sigma, bias, lw, hw, inv_pos, S, H, B_LOW, NH, SAL, MMA, W8_LO, W8_HI, A8)
-    else:
-        s = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, S, H, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
-    return s
 
 
 @gluon.jit
@@ -485,7 +339,7 @@ def _block_kernel(
     qk_scale, groups_per_split, n_parts, n_tail, tail_start, magic, n_sc,
     HKV: gl.constexpr, GQ: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
     B_LOW: gl.constexpr, NH: gl.constexpr, SAL: gl.constexpr, FULL: gl.constexpr, FEW: gl.constexpr,
-    NSC_P: gl.constexpr, I8: gl.constexpr,
+    NSC_P: gl.constexpr,
     BV: gl.constexpr, GV: gl.constexpr, ONE_SCALE: gl.constexpr, BLOCK_R: gl.constexpr,
     VSLOTS: gl.constexpr,
     MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, V5: gl.constexpr,
@@ -493,7 +347,6 @@ def _block_kernel(
     PAIRS_HI: gl.constexpr, RUNS_LO: gl.constexpr, RUNS_HI: gl.constexpr,
     PL_P: gl.constexpr, PH_P: gl.constexpr, SMEM1: gl.constexpr, SMEM2: gl.constexpr, CP_KEYS: gl.constexpr,
     CP_V: gl.constexpr, CP_S: gl.constexpr, CP_K: gl.constexpr, CP_SAL: gl.constexpr,
-    A8: gl.constexpr, B8: gl.constexpr, W8_LO: gl.constexpr, W8_HI: gl.constexpr,
 ):
     """Program (b * HKV + h, split): partial attention of KV head h's GQ <= 8 query heads.
 
@@ -532,10 +385,7 @@ def _block_kernel(
         ks_off, klo, khi, vp, vsc, vze = _head_operands(ops, b, h)
         t_s = gl.arange(0, 16, layout=ROW)
         inv0 = gl.exp2(-(t_s // 8).to(gl.float32))  # 2^-k: the scores' per-row factor (`_plane_pairs`)
-        if I8:  # bit 7 of a byte reads as -128 in an s8 operand: rows 8-15 of K = 6 (`_i8_operand`)
-            inv_pos = (inv0, inv0 * 0.25, inv0 * 0.0625, inv0 * gl.where(t_s >= 8, -0.015625, 0.015625))
-        else:
-            inv_pos = (inv0, inv0 * 0.25, inv0 * 0.0625, inv0 * 0.015625)  # K = 0, 2, 4, 6
+        inv_pos = (inv0, inv0 * 0.25, inv0 * 0.0625, inv0 * 0.015625)  # K = 0, 2, 4, 6
         v_sel, v_mask = _value_selectors(BV, V5)  # `_value_codes`
         # Shared memory for blocks of 128 tokens. Block i + 1's copies are issued at block i's
         # start, once its key words, key scale rows and salient scale words are in registers
@@ -595,14 +445,9 @@ def _block_kernel(
         q_heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
         q_rows = ops.q_ptr + b.to(gl.int64) * ops.stride_qb + (h * GQ + q_heads) * ops.stride_qh
         q_c = gl.arange(0, D, layout=KCOL)
-        if I8:  # the int8 products' columns read the channels in `_i8_channel`'s order: so do the
-            # query, the salient rows and (`_i8_order`) the key scale and zero rows; sums are unchanged
-            q_c = _i8_channel(q_c)
         q_t = (gl.load(q_rows[None, :] + q_c[:, None], mask=(q_heads < GQ)[None, :],
                        other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
         js = gl.arange(0, NSC_P, layout=KCOL)
-        if I8:
-            js = _i8_channel(js)
         order = ops.order_ptr + b.to(gl.int64) * ops.stride_ob + h * ops.stride_oh
         js, keep = _salient_rows(js, n_sc, NSC_P, FEW)  # rows -> salient channels (js below: the channel)
         sal = gl.load(order + (D - n_sc) + js, mask=keep, other=0)
@@ -612,10 +457,7 @@ def _block_kernel(
         # decide how many programs an SM holds.
         buf_q = gl.allocate_shared_memory(gl.float16, [D, 8], SMEM2, q_t)
         buf_qs = gl.allocate_shared_memory(gl.float16, [NSC_P, 8], SMEM2, q_sal)
-        js_cp = gl.arange(0, NSC_P, layout=CP_SAL)
-        if I8:
-            js_cp = _i8_channel(js_cp)
-        js_cp, keep_cp = _salient_rows(js_cp, n_sc, NSC_P, FEW)
+        js_cp, keep_cp = _salient_rows(gl.arange(0, NSC_P, layout=CP_SAL), n_sc, NSC_P, FEW)
         # Every row's word is copied (a row not kept holds a real channel's, or channel 0's with FEW), so
         # its scale is finite and the zero query of the row is the whole mask.
         off_ss = gl.load(order + (D - n_sc) + js_cp, mask=keep_cp, other=0) // 2
@@ -626,17 +468,6 @@ def _block_kernel(
         u_hi = gl.zeros([NSC_P, 8], gl.float16, layout=B_OP)
         bias = gl.zeros([16, 8], gl.float32, layout=MMA)  # per head, the same in every row
         c0 = gl.zeros([16, 8], gl.float32, layout=MMA)
-        # I8: U x 2^w (the planes' weights) in fixed point, split into int8 hi and lo B operands
-        # (`_tile_scores_i8`), and the fixed point's scale per head. P: the largest weight.
-        P: gl.constexpr = B_LOW - 1 + (NH if SAL else 0)
-        LIM: gl.constexpr = 16256 >> P  # |U| in fixed point: U x 2^P splits into int8 halves
-        KCOL8: gl.constexpr = gl.SliceLayout(1, B8)
-        z8 = gl.zeros([D, 8], gl.int8, layout=B8)
-        zs8 = gl.zeros([NSC_P, 8], gl.int8, layout=B8)
-        b_lo = ((z8, z8), (z8, z8), (z8, z8), (z8, z8))
-        b_hi = ((zs8, zs8), (zs8, zs8), (zs8, zs8), (zs8, zs8))
-        sigma = gl.zeros([8], gl.float32, layout=HEADS)
-        sal8 = gl.convert_layout(sal, KCOL8)
         m_h = gl.full([8], float("-inf"), gl.float32, layout=HEADS)
         l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # softmax sums per lane, reduced after the loop
         acc_z = gl.zeros([16, 8], gl.float32, layout=MMA)  # `_value_products`: the zeros' part
@@ -663,43 +494,23 @@ def _block_kernel(
                 # the zero point's bias and the planes' constant part c0 as MMAs, sums over the
                 # channels in fp32 like the scores' own (every row of those tiles is the same).
                 q_t = buf_q.load(B_OP)
-                z_row = buf_ks.index(1).load(gl.SliceLayout(0, A_OP))
-                if I8:
-                    z_row = _i8_order(z_row, gl.SliceLayout(0, A_OP))
-                bias = mma_v2(gl.expand_dims(z_row, 0) + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
+                u = q_t * buf_ks.index(0).load(KCOL)[:, None]
+                z_a = gl.expand_dims(buf_ks.index(1).load(gl.SliceLayout(0, A_OP)), 0)
+                bias = mma_v2(z_a + gl.zeros([16, D], gl.float16, layout=A_OP), q_t,
                               gl.zeros([16, 8], gl.float32, layout=MMA))  # zero: z @ q
-                if I8:  # U exactly in fp32 (a product of two fp16), in fixed point per head
-                    s_row = _i8_order(buf_ks.index(0).load(KCOL8), KCOL8)
-                    u32 = buf_q.load(B8).to(gl.float32) * s_row.to(gl.float32)[:, None]
-                    amax = gl.max(gl.abs(u32), axis=0)
-                    r = gl.where(amax > 0, LIM / amax, 0.0)
-                    b_lo = _i8_weighted(_rounded(u32 * r[None, :]), B_LOW, 0)
-                    sigma = gl.convert_layout(amax * (1.0 / LIM), HEADS)
-                    if NH > 0:
-                        if SAL:  # the salient rows' query carries 2^b_low: the same U, rounded alike
-                            s_sal8 = _low_half_f16(buf_ss.index(0).load(KCOL8) >> ((sal8 % 2) * 16))
-                            u_sal = buf_qs.load(B8).to(gl.float32) * s_sal8.to(gl.float32)[:, None]
-                            b_hi = _i8_weighted(_rounded(u_sal * (r * (1.0 / (1 << B_LOW)))[None, :]), NH, B_LOW)
-                else:
-                    u = q_t * buf_ks.index(0).load(KCOL)[:, None]
-                    # The salient channels' scales: each in the low or high half of its copied word.
-                    s_word = buf_ss.index(0).load(KCOL)
-                    s_sal = _low_half_f16(s_word >> ((sal % 2) * 16))
-                    u_hi = buf_qs.load(B_OP) * s_sal[:, None]
-                    c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
-                                gl.zeros([16, 8], gl.float32, layout=MMA))
-                    c0 = mma_v2(gl.full([16, NSC_P], -1024.0 * ((1 << NH) - 1), gl.float16, layout=A_OP),
-                                u_hi, c0)
+                # The salient channels' scales: each in the low or high half of its copied word.
+                s_word = buf_ss.index(0).load(KCOL)
+                s_sal = _low_half_f16(s_word >> ((sal % 2) * 16))
+                u_hi = buf_qs.load(B_OP) * s_sal[:, None]
+                c0 = mma_v2(gl.full([16, D], -1024.0 * ((1 << B_LOW) - 1), gl.float16, layout=A_OP), u,
+                            gl.zeros([16, 8], gl.float32, layout=MMA))
+                c0 = mma_v2(gl.full([16, NSC_P], -1024.0 * ((1 << NH) - 1), gl.float16, layout=A_OP),
+                            u_hi, c0)
             lw = _block_words(buf_lo, 0, B_LOW, RUNS_LO, PAIRS_LO)
             hw = _block_words(buf_hi, 0, NH, RUNS_HI, PAIRS_HI)
-            if I8:  # the runs' two bytes as the int8 products' words
-                lw = _i8_block(lw)
-                if NH > 0:
-                    if SAL:
-                        hw = _i8_block(hw)
-            else:  # bits 8-15 of the runs (steps 2 and 3) shifted into the fp16 mantissa once per block
-                lw = (lw, (lw[0] >> 8, lw[1] >> 8, lw[2] >> 8, lw[3] >> 8))
-                hw = (hw, (hw[0] >> 8, hw[1] >> 8, hw[2] >> 8, hw[3] >> 8))
+            # Bits 8-15 of the runs (steps 2 and 3) shifted into the fp16 mantissa once per block.
+            lw = (lw, (lw[0] >> 8, lw[1] >> 8, lw[2] >> 8, lw[3] >> 8))
+            hw = (hw, (hw[0] >> 8, hw[1] >> 8, hw[2] >> 8, hw[3] >> 8))
             _thread_barrier()  # every lane has read the key slots, which the next block's copies refill
             _issue_block(blk + 1, i + 1 < n_blk, nxt, buf_lo, buf_hi, buf_v, buf_sc, buf_ze, buf_ks,
                          klo, khi, vp, vsc, vze, ops.ksc_ptr + ks_off, ops.kze_ptr + ks_off, off_lo, off_hi,
@@ -709,34 +520,26 @@ def _block_kernel(
             # The block's 8 tiles of scores (16 independent MMA chains), with DELAY each step's pair
             # beside the value product of the previous block's step; one online-softmax update for
             # the 128 tokens; without DELAY then the value products of its 4 steps.
-            s00 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
-            s01 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
+            s00 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s01 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 0, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
                 acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8, x00, x01, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
-            s10 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
-            s11 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
+            s10 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s11 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 1, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
                 acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8 + 2, x10, x11, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
-            s20 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
-            s21 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
+            s20 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s21 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 2, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
                 acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8 + 4, x20, x21, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,
                                           PAIRS4)
-            s30 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
-            s31 = _scores(u, u_hi, c0, b_lo, b_hi, sigma, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, SAL, D,
-                          NSC_P, MMA, A_OP, I8, W8_LO, W8_HI, A8)
+            s30 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 0, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
+            s31 = _tile_scores(u, u_hi, c0, bias, lw, hw, inv_pos, 3, 1, magic, B_LOW, NH, SAL, D, NSC_P, MMA, A_OP)
             if DELAY:
                 acc, acc_z = _step_values(buf_v, sc_rows, ze_rows, s_prev * 8 + 6, x30, x31, acc, acc_z, v_sel,
                                           v_mask, D, NVG, ONE_SCALE, WPG, MMA, A_OP, B_OP, V5, VWP_LOAD, VS_WORDS,

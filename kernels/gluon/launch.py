@@ -165,8 +165,7 @@ class LaunchPlan:
     sinks and the residual, launched after the packed splits if tail_last, else before them;
     max_registers: the registers a thread may take (ptxas spills past it; None: as it allocates);
     value_slots: the block kernel's value slots (`block.VALUE_SLOTS`; 3 runs a block's value
-    products beside the next block's scores); int8_keys: the block kernel's key products as int8
-    MMAs on the bit planes (`block.int8_keys_admitted`; elsewhere the fp16 ones)."""
+    products beside the next block's scores)."""
 
     groups_per_split: int
     num_splits: int
@@ -174,7 +173,6 @@ class LaunchPlan:
     tail_last: bool
     max_registers: int | None = None
     value_slots: int = block.VALUE_SLOTS
-    int8_keys: bool = False
 
     @property
     def n_parts(self) -> int:
@@ -188,14 +186,14 @@ class LaunchPlan:
 
 def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = None,
                 max_groups: int | None = None, max_registers: int | None = None,
-                value_slots: int = block.VALUE_SLOTS, int8_keys: bool = False) -> LaunchPlan:
+                value_slots: int = block.VALUE_SLOTS) -> LaunchPlan:
     """The plan for `q` over `cache`: `num_splits` packed splits if given, else `wave_splits` for the
     programs that fit at once; `tail_programs`, `tails_last` and, where the programs do not all fit
     at once and the tail launches first, a shorter last split (`split_groups`). The packed region
     planned for is the capacity, or `max_groups` groups where given: a bound on the groups any
     sequence holds (groups past it are not read). `max_registers` caps the kernel's registers a
-    thread (more programs fit at once; the compiler spills what does not fit); `value_slots` (2 or 3)
-    and `int8_keys` as in `LaunchPlan`."""
+    thread (more programs fit at once; the compiler spills what does not fit); `value_slots` as in
+    `LaunchPlan` (2 or 3)."""
     if value_slots not in (2, 3):
         raise ValueError(f"value_slots {value_slots}: allowed 2 or 3")
     check_operands(q, cache)
@@ -213,19 +211,17 @@ def plan_launch(q: torch.Tensor, cache: DecodeCache, num_splits: int | None = No
     tail_last = tails_last(n_bh, num_splits, n_tail, resident)
     if n_bh * (num_splits + n_tail) > resident and not tail_last:  # packed splits wait for the tail's slots
         groups_per_split = split_groups(ng_cap, num_splits, chunks)
-    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last, max_registers, value_slots, int8_keys)
+    return LaunchPlan(groups_per_split, num_splits, n_tail, tail_last, max_registers, value_slots)
 
 
 def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_high: int, n_salient: int,
-                     value_bits: int, value_group: int, value_slots: int = block.VALUE_SLOTS,
-                     int8_keys: bool = False) -> dict:
+                     value_bits: int, value_group: int, value_slots: int = block.VALUE_SLOTS) -> dict:
     """The kernel's compile-time constants besides its layouts. The salient channel count is not
     one (it is the kernel's run-time `n_sc`): only its size class NSC_P, whether there are any (SAL)
     and whether they fill the class (FULL: then the count is NSC_P itself, and the kernel compiles
     as with the count a constant) are, and for `block` whether they fill less than half of it (FEW:
     only counts below 8, whose copies keep a mask; `block._salient_rows`). So configs that differ only
-    in their salient ratio mostly share a compiled kernel. `value_slots`, `int8_keys`: the block
-    kernel's VSLOTS and I8 (`LaunchPlan`; I8 only where `block.int8_keys_admitted`)."""
+    in their salient ratio mostly share a compiled kernel. `value_slots`: the block kernel's VSLOTS (`LaunchPlan`)."""
     nsc_p = next_pow2(max(n_salient, 16))
     kernel = kernel_module(group_size)
     return dict(HKV=hkv, GQ=gqa, D=d, G=group_size, B_LOW=b_low, NH=b_high - b_low, SAL=n_salient > 0,
@@ -233,8 +229,7 @@ def kernel_constants(hkv: int, gqa: int, d: int, group_size: int, b_low: int, b_
                 ONE_SCALE=value_group == d, BLOCK_R=TAIL_TOKENS,
                 PL_P=next_pow2(b_low), PH_P=next_pow2(max(b_high - b_low, 1)),
                 **kernel.CONSTANTS,
-                **({"VSLOTS": value_slots, "FEW": n_salient < nsc_p // 2,
-                    "I8": int8_keys and block.int8_keys_admitted(d, n_salient)} if kernel is block else {}))
+                **({"VSLOTS": value_slots, "FEW": n_salient < nsc_p // 2} if kernel is block else {}))
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -288,46 +283,42 @@ def split_launch(q: torch.Tensor, cache: DecodeCache, scale: float, plan: Launch
             plan.tail_start, FP16_PAIR_1024, cache.n_salient_channels)
     constexprs = kernel_constants(hkv, hq // hkv, d, cache.group_size, cache.b_low, cache.b_high,
                                   cache.n_salient_channels, cache.value_bits, cache.value_group_size,
-                                  plan.value_slots, plan.int8_keys)
+                                  plan.value_slots)
     layouts = kernel.layouts(d, cache.value_bits, constexprs["GV"], constexprs["NSC_P"], constexprs["ONE_SCALE"])
     return SplitLaunch((bsz * hkv, plan.n_parts), kernel.KERNEL, args, constexprs, layouts, plan, pm, pl, pa)
 
 
 def decode_attention(q: torch.Tensor, cache: DecodeCache, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, max_groups: int | None = None,
-                     max_registers: int | None = None, value_slots: int = block.VALUE_SLOTS,
-                     int8_keys: bool = False) -> torch.Tensor:
+                     max_registers: int | None = None, value_slots: int = block.VALUE_SLOTS) -> torch.Tensor:
     """`kernels.decode.decode_attention` with the Gluon kernels; call only where `supports(cache, q)`.
 
     q [B, H_q, d] -> [B, H_q, d] in q's dtype; num_splits: splits of the packed region per (b, h_kv)
     (by default balanced over whole waves of the GPU, `plan_launch`); `out`, `max_groups` as there;
-    `max_registers`, `value_slots`, `int8_keys` as in `plan_launch`.
+    `max_registers`, `value_slots` as in `plan_launch`.
     """
     out = output_for(q, out)
-    plan = plan_launch(q, cache, num_splits, max_groups, max_registers, value_slots, int8_keys)
-    launch = split_launch(q, cache, scale, plan)
+    launch = split_launch(q, cache, scale, plan_launch(q, cache, num_splits, max_groups, max_registers, value_slots))
     launch.run()
     return launch.combine(out)
 
 
 def compile_offline(d: int, group_size: int, b_low: int, b_high: int, n_salient: int, value_bits: int,
                     value_group: int, gqa: int, activation: str = "*bf16", arch: int = 90,
-                    max_registers: int | None = None, value_slots: int = block.VALUE_SLOTS,
-                    int8_keys: bool = False) -> Any:
+                    max_registers: int | None = None, value_slots: int = block.VALUE_SLOTS) -> Any:
     """Compiles the kernel for these shapes for an NVIDIA GPU of compute capability `arch`, without one.
 
     For inspection and tests: the result's `asm` holds TTGIR, PTX and the cubin, `metadata.shared`
     the shared memory. Pointers and strides are specialized as divisible by 16, as the JIT does for
-    real caches; `max_registers`, `value_slots`, `int8_keys` as in `plan_launch`. Must run without
-    TRITON_INTERPRET (it replaces the language's own functions).
+    real caches; `max_registers`, `value_slots` as in `plan_launch`. Must run without TRITON_INTERPRET (it replaces
+    the language's own functions).
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = kernel_module(group_size)
-    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group, value_slots,
-                             int8_keys)
+    const = kernel_constants(8, gqa, d, group_size, b_low, b_high, n_salient, value_bits, value_group, value_slots)
     const.update(kernel.layouts(d, value_bits, const["GV"], const["NSC_P"], const["ONE_SCALE"]))
     planes = "*i16" if kernel.PLANE_DTYPE == torch.int16 else "*i32"
     operand_types = {"klo_ptr": planes, "khi_ptr": planes, "vp_ptr": "*i32", "vsc_ptr": "*i32",
