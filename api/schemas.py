@@ -24,10 +24,11 @@ from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from pnmix.storage.read import OPTIMIZE, ModelSummary
 from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, LAYER_GROUPS, METHODS, TRIALS
 from pnmix.storage.write import OBJECTIVES, REQUIRED_OBJECTIVES, check_budgets, check_objectives
-from pnmix.tuner.holdout import DEFAULT_SHARE, HOLDOUT
-from pnmix.tuner.profiles import PROFILES, EvalError
-from pnmix.tuner.queue import TASK_PATTERN, check_tasks
-from pnmix.tuner.space import DEFAULT_LAYER_GROUPS, SearchSpace
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring.holdout import DEFAULT_SHARE, HOLDOUT
+from pnmix.tuner.scoring.parts import ENTRY_PATTERN, check_entries
+from pnmix.tuner.scoring.profiles import PROFILES
+from pnmix.tuner.search.space import DEFAULT_LAYER_GROUPS, SearchSpace
 
 # The ranges are pnmix.inputs' and storage.vocabulary's, the command line's too: `pnmix recommend --bits`
 # takes what `target_bits` takes.
@@ -291,7 +292,7 @@ class CampaignCreate(BaseModel):
     search_values: bool = Field(default=False, description="search value bits and value group size too (needs "
                                 "budget_on=kv: under a key budget values cost nothing); method pnmix-alloc: "
                                 "each layer's own")
-    tasks: list[Annotated[str, StringConstraints(pattern=TASK_PATTERN, max_length=4096)]] | None = Field(
+    tasks: list[Annotated[str, StringConstraints(pattern=ENTRY_PATTERN, max_length=4096)]] | None = Field(
         default=None, min_length=1, max_length=8, description=(
         "the campaign's tasks (default: passkey, kv_lookup, fidelity): those names, lm_eval:TASK[@LIMIT], "
         "items:PATH (a JSONL items file) or texts:PATH[@PREFIX+TOKENS] (a texts file). A file is a path on the "
@@ -314,7 +315,7 @@ class CampaignCreate(BaseModel):
     def _tasks(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
             try:
-                check_tasks(v, files=False)  # the files: by the route (a missing one is a 404)
+                check_entries(v, files=False)  # the files: by the route (a missing one is a 404)
             except EvalError as exc:
                 raise ValueError(str(exc)) from None
         return v

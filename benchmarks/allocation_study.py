@@ -61,13 +61,13 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
     import optuna
 
     from pnmix.storage import Database, upgrade
-    from pnmix.tuner import record as trial_record
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-    from pnmix.tuner.fronts import front_trials
-    from pnmix.tuner.profiles import EvalError
-    from pnmix.tuner.record import Kind
-    from pnmix.tuner.session import find_or_create_campaign
-    from pnmix.tuner.space import ALLOCATED, SearchSpace
+    from pnmix.tuner.errors import EvalError
+    from pnmix.tuner.search import record as trial_record
+    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.fronts import front_trials
+    from pnmix.tuner.search.record import Kind
+    from pnmix.tuner.search.session import find_or_create_campaign
+    from pnmix.tuner.search.space import ALLOCATED, SearchSpace
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     kv = name == "kv"
@@ -108,7 +108,7 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
 
 
 def summary(r: Any) -> dict[str, Any]:
-    """What the study keeps of a trial's record (tuner/record.py)."""
+    """What the study keeps of a trial's record (tuner/search/record.py)."""
     return {"trial": r.number, "config": r.config_dict, "label": r.config.label, "bits": r.bits,
             "key_bits": r.key_bits, "kv_bits": r.kv_bits, "accuracy": r.accuracy, "accuracy_se": r.accuracy_se,
             "units": r.units, "origin": r.origin}
@@ -117,8 +117,8 @@ def summary(r: Any) -> dict[str, Any]:
 def compare(ev: Any, res: dict[str, Any]) -> None:
     """Per budget of each part: the ground truth's best uniform config and pnmix-paper, re-scored on
     the same items, and the campaign's best minus each (paired)."""
-    from pnmix.tuner.stats import paired
-    from pnmix.tuner.sweep import read_sweep
+    from pnmix.tuner.scoring.stats import paired
+    from pnmix.tuner.search.sweep import read_sweep
 
     truth = read_sweep(TRUTH)
     scores: dict[str, Any] = {}
@@ -234,8 +234,8 @@ def main() -> None:
     import torch
     import transformers
 
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,8 +63,8 @@ def sync(device: str) -> None:
 
 def bench_embedded(args: argparse.Namespace, res: dict[str, Any]) -> Any:
     from pnmix.config import preset
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
 
     t0 = time.perf_counter()
     ev = Evaluator("smollm2-135m", profile(args.profile), seed=0, device=args.device)
@@ -122,8 +122,8 @@ def bench_equality(args: argparse.Namespace, ev: Any, res: dict[str, Any]) -> No
     """Engine answers vs per-item `generate` answers, model in fp32, first N items of each task."""
     from pnmix import models
     from pnmix.config import preset
-    from pnmix.tuner import tasks
-    from pnmix.tuner.engine import ScoringEngine
+    from pnmix.tuner.scoring import tasks
+    from pnmix.tuner.scoring.engine import ScoringEngine
 
     lm = models.load("smollm2-135m", dtype=torch.float32, device=args.device)
     engine = ScoringEngine(lm.model, lm.tokenizer)
@@ -152,9 +152,9 @@ def bench_shape(args: argparse.Namespace, ev: Any, res: dict[str, Any]) -> None:
     from pnmix import models
     from pnmix.config import preset
     from pnmix.generation import generate
-    from pnmix.tuner.engine import ScoringEngine, Trajectory
-    from pnmix.tuner.fidelity import reference_logits, replay
-    from pnmix.tuner.tasks import Item
+    from pnmix.tuner.scoring.engine import ScoringEngine, Trajectory
+    from pnmix.tuner.scoring.fidelity import reference_logits, replay
+    from pnmix.tuner.scoring.tasks import Item
 
     lm = models.load(args.shape_model, purpose="performance", dtype=torch.bfloat16, device=args.device)
     model = lm.model

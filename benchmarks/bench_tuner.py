@@ -18,7 +18,7 @@ front's. Strategies:
 - random, tpe, nsga2, gp: one Optuna study over the whole space (accuracy up, key bits down);
   its front serves every budget;
 - grid: the brute-force sweep in the space's enumeration order (bit pair, G, r, sinks);
-- tpe+racing: tpe, each candidate raced (tuner/racing.py) against the front of the fully scored
+- tpe+racing: tpe, each candidate raced (tuner/search/racing.py) against the front of the fully scored
   points of no more bits on a growing share of its items; a stopped candidate's partial accuracy
   is what the sampler is told.
 A rung is charged its share of each part's units times that part's seconds in the sweep (items,
@@ -46,10 +46,10 @@ import optuna
 
 from pnmix.bits import LayerPlan, key_bits
 from pnmix.config import PNMixConfig
-from pnmix.tuner import racing
-from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.space import SearchSpace
-from pnmix.tuner.sweep import config_key, front, hypervolume, read_sweep
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.search import racing
+from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.sweep import config_key, front, hypervolume, read_sweep
 
 DATASET = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -113,14 +113,14 @@ class Replay:
         return dict(self.counts) if which == "search" else {}  # the recorded scores hold no held-out units
 
     def rung(self, config: PNMixConfig, upto: dict[str, int], have: Any = None) -> Any:
-        from pnmix.tuner.score import Rung
+        from pnmix.tuner.scoring.score import Rung
 
         r = self.charge(config, upto)
         return Rung(units={name: list(r["units"][name][:n]) for name, n in upto.items()}, agreements=[],
                     seconds=self.cost(r, upto))
 
     def evaluate(self, config: PNMixConfig, measure: bool = True, have: Any = None) -> Any:
-        from pnmix.tuner.score import Score
+        from pnmix.tuner.scoring.score import Score
 
         r = self.charge(config)
         return Score(config=config.to_dict(), accuracy=r["accuracy"], parts=r["parts"],
@@ -205,8 +205,8 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
 
 def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int, race: bool = False) -> None:
     """The product's campaign over the replay evaluator, `trials` a budget."""
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-    from pnmix.tuner.session import find_or_create_campaign, open_db
+    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.session import find_or_create_campaign, open_db
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         db = open_db(f"sqlite:///{tmp}/replay.db", upgrade=True)

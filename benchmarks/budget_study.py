@@ -26,8 +26,8 @@ from typing import Any
 from pnmix.bits import ModelShape, kv_bits, kv_cache_bytes
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import config_from_dict
-from pnmix.tuner.stats import paired
-from pnmix.tuner.sweep import config_key, read_sweep
+from pnmix.tuner.scoring.stats import paired
+from pnmix.tuner.search.sweep import config_key, read_sweep
 
 TRUTH = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 QWEN3_8B = ModelShape(num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128)
@@ -49,10 +49,10 @@ def campaign_rows(url: str, model: str) -> list[dict[str, Any]]:
     import optuna
 
     from pnmix.storage.read import list_campaigns
-    from pnmix.tuner import record
-    from pnmix.tuner.fronts import front_trials
-    from pnmix.tuner.session import open_db
-    from pnmix.tuner.studies import study_name
+    from pnmix.tuner.search import record
+    from pnmix.tuner.search.fronts import front_trials
+    from pnmix.tuner.search.session import open_db
+    from pnmix.tuner.search.studies import study_name
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     db = open_db(url)
@@ -156,7 +156,7 @@ def plot(records: list[dict[str, Any]], rows: list[dict[str, Any]], paper: dict[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pnmix.tuner.sweep import front
+    from pnmix.tuner.search.sweep import front
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, figure, title in ((axes[0], "key_bits", "layer groups (key budgets)"),

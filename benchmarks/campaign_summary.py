@@ -15,8 +15,8 @@ from typing import Any
 
 import optuna
 
-from pnmix.tuner import record
-from pnmix.tuner.fronts import front_trials
+from pnmix.tuner.search import record
+from pnmix.tuner.search.fronts import front_trials
 
 
 def summarize(url: str) -> list[dict[str, Any]]:

@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} MKL_NUM_THREADS=
 prepare_full_profile() {
   $PY - <<'PYEOF' 2>&1 | grep -v Warning | tail -3
 from pnmix.config import preset
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.profiles import profile
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import profile
 ev = Evaluator("smollm2-135m", profile("full"), 0, device="cuda")
 data = ev.prepare()
 ev.proxy(preset("pnmix-paper"))

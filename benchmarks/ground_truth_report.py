@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig, preset
-from pnmix.tuner.sweep import config_key, front, hypervolume, read_sweep
+from pnmix.tuner.search.sweep import config_key, front, hypervolume, read_sweep
 
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
 PRESETS = ("pnmix-paper", "kivi2", "kitty", "kivi1")
@@ -80,8 +80,8 @@ def against_campaign(url: str, campaign_id: int | None, header: dict[str, Any], 
                      fronts: dict[float, list[dict[str, Any]]], paper: dict[str, Any] | None) -> dict[str, Any]:
     """A stored campaign's fronts against the sweep's true fronts, per budget (printed and returned)."""
     from pnmix.storage.read import list_campaigns, list_front_points
-    from pnmix.tuner.session import open_db
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.stats import paired
+    from pnmix.tuner.search.session import open_db
 
     db = open_db(url)
     with db.session(readonly=True) as s:
@@ -145,7 +145,7 @@ def main() -> None:
           f"{seconds:.0f} evaluation seconds")
     print("\n| budget | front points | best config | key bits | accuracy +- SE | vs pnmix-paper (paired) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.stats import paired
 
     paper = marks.get("pnmix-paper")
     summary: dict[str, Any] = {"header": h, "configs": len(records), "evaluation_seconds": seconds, "budgets": {}}

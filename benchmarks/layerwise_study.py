@@ -24,12 +24,12 @@ from typing import Any
 
 from pnmix.bits import mean_key_bits
 from pnmix.config import PNMixConfig
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.layers import candidates_like, layerwise_for_budget
-from pnmix.tuner.profiles import profile
-from pnmix.tuner.space import SearchSpace
-from pnmix.tuner.stats import paired
-from pnmix.tuner.sweep import front, read_sweep
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import profile
+from pnmix.tuner.scoring.stats import paired
+from pnmix.tuner.search.layers import candidates_like, layerwise_for_budget
+from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.sweep import front, read_sweep
 
 TRUTH = Path(__file__).parent / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)

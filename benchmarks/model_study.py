@@ -46,9 +46,9 @@ def log(msg: str) -> None:
 
 def run_campaign(method: str, ev: Any, budgets: tuple[float, ...], trials: int, db: Any) -> dict[float, Any]:
     """The campaign's studies by budget (resumed where the database has it)."""
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-    from pnmix.tuner.session import find_or_create_campaign
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.session import find_or_create_campaign
+    from pnmix.tuner.search.space import SearchSpace
 
     spec = CampaignSpec(model=ev.model_name, budgets=budgets, n_trials=trials, method=method,
                         profile=ev.profile.name, seed=ev.seed, holdout=ev.holdout, space=SearchSpace(method=method))
@@ -60,8 +60,8 @@ def run_campaign(method: str, ev: Any, budgets: tuple[float, ...], trials: int, 
 
 
 def best_of(study: Any) -> dict[str, Any]:
-    from pnmix.tuner import record
-    from pnmix.tuner.fronts import front_trials
+    from pnmix.tuner.search import record
+    from pnmix.tuner.search.fronts import front_trials
 
     r = max(map(record.read, front_trials(study)), key=lambda r: r.accuracy or 0.0)
     return {"trial": r.number, "config": r.config_dict, "label": r.config.label, "bits": r.bits,
@@ -74,9 +74,9 @@ def study(model: str, device: str, profile_name: str, trials: int, full_bits: li
     import torch
 
     from pnmix.storage import Database, recommend, upgrade
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.scoring.stats import paired
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,12 @@ from pathlib import Path
 import optuna
 
 from pnmix.storage import Database, upgrade
-from pnmix.tuner import record
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.fronts import front_trials, hypervolume_2d
-from pnmix.tuner.profiles import profile
-from pnmix.tuner.session import find_or_create_campaign
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import profile
+from pnmix.tuner.search import record
+from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.fronts import front_trials, hypervolume_2d
+from pnmix.tuner.search.session import find_or_create_campaign
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from pnmix.config import PNMixConfig, preset
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.profiles import profile
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import profile
 
 
 def study_configs() -> dict[str, PNMixConfig]:

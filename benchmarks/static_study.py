@@ -580,7 +580,7 @@ def part_fullkernel(res: dict) -> None:
 def part_tuner_cost(res: dict, model: Any) -> None:
     """The tuner's cost measurement on CUDA (static path) for the embedded model, as a trial runs it."""
     from pnmix.config import preset
-    from pnmix.tuner.engine import ScoringEngine
+    from pnmix.tuner.scoring.engine import ScoringEngine
 
     res["tuner_cost"] = {}
     engine = ScoringEngine(model, None)

@@ -82,9 +82,9 @@ def holdout(out: Path, trials: int, model: str) -> None:
 
 def cost(out: Path, device: str, model: str) -> None:
     from pnmix.config import PNMixConfig, preset
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.texts import TextsTask
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.scoring.texts import TextsTask
 
     docs = out / "docs.jsonl"
     files = sorted({p for pattern in DOC_FILES for p in ROOT.glob(pattern)})

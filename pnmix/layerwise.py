@@ -261,3 +261,9 @@ def load_config(text: str | bytes) -> PNMixConfig | LayerwiseConfig:
     except (RecursionError, ValueError, TypeError):  # JSONDecodeError is a ValueError
         return PNMixConfig.from_json(text)  # raises the parse error in PNMixConfig's own one-line words
     return config_from_dict(data)
+
+
+def config_key(config: AnyConfig | dict[str, Any]) -> str:
+    """A config (or its dict) as one comparable string: what identifies a config across trials,
+    studies and sweep files."""
+    return json.dumps(config if isinstance(config, dict) else config.to_dict(), sort_keys=True)

@@ -83,7 +83,7 @@ class PNMixLM(HFLM):  # type: ignore[misc]
                  dtype: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
         self.pnmix_config = resolve_config(config)
         # Another cache's factory (model -> transformers Cache) instead of PN-Mix's: the tuner's
-        # peers (tuner/peers.py) run the same requests through transformers' quantized caches.
+        # peers (tuner/scoring/peers.py) run the same requests through transformers' quantized caches.
         self.make_cache: Any = None
         self._warned_loglikelihood = False
         if device is None:

@@ -213,7 +213,7 @@ class FrontPoint(Base):
     versions: Mapped[dict[str, Any]] = mapped_column(default=dict)  # package -> version
     # per part {"weight": w, "values": [per-unit influence]} (storage.write.FrontPointIn); NULL: unknown
     unit_influence: Mapped[dict[str, Any] | None] = mapped_column(default=None)
-    # The point's score on its campaign's held-out units (tuner/holdout.py), set when the campaign
+    # The point's score on its campaign's held-out units (tuner/scoring/holdout.py), set when the campaign
     # finishes for the point each budget recommends; NULL: not scored there (no hold-out, or not a pick).
     holdout_accuracy: Mapped[float | None] = mapped_column(Double, nullable=True, default=None)
     holdout_accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True, default=None)

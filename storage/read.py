@@ -117,7 +117,7 @@ def tied_with(best: FrontPoint, point: FrontPoint) -> bool:
 def paired_se(a: FrontPoint, b: FrontPoint) -> float | None:
     """The standard error of a's accuracy minus b's, paired unit by unit, for two points of one
     campaign that both keep their per-unit outcomes (`unit_influence`) on the same parts; else None.
-    Per part the SE of the mean per-unit difference, combined with the parts' weights (tuner/stats.py)."""
+    Per part the SE of the mean per-unit difference, combined with the parts' weights (tuner/scoring/stats.py)."""
     ua, ub = a.unit_influence, b.unit_influence
     if a.campaign_id != b.campaign_id or not ua or not ub or set(ua) != set(ub):
         return None

@@ -21,10 +21,10 @@ from pnmix.inputs import INT32_MAX, MAX_PATH, InputError, Int, Number, Parser, R
 
 METHODS = ("pnmix-alloc", "pnmix", "kivi", "kitty", "pnmix-layers")
 """The methods a campaign tunes and compares on one model, each a restriction of the config's knobs
-(`pnmix.tuner.space` gives each its search space): PN-Mix itself, KIVI (uniform key bits, no
+(`pnmix.tuner.search.space` gives each its search space): PN-Mix itself, KIVI (uniform key bits, no
 salient channels, no sinks) and a Kitty-like method (4/2 bits on high-magnitude channels), plus the
 layer-wise ones: `pnmix-alloc` (the default), where every layer takes its own b_high, b_low and
-salient ratio from the allocator (`pnmix.tuner.layers`: per-layer sensitivity and a knapsack under
+salient ratio from the allocator (`pnmix.tuner.search.layers`: per-layer sensitivity and a knapsack under
 the budget, then local moves scored by real accuracy), and `pnmix-layers`: groups of layers (formed
 by layer sensitivity) that each take their own pair and ratio as sampled trial parameters."""
 DEFAULT_METHOD = "pnmix-alloc"

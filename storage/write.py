@@ -96,7 +96,7 @@ class FrontPointIn:
 
     config:         a `PNMixConfig` or a `LayerwiseConfig`
     accuracy:       aggregate score in [0, 1] (what the front maximizes)
-    accuracy_se:    its standard error (tuner/stats.py), None where not measured
+    accuracy_se:    its standard error (tuner/scoring/stats.py), None where not measured
     accuracy_parts: the score's parts by name, e.g. {"passkey": 0.8, "top1_agreement": 0.93, "kl": 0.04}
     kv_bytes:       measured `cache.nbytes()["total"]` on the profile's workload
     throughput:     measured decode tokens/s on that workload
@@ -105,7 +105,7 @@ class FrontPointIn:
     device:         what it ran on, e.g. "cpu" or "NVIDIA H200"
     versions:       package -> version, e.g. {"torch": "2.13.0", "transformers": "5.24.0"}
     unit_influence: per part, its weight in the accuracy and the per-unit values whose mean is the
-                    part's score ({"passkey": {"weight": 0.25, "values": [1.0, 0.0, ...]}}; tuner/stats.py):
+                    part's score ({"passkey": {"weight": 0.25, "values": [1.0, 0.0, ...]}}; tuner/scoring/stats.py):
                     two points of one campaign, scored on the same units, then compare paired
     """
 
@@ -150,7 +150,7 @@ class FrontPointIn:
 
 @dataclass(frozen=True)
 class HoldoutIn:
-    """A front point's score on its campaign's held-out units (tuner/holdout.py).
+    """A front point's score on its campaign's held-out units (tuner/scoring/holdout.py).
 
     accuracy, accuracy_se: the combined score there and its standard error
     units:                 held-out units per part, e.g. {"passkey": 34, "fidelity": 3}

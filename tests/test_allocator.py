@@ -16,11 +16,19 @@ from pnmix.analysis import Trace
 from pnmix.bits import kv_bits, mean_key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerwiseConfig, config_from_dict, simplest
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.layers import ValueFormat, allocate, candidates_like, joint_items, joint_layers, joint_table, moves
-from pnmix.tuner.proxy import proxy_kl_by_layer, proxy_kl_table, proxy_value_table, quantized_tokens
-from pnmix.tuner.space import SearchSpace
-from pnmix.tuner.studies import study_name
+from pnmix.tuner.scoring.proxy import proxy_kl_by_layer, proxy_kl_table, proxy_value_table, quantized_tokens
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.layers import (
+    ValueFormat,
+    allocate,
+    candidates_like,
+    joint_items,
+    joint_layers,
+    joint_table,
+    moves,
+)
+from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.studies import study_name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -155,7 +163,7 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
     paired difference does not; across campaigns (other items, maybe) the comparison stays unpaired."""
     from pnmix.storage import FrontPointIn, create_campaign, recommend_with_ties, replace_front
     from pnmix.storage.read import paired_se
-    from pnmix.tuner.stats import paired, unit_influence
+    from pnmix.tuner.scoring.stats import paired, unit_influence
 
     gen = torch.Generator().manual_seed(3)
     base = (torch.rand(40, generator=gen) < 0.6).float().tolist()
@@ -165,7 +173,7 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
     kl = torch.rand(8, generator=gen).mul(0.2).tolist()
     units_a = {"passkey": better, "fidelity": kl}
     units_b = {"passkey": base, "fidelity": kl}
-    from pnmix.tuner.stats import combine, combined_se, part_score
+    from pnmix.tuner.scoring.stats import combine, combined_se, part_score
 
     def point(cfg, n, units):
         acc = combine({p: part_score(p, u) for p, u in units.items()})
@@ -204,9 +212,9 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import TrialState, create_trial
 
-    from pnmix.tuner import record
-    from pnmix.tuner.record import scored_here
-    from pnmix.tuner.record import takes_slot as counts
+    from pnmix.tuner.search import record
+    from pnmix.tuner.search.record import scored_here
+    from pnmix.tuner.search.record import takes_slot as counts
 
     paper = preset("pnmix-paper").to_dict()
     score = {"accuracy": 0.7, "accuracy_se": 0.02, "units": {"passkey": [1.0, 0.0]}, "parts": {"passkey": 0.5}}
@@ -250,8 +258,8 @@ def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
     from optuna.trial import create_trial
 
     from pnmix.tuner.commands.render import against_paper as _against_paper
-    from pnmix.tuner.space import SearchSpace
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.stats import paired
+    from pnmix.tuner.search.space import SearchSpace
 
     space = SearchSpace(method="pnmix-alloc").with_layers(30)
     paper = space.recast(preset("pnmix-paper"))

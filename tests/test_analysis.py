@@ -50,7 +50,7 @@ def test_trace_and_analysis_on_a_tiny_model(tmp_path):
 def test_a_trace_from_the_engines_continuation_equals_one_from_generate():
     """The tuner records its proxy trace from the scoring engine's fp16 continuation (CUDA graphs on
     a GPU): the same tokens as `generate`'s, hence the same queries, keys and values."""
-    from pnmix.tuner.engine import ScoringEngine
+    from pnmix.tuner.scoring.engine import ScoringEngine
 
     model = tiny_model("llama", seed=2)
     model.config.eos_token_id = 7  # a token the random model emits: both paths must ban it

@@ -94,14 +94,14 @@ def test_storage_urls_with_query_parameters_and_environment_numbers(tmp_path, wo
     assert {"PNMIX_MAX_HEADER_BYTES", "PNMIX_MAX_BODY_BYTES", "PNMIX_PORT"} <= set(commands)
     for name, command in commands.items():
         for value in ("inf", "-inf", "nan", "1e999", "abc", "", "0x10", "-1", "\u0661", "1\u00b2", "9" * 400):
-            sys.modules.pop("pnmix.tuner.campaign", None)  # read again at import, as a new process would
+            sys.modules.pop("pnmix.tuner.search.campaign", None)  # read again at import, as a new process would
             monkeypatch.setenv(name, value)
             before = snapshot(root)
             code, _, err = run(command)
             assert code == 2 and err.count("\n") == 1 and name in err, (name, value, err)
             assert snapshot(root) == before
         monkeypatch.delenv(name)
-    sys.modules.pop("pnmix.tuner.campaign", None)
+    sys.modules.pop("pnmix.tuner.search.campaign", None)
 
 
 def test_a_downgrade_asked_of_upgrade_and_missing_folders_for_workers(tmp_path, world):  # noqa: F811

@@ -16,13 +16,13 @@ from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerRange, LayerwiseConfig, config_from_dict
 from pnmix.storage import Database, FrontPointIn, create_campaign, recommend, replace_front, upgrade
 from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.layers import allocate, candidates_like, group_layers, grouped_for_budget
-from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.session import find_or_create_campaign
-from pnmix.tuner.space import SearchSpace
-from pnmix.tuner.studies import study_name
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.layers import allocate, candidates_like, group_layers, grouped_for_budget
+from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.studies import study_name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 D = 64  # the embedded model's head_dim; it has 30 layers
@@ -258,7 +258,7 @@ class LayerFormulaEvaluator:
         return {c: self.proxy_by_layer(c) for c in candidates}
 
     def evaluate(self, config, measure: bool = True):
-        from pnmix.tuner.score import Score
+        from pnmix.tuner.scoring.score import Score
 
         self.calls.append(json.dumps(config.to_dict(), sort_keys=True))
         acc = max(0.0, 1.0 - sum(self.proxy_by_layer(config)) / 30)

@@ -20,14 +20,14 @@ from pnmix.bits import LayerPlan, key_bits
 from pnmix.config import PNMixConfig, preset
 from pnmix.storage import Database, list_front_points, upgrade
 from pnmix.storage.testing import postgres_skip_reason, temporary_postgres_url
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.profiles import profile
-from pnmix.tuner.record import scored_here
-from pnmix.tuner.session import find_or_create_campaign
-from pnmix.tuner.space import SearchSpace
-from pnmix.tuner.studies import finished, study_name
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import profile
+from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.record import scored_here
+from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.studies import finished, study_name
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 
@@ -153,7 +153,7 @@ class FormulaEvaluator:
         self.calls: list[str] = []
 
     def evaluate(self, config, measure: bool = True):
-        from pnmix.tuner.score import Score
+        from pnmix.tuner.scoring.score import Score
 
         self.calls.append(json.dumps(config.to_dict(), sort_keys=True))
         acc = (config.b_high + 2 * config.b_low + config.salient_ratio + config.n_sink / 64) / 13
@@ -202,7 +202,7 @@ def test_front_keeps_one_trial_per_config_and_exhaustion_is_bounded():
     from optuna.distributions import FloatDistribution
     from optuna.trial import create_trial
 
-    from pnmix.tuner.studies import exhausted, over_budget_limit
+    from pnmix.tuner.search.studies import exhausted, over_budget_limit
 
     study = optuna.create_study(directions=["maximize", "minimize"])
     dist = {"x": FloatDistribution(0, 1)}

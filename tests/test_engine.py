@@ -13,10 +13,10 @@ from pnmix.config import PNMixConfig, preset
 from pnmix.generation import cache_kwargs, generate, new_cache
 from pnmix.prefill import RECORDED_CRITERIA, build_cache, record_prefill, record_prefills
 from pnmix.static import StaticGenerator
-from pnmix.tuner import stats, tasks
-from pnmix.tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory
-from pnmix.tuner.fidelity import reference_logits, replay, trajectory
-from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring import stats, tasks
+from pnmix.tuner.scoring.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory
+from pnmix.tuner.scoring.fidelity import reference_logits, replay, trajectory
 
 SMALL = PNMixConfig(b_high=3, b_low=1, group_size=32, salient_ratio=0.5, n_sink=4, residual_len=32,
                     value_bits=2, value_group_size=16)

@@ -79,8 +79,8 @@ def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config):
     from pnmix.cache import BatchWindowLayer
     from pnmix.generation import new_cache
     from pnmix.prefill import build_cache
-    from pnmix.tuner.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory, live_cost
-    from pnmix.tuner.fidelity import replay
+    from pnmix.tuner.scoring.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory, live_cost
+    from pnmix.tuner.scoring.fidelity import replay
 
     model = tiny_gemma3(window=WINDOW, max_position_embeddings=2048, vocab_size=4096)  # the cost prompt's ids < 4000
     gen = torch.Generator().manual_seed(3)
@@ -227,8 +227,8 @@ def test_the_evaluator_scores_a_hybrid_model(tmp_path, embedded):
     from transformers import AutoTokenizer
 
     from pnmix import models
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
 
     tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
     model = tiny_gemma3(window=WINDOW, vocab_size=len(tok), max_position_embeddings=2048, eos_token_id=tok.eos_token_id)
@@ -246,7 +246,7 @@ def test_the_evaluator_scores_a_hybrid_model(tmp_path, embedded):
     assert fp16.kv_bytes == window_bytes + 2 * 543 * 16 * 4
     assert window_bytes < small.kv_bytes < fp16.kv_bytes
     # The proxy weighs the full-attention layer alone: the windows are exact.
-    trace, _ = ev._quantized_trace(SMALL)
+    trace, _ = ev.tables.quantized_trace(SMALL)
     assert len(trace.keys) == 1 and len(ev.trace().keys) == 6 and torch.equal(trace.keys[0], ev.trace().keys[5])
     assert ev.proxy(SMALL) > 0 and ev.proxy(preset("fp16")) == 0
     assert ev.proxy_by_layer(SMALL) == [ev.proxy(SMALL)]
@@ -268,9 +268,9 @@ def test_the_evaluator_scores_a_hybrid_model(tmp_path, embedded):
 
 
 def test_layer_groups_on_a_hybrid_model_are_refused_in_one_line():
-    from pnmix.tuner.profiles import EvalError
-    from pnmix.tuner.queue import check_layer_kinds
-    from pnmix.tuner.space import ALLOCATED, LAYERED, SearchSpace
+    from pnmix.tuner.errors import EvalError
+    from pnmix.tuner.search.queue import check_layer_kinds
+    from pnmix.tuner.search.space import ALLOCATED, LAYERED, SearchSpace
 
     says = ("method pnmix-layers groups the layers, for full-attention models only: 'gemma3-270m' has "
             "sliding-window layers; use --method pnmix-alloc")
@@ -309,9 +309,9 @@ def test_a_hybrid_models_budget_leaves_its_full_layers_what_the_windows_do_not_h
 
 
 def test_a_hybrid_models_budgets_below_its_floor_are_refused_in_one_line():
-    from pnmix.tuner.profiles import EvalError
-    from pnmix.tuner.queue import check_budgets_reachable
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.errors import EvalError
+    from pnmix.tuner.search.queue import check_budgets_reachable
+    from pnmix.tuner.search.space import SearchSpace
 
     space = SearchSpace(method="pnmix-alloc")
     floor = space.with_plan(GEMMA).min_bits(256)
@@ -347,7 +347,7 @@ class HybridFormulaEvaluator:
         return sum(self.layer_loss(c, i) for i, c in enumerate(self.per_layer(config)))
 
     def evaluate(self, config, measure: bool = True):
-        from pnmix.tuner.score import Score
+        from pnmix.tuner.scoring.score import Score
 
         self.calls.append(config.label)
         acc = max(0.0, 1.0 - self.proxy(config) / 10)
@@ -367,9 +367,9 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tm
     from pnmix.api.settings import Settings
     from pnmix.storage import Database, get_campaign, list_front_points, recommend, upgrade
     from pnmix.storage.testing import sqlite_url
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-    from pnmix.tuner.session import find_or_create_campaign
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.session import find_or_create_campaign
+    from pnmix.tuner.search.space import SearchSpace
 
     db = Database(sqlite_url(tmp_path))
     upgrade(db)

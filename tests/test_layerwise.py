@@ -192,11 +192,11 @@ def test_bits_command_reports_each_layer_and_the_model_average(tmp_path):
     assert out.stderr.strip() == "error: invalid layers 0-3=3: allowed layers 0-1 (the model has 2)"
 
 
-# -- allocation (tuner/layers.py) ----------------------------------------------------------------
+# -- allocation (tuner/search/layers.py) ----------------------------------------------------------------
 
 
 def test_allocation_gives_the_bits_to_the_layer_that_needs_them():
-    from pnmix.tuner.layers import allocate
+    from pnmix.tuner.search.layers import allocate
 
     a = PNMixConfig(b_high=2, b_low=2, salient_ratio=0.0)
     b = PNMixConfig(b_high=4, b_low=2, salient_ratio=0.5)
@@ -211,8 +211,8 @@ def test_allocation_gives_the_bits_to_the_layer_that_needs_them():
 
 def test_allocation_is_never_worse_than_the_best_uniform_choice_that_fits():
     from pnmix.bits import mean_key_bits
-    from pnmix.tuner.layers import allocate, candidates_like
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.search.layers import allocate, candidates_like
+    from pnmix.tuner.search.space import SearchSpace
 
     gen = torch.Generator().manual_seed(4)
     cands = candidates_like(PNMixConfig(), SearchSpace())[:12]
@@ -227,7 +227,7 @@ def test_allocation_is_never_worse_than_the_best_uniform_choice_that_fits():
         assert got <= min(sum(kl[c]) for c in fits) + 1e-12, trial
 
 
-# -- scoring (tuner/evaluate.py) -----------------------------------------------------------------
+# -- scoring (tuner/scoring/evaluate.py) -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +244,8 @@ def tiny_dir(tmp_path_factory):
 def test_the_scoring_engine_scores_a_layerwise_config(tiny_dir):
     """Equal layers score exactly as the single config; mixed layers report the model's mean key
     bits, each layer's proxy KL under its own config, and the bytes of every layer's format."""
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
 
     base = PNMixConfig(b_high=3, b_low=1, salient_ratio=0.5, group_size=32, n_sink=4, residual_len=32)
     mixed = LayerwiseConfig(base, (LayerRange.parse("1", {"b_high": 4, "b_low": 2, "salient_ratio": 0.25}),))

@@ -1,5 +1,5 @@
 """The lm-evaluation-harness model `pnmix` (pnmix/lm_eval.py) and lm-eval tasks as an accuracy part
-(tuner/harness.py), on a tiny local task (tests/data/lm_eval: a YAML over a JSONL file, no download)."""
+(tuner/scoring/harness.py), on a tiny local task (tests/data/lm_eval: a YAML over a JSONL file, no download)."""
 
 from __future__ import annotations
 
@@ -98,9 +98,9 @@ def test_registered_and_config_from_file(tmp_path):
 def test_lm_eval_part_filtered_and_scored():
     """The part through an Evaluator, as `pnmix tune --lm-eval-task` passes it (a task-list entry)."""
     from pnmix.config import preset
-    from pnmix.tuner import harness
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import Profile
+    from pnmix.tuner.scoring import harness
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import Profile
 
     entry = harness.spec_entry(str(TASK_YAML), 6)
     assert harness.parse_entry(entry) == (str(TASK_YAML.resolve()), 6)
@@ -134,6 +134,6 @@ def test_missing_extra_names_the_pip_command():
     assert run.stderr.strip().splitlines() == [
         "error: the lm-evaluation-harness model needs the lm-eval extra: pip install -e '.[lm-eval]'"]
     imp = subprocess.run([sys.executable, "-P", "-c",
-                          hide + "from pnmix.tuner.harness import check_extra; check_extra()"],
+                          hide + "from pnmix.tuner.scoring.harness import check_extra; check_extra()"],
                          capture_output=True, text=True, timeout=120)
     assert imp.returncode != 0 and "pip install -e '.[lm-eval]'" in imp.stderr

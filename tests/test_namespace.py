@@ -16,7 +16,8 @@ def test_only_the_pnmix_name_is_installed(tmp_path):
     in a virtualenv that may itself sit inside the checkout)."""
     code = (
         "import importlib.util, pathlib, sys\n"
-        "import pnmix.kernels, pnmix.tuner.space, pnmix.storage.orm, pnmix.api.app, pnmix.storage.migrations as m\n"
+        "import pnmix.kernels, pnmix.tuner.search.space, pnmix.storage.orm, pnmix.api.app\n"
+        "import pnmix.storage.migrations as m\n"
         f"root = pathlib.Path({str(ROOT)!r})\n"
         "assert m.ALEMBIC_DIR.joinpath('env.py').is_file(), m.ALEMBIC_DIR\n"
         "for name in ('kernels', 'tuner', 'storage', 'api'):\n"

@@ -1,4 +1,4 @@
-"""Peers: transformers' QuantizedCache (quanto, HQQ) scored beside PN-Mix configs (tuner/peers.py)."""
+"""Peers: transformers' QuantizedCache (quanto, HQQ) scored beside PN-Mix configs (tuner/scoring/peers.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("optimum.quanto", reason="needs the peers extra: pip install -e '.[peers]'")
 pytest.importorskip("hqq", reason="needs the peers extra: pip install -e '.[peers]'")
 
-from pnmix.tuner import peers  # noqa: E402
+from pnmix.tuner.scoring import peers  # noqa: E402
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 

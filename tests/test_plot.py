@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from pnmix.config import preset
 from pnmix.layerwise import LayerRange, LayerwiseConfig
-from pnmix.tuner.plot import front_steps, spots
+from pnmix.tuner.commands.plot import front_steps, spots
 
 
 def rec(number, bits, accuracy, config, se=0.03):

@@ -12,10 +12,10 @@ import pytest
 from test_budgets import LayerFormulaEvaluator
 
 from pnmix.storage import Database, get_campaign, list_campaigns, list_front_points, upgrade
-from pnmix.tuner import record
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.studies import finished, study_name
+from pnmix.tuner.search import record
+from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.studies import finished, study_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DOOR = re.compile(r"\b(user_attrs|set_user_attr|system_attrs)\b")
@@ -23,7 +23,7 @@ DOOR = re.compile(r"\b(user_attrs|set_user_attr|system_attrs)\b")
 
 def test_only_the_record_touches_trial_attributes():
     """Every module of the product and its benchmarks reads and writes a trial's (or a study's)
-    attributes through tuner/record.py: no other one names `user_attrs`, `set_user_attr` or
+    attributes through tuner/search/record.py: no other one names `user_attrs`, `set_user_attr` or
     `system_attrs`."""
     offenders = []
     for folder in ("pnmix", "kernels", "tuner", "storage", "api", "benchmarks"):

@@ -11,12 +11,12 @@ from tiny import tiny_model
 
 from pnmix.analysis import Trace, record_trace
 from pnmix.config import PNMixConfig, preset
-from pnmix.tuner import tasks
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.fidelity import reference_logits, replay, trajectory
-from pnmix.tuner.profiles import Profile
-from pnmix.tuner.proxy import proxy_kl
-from pnmix.tuner.stats import combine
+from pnmix.tuner.scoring import tasks
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.fidelity import reference_logits, replay, trajectory
+from pnmix.tuner.scoring.profiles import Profile
+from pnmix.tuner.scoring.proxy import proxy_kl
+from pnmix.tuner.scoring.stats import combine
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path
 

@@ -11,11 +11,11 @@ import pytest
 
 from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig, preset
-from pnmix.tuner import racing
-from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.score import Score
-from pnmix.tuner.space import SearchSpace
-from pnmix.tuner.sweep import config_key, front, read_sweep, run_sweep, shard_configs, start_file, sweep_header
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring.score import Score
+from pnmix.tuner.search import racing
+from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.sweep import config_key, front, read_sweep, run_sweep, shard_configs, start_file, sweep_header
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "benchmarks" / "ground_truth" / "smollm2-135m-pnmix-full-seed0.jsonl.gz"
@@ -175,7 +175,7 @@ def test_bench_tuner_replays_every_strategy_on_the_ground_truth(tmp_path):
 
 def test_fullest_within_fills_each_pairs_budget_without_passing_it():
     from pnmix.bits import key_bits
-    from pnmix.tuner.space import RATIOS
+    from pnmix.tuner.search.space import RATIOS
 
     space = SearchSpace()
     for budget in (3.0, 2.5, 2.25, 2.0, 1.5):
@@ -209,9 +209,9 @@ def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_tuner import Replay, head_dim_of
 
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-    from pnmix.tuner.record import scored_here
-    from pnmix.tuner.session import find_or_create_campaign, open_db
+    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.record import scored_here
+    from pnmix.tuner.search.session import find_or_create_campaign, open_db
 
     replay = Replay(truth.records, head_dim_of(truth.records), "full", 0)
     db = open_db(f"sqlite:///{tmp_path / 'r.db'}", upgrade=True)

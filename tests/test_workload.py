@@ -16,12 +16,13 @@ from transformers import AutoTokenizer
 from pnmix import models
 from pnmix.config import PNMixConfig, preset
 from pnmix.storage import Database, FrontPoint, head_revision, list_front_points, upgrade
-from pnmix.tuner import holdout, tasks, texts
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.fidelity import reference_logits, replay
-from pnmix.tuner.profiles import EvalError, profile
-from pnmix.tuner.session import find_or_create_campaign
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring import holdout, tasks, texts
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.fidelity import reference_logits, replay
+from pnmix.tuner.scoring.profiles import profile
+from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.session import find_or_create_campaign
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -1,5 +1,5 @@
 """Paired comparisons of stored points: each front point may keep its per-unit outcomes, as each
-part's weight and the per-unit influence values whose mean is the part's score (tuner/stats.py),
+part's weight and the per-unit influence values whose mean is the part's score (tuner/scoring/stats.py),
 so that two points of one campaign (scored on the same items) are compared paired item by item
 (`storage.read.tied_with`). NULL for points stored before this revision: those compare unpaired.
 

@@ -9,9 +9,9 @@ from pnmix.api.problems import ProblemError, problem_doc
 from pnmix.api.schemas import CampaignCreate, CampaignPage, CampaignPublic, Status
 from pnmix.storage import read, write
 from pnmix.storage.vocabulary import CAMPAIGN_ID, OFFSET, PAGE_SIZE
-from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.queue import FILE_TASKS, check_budgets_reachable, check_file_task
-from pnmix.tuner.tasks import MissingFile
+from pnmix.tuner.errors import EvalError, MissingFile
+from pnmix.tuner.scoring.parts import check_file_entry, file_entries
+from pnmix.tuner.search.queue import check_budgets_reachable
 
 router = APIRouter(tags=["campaigns"])
 
@@ -48,14 +48,13 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
     The model must be in the database or be a registry model (`smollm2-135m`, `qwen3-8b-shape`, ...).
     """
     space = body.space()
-    for entry in body.tasks or ():  # the files a campaign names, before anything is stored
-        if entry.partition(":")[0] in FILE_TASKS:
-            try:
-                check_file_task(entry)
-            except MissingFile as exc:
-                raise ProblemError(404, "Not Found", str(exc)) from None
-            except EvalError as exc:
-                raise ProblemError(422, "Unprocessable Content", str(exc)) from None
+    for entry in file_entries(body.tasks):  # the files a campaign names, before anything is stored
+        try:
+            check_file_entry(entry)
+        except MissingFile as exc:
+            raise ProblemError(404, "Not Found", str(exc)) from None
+        except EvalError as exc:
+            raise ProblemError(422, "Unprocessable Content", str(exc)) from None
     campaign = write.create_campaign(
         session, body.model, body.budgets, body.n_trials, method=body.method, profile=body.profile,
         objectives=body.objectives, backend=body.backend, budget_on=body.budget_on,

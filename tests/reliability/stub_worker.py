@@ -77,7 +77,7 @@ class StubEvaluator:
         return {"passkey": UNITS} if which == "search" else {}  # no held-out units: nothing scored at the end
 
     def rung(self, config: Any, upto: dict[str, int], have: Any = None) -> Any:
-        from pnmix.tuner.score import Rung
+        from pnmix.tuner.scoring.score import Rung
 
         held = len(have.units["passkey"]) if have else 0
         self._log(event="rung_start", config=config.to_dict(), held=held, upto=upto["passkey"])

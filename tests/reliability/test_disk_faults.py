@@ -23,8 +23,8 @@ from sqlalchemy import text
 
 from pnmix.storage import Database, display_url, get_campaign, list_front_points
 from pnmix.storage.testing import sqlite_url
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.studies import finished, study_name
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.studies import finished, study_name
 
 BUDGET = 3.0
 TRIALS = 8

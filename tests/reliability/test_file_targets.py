@@ -21,7 +21,7 @@ from pnmix.config import preset
 from pnmix.storage import Database, FrontPointIn, create_campaign, replace_front, upgrade
 from pnmix.storage.testing import sqlite_url
 from pnmix.tuner.commands.options import write_regular_file
-from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.errors import EvalError
 
 
 def pnmix(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

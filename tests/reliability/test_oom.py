@@ -16,12 +16,12 @@ from rel_helpers import error_line, stub_campaign, stub_worker_args, worker_env
 
 from pnmix.storage import Database, get_campaign, list_front_points, upgrade
 from pnmix.storage.testing import sqlite_url
-from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
-from pnmix.tuner.evaluate import Evaluator
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.profiles import profile
-from pnmix.tuner.session import find_or_create_campaign
-from pnmix.tuner.studies import finished
+from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.profiles import profile
+from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.studies import finished
 
 FAIL = optuna.trial.TrialState.FAIL
 TRIALS = 4

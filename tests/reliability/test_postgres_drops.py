@@ -22,8 +22,8 @@ from sqlalchemy.engine import make_url
 
 from pnmix.storage import Database, display_url, get_campaign, list_front_points
 from pnmix.storage.testing import POSTGRES_ADMIN_URL
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.studies import finished, study_name
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.studies import finished, study_name
 
 OBSERVER = "pnmix-test-observer"  # the test's own reads; the killer spares them
 COMPLETE = optuna.trial.TrialState.COMPLETE
@@ -170,8 +170,8 @@ def test_a_trial_orphaned_after_the_last_one_does_not_keep_the_campaign_running(
     wait for it to go stale, fail it, and mark the campaign done."""
     from stub_worker import StubEvaluator
 
-    from pnmix.tuner import campaign as campaign_module
-    from pnmix.tuner.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search import campaign as campaign_module
+    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
 
     monkeypatch.setattr(campaign_module, "HEARTBEAT_S", 1)
     monkeypatch.setattr(campaign_module, "GRACE_S", 3)

@@ -14,7 +14,7 @@ import optuna
 from rel_helpers import stub_campaign, stub_worker_args, wait_for, worker_env
 
 from pnmix.storage.testing import sqlite_url
-from pnmix.tuner.studies import finished, study_name
+from pnmix.tuner.search.studies import finished, study_name
 
 TRIALS = 16  # past the warm starts (they are not raced)
 

@@ -18,8 +18,8 @@ from rel_helpers import stub_campaign, stub_worker_args, worker_env
 
 from pnmix.storage import Database, get_campaign, list_front_points
 from pnmix.storage.testing import sqlite_url
-from pnmix.tuner.fronts import front_trials
-from pnmix.tuner.studies import finished, study_name
+from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.studies import finished, study_name
 
 BUDGETS = (3.0,)
 TRIALS = 20

@@ -45,12 +45,12 @@ from pnmix.tuner.commands.options import (
     texts_task,
 )
 from pnmix.tuner.commands.render import against_paper, holdout_line, pm, print_fronts, print_holdout, print_ties
-from pnmix.tuner.holdout import DEFAULT_SHARE
-from pnmix.tuner.profiles import EvalError
-from pnmix.tuner.space import ALLOCATED, DEFAULT_LAYER_GROUPS
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring.holdout import DEFAULT_SHARE
+from pnmix.tuner.search.space import ALLOCATED, DEFAULT_LAYER_GROUPS
 
 if TYPE_CHECKING:
-    from pnmix.tuner.campaign import CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignSpec
 
 
 def _evaluator(spec: CampaignSpec, progress: Callable[[str], None]) -> Any:
@@ -61,9 +61,9 @@ def _load_evaluator(model: str, profile_name: str, seed: int, tasks: tuple[str, 
                     progress: Callable[[str], None], holdout: float = 0.0) -> Any:
     import torch
 
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.queue import check_backend
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.search.queue import check_backend
 
     check_backend(backend)
     device = "cuda" if torch.cuda.is_available() and backend != "torch" else "cpu"
@@ -80,11 +80,11 @@ def run_campaign(db: Any, campaign_id: int, spec: CampaignSpec, worker_id: str =
     import optuna
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from pnmix.tuner import record
-    from pnmix.tuner.campaign import CampaignRunner
-    from pnmix.tuner.fronts import front_trials
-    from pnmix.tuner.queue import check_runnable
-    from pnmix.tuner.studies import finished
+    from pnmix.tuner.search import record
+    from pnmix.tuner.search.campaign import CampaignRunner
+    from pnmix.tuner.search.fronts import front_trials
+    from pnmix.tuner.search.queue import check_runnable
+    from pnmix.tuner.search.studies import finished
 
     # The progress display says what happens; failed trials and database retries get one-line warnings
     # from the runner (Optuna's own would print a traceback for every failed trial).
@@ -148,10 +148,10 @@ def tune(
 ) -> None:
     """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
     from pnmix import models
-    from pnmix.tuner.campaign import CampaignSpec, optuna_storage
-    from pnmix.tuner.plot import pareto_plot
-    from pnmix.tuner.session import find_or_create_campaign, open_db
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.commands.plot import pareto_plot
+    from pnmix.tuner.search.campaign import CampaignSpec, optuna_storage
+    from pnmix.tuner.search.session import find_or_create_campaign, open_db
+    from pnmix.tuner.search.space import SearchSpace
 
     chosen = with_lm_eval(task_list(tasks, items, texts_task(texts, text_prefix, text_tokens)), lm_eval_task,
                           lm_eval_limit)
@@ -184,32 +184,31 @@ def tune(
 
 def with_lm_eval(chosen: tuple[str, ...] | None, task: str | None, limit: int | None) -> tuple[str, ...] | None:
     """The task list with --lm-eval-task's entry, which carries the task to the campaign's workers
-    (tuner/harness.py)."""
+    (tuner/scoring/harness.py)."""
     if not task and limit is None:
         return chosen
-    from pnmix.tuner import harness
-    from pnmix.tuner.evaluate import DEFAULT_TASKS
+    from pnmix.tuner.scoring import harness, parts
 
     if not task:
         raise EvalError("--lm-eval-limit needs --lm-eval-task")
     harness.check_extra()
-    return (*(chosen or DEFAULT_TASKS), harness.spec_entry(task, limit))
+    return (*(chosen or parts.BUILT_IN), harness.spec_entry(task, limit))
 
 
 def check_campaign(spec: CampaignSpec) -> None:
     """What a worker could not run, in one line before the database: the model, budgets no config
     reaches, a texts file without a usable document."""
     from pnmix import models
-    from pnmix.tuner.queue import check_budgets_reachable, check_layer_kinds
-    from pnmix.tuner.texts import TextsTask, check_usable
+    from pnmix.tuner.scoring.parts import Parts
+    from pnmix.tuner.scoring.texts import check_usable
+    from pnmix.tuner.search.queue import check_budgets_reachable, check_layer_kinds
 
     models.resolve(spec.model, purpose="accuracy")
     check_layer_kinds(spec.space, spec.model)
     space = spec.space.with_plan(models.layer_plan(spec.model))  # a hybrid model's budgets are weighted
     check_budgets_reachable(space, spec.budgets, models.model_shape(spec.model).head_dim, spec.model)
-    for entry in spec.tasks or ():
-        if entry.startswith("texts:"):
-            check_usable(spec.model, TextsTask.parse(entry))
+    if (texts := Parts.parse(spec.tasks).texts) is not None:
+        check_usable(spec.model, texts)
 
 def sweep(
     out: Annotated[str, typer.Option("--out", help="sweep file (JSON Lines); resumed when it exists",
@@ -232,10 +231,10 @@ def sweep(
 ) -> None:
     """Score every config of a method's search space (the ground truth a search is measured against)."""
 
-    from pnmix.tuner.evaluate import DEFAULT_TASKS
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.space import SearchSpace
-    from pnmix.tuner.sweep import parse_shard, run_sweep, start_file, sweep_header
+    from pnmix.tuner.scoring.parts import Parts
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.search.space import SearchSpace
+    from pnmix.tuner.search.sweep import parse_shard, run_sweep, start_file, sweep_header
 
     profile(profile_name)
     part = parse_shard(shard)
@@ -244,7 +243,7 @@ def sweep(
 
     models.resolve(model, purpose="accuracy")
     chosen = task_list(None, items, texts_task(texts, text_prefix, text_tokens))
-    names = tuple(dict.fromkeys(t.partition(":")[0] for t in chosen)) if chosen else DEFAULT_TASKS
+    names = Parts.parse(chosen).names
     start_file(Path(out), sweep_header(model, space, profile_name, seed, names))  # before the model loads
 
     def prepare(message: str) -> None:  # preparation takes minutes on the full profile: say what it does
@@ -269,7 +268,7 @@ def worker(
 ) -> None:
     """Work on campaigns from the shared database: attach to one, or claim queued ones until none is left.
 
-    A claiming worker takes only campaigns of the backends this machine runs (tuner/queue.py). One it
+    A claiming worker takes only campaigns of the backends this machine runs (tuner/search/queue.py). One it
     still cannot run (a model that is not here, a campaign this version cannot read, every trial
     failing) is marked failed with the reason, in one `warning:` line, and the worker takes the next;
     attached to one (--campaign), it ends with that line instead. A database fault stops the worker
@@ -283,9 +282,10 @@ def worker(
 
     from pnmix.errors import PNMixError
     from pnmix.storage import StorageError
-    from pnmix.tuner.queue import CannotRunHere, runnable_backends
-    from pnmix.tuner.session import open_db
-    from pnmix.tuner.trial import failure_reason
+    from pnmix.tuner.errors import CannotRunHere
+    from pnmix.tuner.search.queue import runnable_backends
+    from pnmix.tuner.search.session import open_db
+    from pnmix.tuner.search.trial import failure_reason
 
     db = open_db(storage, create=True, create_folder=False)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -323,7 +323,7 @@ def _claim(db: Any, campaign: int | None, worker_id: str,
     running one whose workers stopped beating: they died); (None, None, None) when there is none."""
     from pnmix.errors import PNMixError
     from pnmix.storage import claim_next_queued_campaign, get_campaign
-    from pnmix.tuner.campaign import GRACE_S, CampaignSpec
+    from pnmix.tuner.search.campaign import GRACE_S, CampaignSpec
 
     with db.session() as s:
         row: Any
@@ -366,10 +366,10 @@ def run_main_job(
 
     from pnmix import models
     from pnmix.storage import recommend_with_ties
-    from pnmix.tuner.campaign import CampaignSpec
-    from pnmix.tuner.plot import pareto_plot
-    from pnmix.tuner.session import find_or_create_campaign, open_db
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.commands.plot import pareto_plot
+    from pnmix.tuner.search.campaign import CampaignSpec
+    from pnmix.tuner.search.session import find_or_create_campaign, open_db
+    from pnmix.tuner.search.space import SearchSpace
 
     console.print(budget_table(model))
     db = open_db(storage, upgrade=True)

@@ -14,10 +14,11 @@ from pnmix.inputs import Choice, InputFile, Int, ModelName, Names, Number, Outpu
 from pnmix.names import BACKENDS
 from pnmix.storage import vocabulary
 from pnmix.storage.vocabulary import BUDGET_ON, METHODS, DatabaseUrl
-from pnmix.tuner.holdout import HOLDOUT
-from pnmix.tuner.profiles import PROFILES, EvalError
-from pnmix.tuner.queue import ARGUMENT_TASKS, CAMPAIGN_TASKS, FILE_TASKS
-from pnmix.tuner.space import ALLOCATED, LAYERED
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring import parts
+from pnmix.tuner.scoring.holdout import HOLDOUT
+from pnmix.tuner.scoring.profiles import PROFILES
+from pnmix.tuner.search.space import ALLOCATED, LAYERED
 
 # Every option parses through a checker of pnmix.inputs or storage.vocabulary (refused before any work;
 # api/cli.py prints it).
@@ -55,8 +56,8 @@ TextTokensOpt = Annotated[int | None, typer.Option(help="texts: tokens predicted
                                                    parser=Int(inputs.NEW_TOKENS))]
 TaskListOpt = Annotated[str | None, typer.Option("--tasks", help="comma-separated: passkey, kv_lookup, fidelity, "
                                                  "items, texts (the last two with their files)",
-                                                 parser=Names((*CAMPAIGN_TASKS, *FILE_TASKS, "lm_eval"),
-                                                              with_arguments=ARGUMENT_TASKS))]
+                                                 parser=Names(parts.NAMES,
+                                                              with_arguments=parts.WITH_ARGUMENT))]
 
 
 _STORAGE_HELP = "database URL (default: PNMIX_DATABASE_URL or the SQLite file PNMIX_DB_PATH)"
@@ -74,8 +75,8 @@ SWEPT = tuple(m for m in METHODS if m not in (LAYERED, ALLOCATED))  # a sweep co
 
 
 def texts_task(texts: str | None, prefix: int | None, tokens: int | None) -> Any:
-    """The texts task of the options (tuner/texts.py), or None; one line for lengths without a file."""
-    from pnmix.tuner.texts import TextsTask
+    """The texts task of the options (tuner/scoring/texts.py), or None; one line for lengths without a file."""
+    from pnmix.tuner.scoring.texts import TextsTask
 
     if texts is None:
         if prefix is not None or tokens is not None:
@@ -90,15 +91,8 @@ def named_tasks(tasks: str | None) -> tuple[str, ...] | None:
 
 
 def task_list(tasks: str | None, items: str | None, texts: Any) -> tuple[str, ...] | None:
-    """The task list a campaign stores: the named tasks (default: the built-in ones) and the user's
-    files as entries items:PATH and texts:PATH[@PREFIX+TOKENS], which workers read (tuner/queue.py)."""
-    from pnmix.tuner.evaluate import DEFAULT_TASKS
-
-    chosen = named_tasks(tasks)
-    files = (*((f"items:{Path(items).resolve()}",) if items else ()), *((texts.entry(),) if texts else ()))
-    if not files:
-        return chosen
-    return (*(t for t in chosen or DEFAULT_TASKS if t not in FILE_TASKS), *files)
+    """The task list a campaign stores (`tuner.scoring.parts.campaign_entries`) of --tasks, --items, --texts."""
+    return parts.campaign_entries(named_tasks(tasks), items, texts)
 
 
 def load_config_file(path: str) -> Any:
@@ -158,7 +152,7 @@ def objective_list(text: str) -> tuple[str, ...]:
 
 
 def compare_names() -> tuple[str, ...]:
-    from pnmix.tuner.peers import PEERS  # transformers' quantized caches scored beside the presets
+    from pnmix.tuner.scoring.peers import PEERS  # transformers' quantized caches scored beside the presets
 
     return (*PRESETS, *PEERS)
 

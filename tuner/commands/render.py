@@ -103,8 +103,8 @@ def against_paper(study: Any, trial_number: int, space: Any, elsewhere: Sequence
     from one of `elsewhere`, the campaign's other budgets (one campaign scores every budget on the
     same items)."""
     from pnmix.config import preset
-    from pnmix.tuner import record
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.stats import paired
+    from pnmix.tuner.search import record
 
     paper = space.recast(preset("pnmix-paper")).to_dict()
     mine = next((record.read(t) for t in study.get_trials(deepcopy=False) if t.number == trial_number), None)

@@ -30,7 +30,7 @@ def fronts(
     storage: ReadStorageOpt = None,
 ) -> None:
     """Print the stored Pareto fronts of a model."""
-    from pnmix.tuner.session import open_db
+    from pnmix.tuner.search.session import open_db
 
     print_fronts(open_db(storage), model, campaign)
 
@@ -59,7 +59,7 @@ def recommend(
     import json
 
     from pnmix.storage import recommend_with_ties
-    from pnmix.tuner.session import open_db
+    from pnmix.tuner.search.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
@@ -99,7 +99,7 @@ def export(
     is one (`pnmix.layerwise.load_config`, `pnmix eval --config` and `pnmix bits --config` read either)."""
 
     from pnmix.storage import recommend as best_point
-    from pnmix.tuner.session import open_db
+    from pnmix.tuner.search.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
@@ -115,13 +115,13 @@ def dashboard(
 ) -> None:
     """Serve optuna-dashboard on the campaigns' storage."""
     from pnmix.storage.vocabulary import check_bind
-    from pnmix.tuner.session import open_db
+    from pnmix.tuner.search.session import open_db
 
     db = open_db(storage)
     check_bind(host, port)  # before the dashboard's (slow) import: a refusal is quick
     from optuna_dashboard import run_server
 
-    from pnmix.tuner.campaign import optuna_storage
+    from pnmix.tuner.search.campaign import optuna_storage
 
     console.print(f"optuna-dashboard on http://{host}:{port} for {db.display_url}")
     run_server(optuna_storage(db.url), host=host, port=port)

@@ -44,7 +44,7 @@ from pnmix.tuner.commands.options import (
     write_regular_file,
 )
 from pnmix.tuner.commands.render import num, pm, signed
-from pnmix.tuner.profiles import EvalError
+from pnmix.tuner.errors import EvalError
 
 
 def eval_config(
@@ -80,8 +80,8 @@ def eval_config(
     import json
 
     from pnmix import models
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.scoring.stats import paired
 
     prof = profile(profile_name)
     models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
@@ -110,9 +110,9 @@ def eval_config(
 
 
 def _compared(compare: str) -> dict[str, Any]:
-    """--compare's presets and peers (transformers' quantized caches, tuner/peers.py), by name."""
+    """--compare's presets and peers (transformers' quantized caches, tuner/scoring/peers.py), by name."""
     from pnmix.config import preset
-    from pnmix.tuner.peers import PEERS, peer
+    from pnmix.tuner.scoring.peers import PEERS, peer
 
     names = [name.strip() for name in compare.split(",") if name.strip()]
     return {name: peer(name) if name in PEERS else preset(name) for name in names}
@@ -124,8 +124,8 @@ def _score_configs(configs: dict[str, Any], quiet: bool, model: str, prof: Any, 
     """The evaluator and each config's score on its items (peers scored beside the presets on the same ones)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from pnmix.tuner import peers
-    from pnmix.tuner.evaluate import Evaluator  # torch: only once the configs are known to be good
+    from pnmix.tuner.scoring import peers
+    from pnmix.tuner.scoring.evaluate import Evaluator  # torch: only once the configs are known to be good
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=quiet) as bar:
@@ -151,8 +151,7 @@ def _score_configs(configs: dict[str, Any], quiet: bool, model: str, prof: Any, 
 
 def _print_scores(model: str, profile_name: str, seed: int, evaluator: Any, configs: dict[str, Any],
                   scores: dict[str, Any], diffs: dict[str, Any]) -> None:
-    from pnmix.tuner import peers
-
+    from pnmix.tuner.scoring import peers
     names = list(scores)
     table = Table(title=f"{model}, profile {profile_name}, seed {seed} ({evaluator.backend} on {evaluator.device}); "
                         "mean +- standard error")
@@ -214,9 +213,9 @@ def validate(
     named = named_tasks(tasks)
     if named is None and (items or text_task):
         named = (*(("items",) if items else ()), *(("texts",) if text_task else ()))
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.stats import paired
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.scoring.stats import paired
 
     def say(message: str) -> None:
         if not as_json:
@@ -286,16 +285,16 @@ def layers(
     """Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
     config, then every layer's bit pair and salient ratio chosen so that the summed KL is least
     with the model's key bits within --bits (on a hybrid model: its full-attention layers, the
-    windows at 16 bits, weighted by what each layer holds; tuner/layers.py; docs/layerwise.md)."""
+    windows at 16 bits, weighted by what each layer holds; tuner/search/layers.py; docs/layerwise.md)."""
     import json
 
     from pnmix.bits import weighted_key_bits
     from pnmix.config import PNMixConfig, preset
     from pnmix.layerwise import LayerwiseConfig, simplest
-    from pnmix.tuner.evaluate import Evaluator
-    from pnmix.tuner.layers import candidates_like, layerwise_for_budget, spread
-    from pnmix.tuner.profiles import profile
-    from pnmix.tuner.space import SearchSpace
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
+    from pnmix.tuner.search.layers import candidates_like, layerwise_for_budget, spread
+    from pnmix.tuner.search.space import SearchSpace
 
     base = load_config_file(config_file) if config_file else preset(preset_name or "pnmix-paper")
     if not isinstance(base, PNMixConfig):
@@ -318,7 +317,7 @@ def layers(
     if output:
         write_regular_file(Path(output), lw.to_json() + "\n")
     if plot:
-        from pnmix.tuner.plot import layers_plot
+        from pnmix.tuner.commands.plot import layers_plot
 
         layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot),
                     f"{model}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "

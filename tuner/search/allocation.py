@@ -1,0 +1,270 @@
+"""The allocator in the loop: what a `pnmix-alloc` campaign asks of it (docs/layerwise.md).
+
+A trial of this method samples only the fields every layer shares (G, sinks, the value format
+when values are searched: `SearchSpace.suggest_shared`); `AllocatorLoop.config` turns them into
+the trial's layer-wise config, one of three kinds (its `origin`):
+
+- allocation: the knapsack's config for the budget (`tuner.layers.allocate`) over the
+  sensitivity table at those shared fields;
+- move: when the campaign has already scored that allocation, the next local move
+  (`tuner.layers.moves`) from the most accurate config scored at those shared fields;
+- proposal: a warm start's config (`warm_starts`), queued with the trial.
+
+Sensitivity tables are computed once per key-side shared fields (the KL proxy sees keys only) and
+cached on disk by the evaluator; `sensitivity_seconds` is what this loop spent on them.
+
+With values searched (`SearchSpace.values_per_layer`: a KV budget), a trial's allocations are
+first the keys' KL allocation with the space's value format in every layer, then the joint one,
+whose items are each layer's keys and each layer's values (`tuner.layers.joint_table`), both
+scored by the proxy's relative attention-output error, so a layer's value format is chosen
+against the other layers' keys and values within the total KV bits; moves in the joint table may
+then trade a key step for a value step (`allocations` says why the KL allocation comes first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import optuna
+
+from pnmix.bits import LayerPlan, mean_key_bits, value_bits_total
+from pnmix.config import PNMixConfig, preset
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_key, simplest
+from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring.proxy import ProxyMeasure
+from pnmix.tuner.scoring.scorer import Scorer
+from pnmix.tuner.search import record
+from pnmix.tuner.search.layers import (
+    Candidate,
+    ValueFormat,
+    allocate,
+    candidates_like,
+    joint_items,
+    joint_layers,
+    joint_table,
+    moves,
+    spread,
+)
+from pnmix.tuner.search.record import Origin, running_trials, scored_configs
+from pnmix.tuner.search.space import SearchSpace
+
+Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
+
+
+class AllocatorLoop:
+    """The allocator's side of one campaign runner: its warm starts, each trial's config and the
+    sensitivity tables, for a space of one group per layer (`SearchSpace.with_layers`)."""
+
+    def __init__(self, space: SearchSpace, evaluator: Scorer, head_dim: int, num_layers: int,
+                 progress: Callable[[str], None]) -> None:
+        self.space = space
+        self.evaluator = evaluator
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.progress = progress
+        self.tables: dict[tuple[PNMixConfig, str], Any] = {}  # by key-side shared fields and kind (kl, joint)
+        self.sensitivity_seconds = 0.0
+        self.joint = space.values_per_layer  # items: each layer's keys, then each layer's values
+        # The layers the knapsack allocates: the full-attention ones (a sliding window stays in the
+        # model's dtype, whatever its config says). Each holds as many elements, so the knapsack
+        # bounds their plain mean, against the budget less what the windows hold (`_budget`).
+        self.plan = space.plan or LayerPlan.full(num_layers)
+        self.full = self.plan.full_layers
+        self._plain = replace(space, plan=None)  # a full layer's own figure, not weighted
+
+    def cost(self, config: AnyConfig) -> float:
+        """A config's bits under the campaign's budget kind (key or KV bits; weighted on a hybrid model)."""
+        return self.space.cost(config, self.head_dim)
+
+    def item_cost(self, item: Candidate, base: PNMixConfig) -> float:
+        """An item's bits: a layer's config under the budget kind; in the joint KV knapsack, a key
+        candidate's key bits or a value format's value bits (`base`'s sinks), whose mean over the
+        2L items is the KV bits."""
+        if isinstance(item, ValueFormat):
+            return value_bits_total(item.on(base))
+        return mean_key_bits(item, 1, self.head_dim) if self.joint else self._plain.cost(item, self.head_dim)
+
+    def _budget(self, budget: float, base: PNMixConfig) -> float:
+        """The bound on the knapsack's mean: the budget itself on a full-attention model, what the
+        full-attention layers may take beside the windows on a hybrid one."""
+        return self.plan.full_layer_budget(budget, base.n_sink)
+
+    def _rows(self, table: dict[Any, list[float]]) -> dict[Any, list[float]]:
+        """A per-layer table restricted to the layers the knapsack allocates."""
+        if not self.plan.hybrid:
+            return table
+        return {c: [row[i] for i in self.full] for c, row in table.items()}
+
+    def _items(self, config: AnyConfig) -> list[Candidate]:
+        """A config as the knapsack's items (`_config`'s inverse)."""
+        every = as_layerwise(config).per_layer(self.num_layers)
+        layers = [every[i] for i in self.full]
+        if not self.joint:
+            return list(layers)
+        return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size))
+
+    def _config(self, items: Sequence[Candidate]) -> AnyConfig:
+        """The config of the knapsack's items, in its simplest form."""
+        return self._layers_config(joint_layers(items) if self.joint else list(items))  # type: ignore[arg-type]
+
+    def _layers_config(self, layers: list[PNMixConfig]) -> AnyConfig:
+        """The config of the allocated layers' configs; on a hybrid model the windows take the full
+        layers' most common config, so that no range names a sliding layer."""
+        return simplest(LayerwiseConfig.from_layers(spread(layers, self.plan)))
+
+    # -- warm starts -----------------------------------------------------------------------------
+
+    def warm_starts(self, budget: float, uniform: Sequence[AnyConfig],
+                    limit: int) -> list[tuple[dict, AnyConfig | None]]:
+        """(parameters, proposal) of the trials to queue, at most `limit`: first the
+        allocator's config at the shared fields of the paper's config (G128, 32 sinks; it fills the
+        budget), then each uniform candidate that fits (the presets, the model's stored fronts,
+        `fullest_within`; each an allocation whose layers are all alike, so the front is never
+        worse than the uniform search's warm starts), then the allocation at 64 sinks. A trial's
+        parameters are the shared fields; a uniform candidate rides along as its `proposal`."""
+        space = self.space
+        fits: list[AnyConfig] = []
+        for c in uniform:
+            cfg = space.recast(c)
+            if space.contains(cfg) and self.cost(cfg) <= budget and cfg not in fits:
+                fits.append(cfg)
+        paper = space.shared_base(space.recast(preset("pnmix-paper")))
+        queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(paper, None)]
+        queue += [(space.shared_base(c), c) for c in fits]
+        queue.append((paper.with_(n_sink=64), None))
+        out: list[tuple[dict, AnyConfig | None]] = []
+        seen: set[str] = set()
+        for base, proposal in queue:
+            params = space.params_of(base)
+            frozen = config_key({"params": params, "proposal": proposal.to_dict() if proposal is not None else None})
+            if frozen in seen:
+                continue
+            seen.add(frozen)
+            out.append((params, proposal))
+            if len(out) >= limit:
+                break
+        return out
+
+    # -- a trial's config ------------------------------------------------------------------------
+
+    def config(self, trial: optuna.Trial, budget: float,
+               studies: Sequence[optuna.Study]) -> tuple[AnyConfig, Origin]:
+        """The config of a trial whose parameters are the shared fields, and its origin: the queued
+        `proposal` (a warm start) where it has these shared fields; else the allocator's config for
+        the budget at them (with per-layer values: first the keys' allocation at the space's value
+        format, then the joint one); or, when the campaign (`studies`: this budget's first, then the
+        others) has already scored or is scoring those, the next local move from the best config
+        scored at these shared fields within the budget (real scores decide what the proxy cannot
+        tell apart)."""
+        space = self.space
+        base = space.suggest_shared(trial)
+        cfg = record.proposal_of(trial)
+        if cfg is not None and space.contains(cfg) and space.shared_base(cfg) == base:
+            return cfg, Origin.PROPOSAL
+        allocations = self.allocations(base, budget, trial)
+        if not allocations:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
+            return min(self.table(base), key=self.cost), Origin.ALLOCATION
+        taken = taken_configs(studies)
+        for allocation in allocations:
+            if config_key(allocation.to_dict()) not in taken:
+                return allocation, Origin.ALLOCATION
+        best = self.best_scored(studies[0], base, budget)
+        start = best if best is not None else allocations[0]
+        table: Table = self.joint_table(base) if self.joint else {c: row for c, row in self.table(base).items()}
+        for changed in moves(self._items(start), table, self._budget(budget, base),
+                             lambda item: self.item_cost(item, base)):
+            cfg = self._config(changed)
+            if config_key(cfg.to_dict()) not in taken:
+                return cfg, Origin.MOVE
+        return allocations[0], Origin.ALLOCATION  # no move left: the allocation's score is reused
+
+    def allocations(self, base: PNMixConfig, budget: float, trial: optuna.Trial | None = None) -> list[AnyConfig]:
+        """The knapsack's configs for `budget` at `base`'s shared fields, in the order trials take
+        them: the keys' allocation over the KL table with the value format every layer shares (the
+        space's, or the trial's); with per-layer values, then the joint allocation of each layer's
+        keys and values. The keys' allocation comes first because, measured, the joint proxy
+        weighs value errors too lightly against key errors: alone it traded value bits for key
+        bits that real scores did not repay. Empty when nothing fits."""
+        out: list[AnyConfig] = []
+        within = self._budget(budget, base)
+        try:
+            layers = allocate(self.table(base, trial), within, self.head_dim,
+                              cost=lambda c: self._plain.cost(c, self.head_dim))
+            out.append(self._layers_config(layers))
+        except EvalError:
+            pass
+        if self.joint:
+            joint = self.joint_table(base, trial)
+            try:
+                items = allocate(joint, within, self.head_dim, cost=lambda item: self.item_cost(item, base))
+                cfg = self._config(items)
+                if cfg not in out:
+                    out.append(cfg)
+            except EvalError:
+                pass
+        return out
+
+    def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
+        """The keys' sensitivity table at `base`'s shared fields: each candidate's proxy KL per
+        allocated layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with
+        `base`'s value format (with per-layer values, `base` holds the space's); computed once per
+        loop, the seconds it took recorded on the trial that needed it (`sensitivity_s`)."""
+        keys = self._keys_base(base)
+        rows = self._computed((keys, "kl"), trial,
+                              lambda: self._rows(dict(self.evaluator.sensitivity(candidates_like(keys, self.space)))))
+        values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
+        return {c.with_(**values): row for c, row in rows.items()}  # type: ignore[union-attr]
+
+    def joint_table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> Table:
+        """Per-layer values: the joint table of each key candidate's and each value format's relative
+        attention-output error per layer (`tuner.layers.joint_table`), computed once per loop."""
+        keys = self._keys_base(base)
+
+        def compute() -> Table:
+            formats = self.space.value_choices(self.head_dim)
+            values = self.evaluator.value_sensitivity(formats, keys)
+            outputs = self.evaluator.sensitivity(candidates_like(keys, self.space), measure=ProxyMeasure.OUTPUT)
+            return joint_table(self._rows(outputs), self._rows({ValueFormat(*f): row for f, row in values.items()}))
+
+        return self._computed((keys, "joint"), trial, compute)
+
+    def _keys_base(self, base: PNMixConfig) -> PNMixConfig:
+        # The KL proxy sees keys only: one table per key-side shared fields, whatever the value format.
+        return base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
+
+    def _computed(self, key: tuple[PNMixConfig, str], trial: optuna.Trial | None, compute: Callable[[], Any]) -> Any:
+        if key not in self.tables:
+            started = time.perf_counter()
+            self.progress(f"layer sensitivity at {key[0].label} ({key[1]})")
+            self.tables[key] = compute()
+            seconds = time.perf_counter() - started
+            self.sensitivity_seconds += seconds
+            if trial is not None:
+                record.add_sensitivity_seconds(trial, seconds)
+        return self.tables[key]
+
+    def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
+        """The most accurate config scored in `study` (shared scores included) within `budget` whose
+        shared fields are `base`'s."""
+        best: tuple[float, AnyConfig] | None = None
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            r = record.read(t)
+            if not r.has_score or r.bits is None or r.bits > budget or r.accuracy is None:
+                continue
+            cfg = r.config
+            if cfg is not None and self.space.contains(cfg) and self.space.shared_base(cfg) == base:
+                if best is None or r.accuracy > best[0]:
+                    best = (r.accuracy, cfg)
+        return best[1] if best is not None else None
+
+
+def taken_configs(studies: Sequence[optuna.Study]) -> set[str]:
+    """Configs the campaign's studies have scored, or that a running trial is scoring now."""
+    taken: set[str] = set()
+    for st in studies:
+        taken |= scored_configs(st)
+        taken |= {config_key(r.config_dict) for r in map(record.read, running_trials(st)) if r.config_dict is not None}
+    return taken

@@ -1,0 +1,367 @@
+"""A campaign trial's record: what one Optuna trial is and holds, read and written in one place.
+
+A trial's state lives in its Optuna user attributes (the dashboard shows them, and every worker
+reads them through the shared database). Which kind of trial it is follows from the attributes it
+carries and its Optuna state. This module is the only code that names those attributes, or touches
+`user_attrs`, `set_user_attr` and `system_attrs` of a trial or a study (tests/test_record.py keeps it
+so): `read` decodes a trial into a typed `TrialRecord` (campaigns stored before this module read the
+same way: the names are unchanged), decisions are made on its fields, and the `write_*` / `mark_*`
+functions set them.
+
+Kinds:
+  scored   its config was evaluated by real inference in its own study
+  reused   its config had been scored in the campaign already: that score is copied (takes a slot)
+  shared   another budget's score, copied into this study because the config fits it (no slot)
+  skipped  over the budget: no inference (no slot; the sampler learns it is infeasible)
+  surplus  a worker's trial past the requested count (no slot)
+  pruned   screened out by the proxy or stopped by racing (takes a slot)
+  failed   raised (out of memory, ...), with the reason
+  pending  waiting or running
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import optuna
+
+from pnmix.layerwise import AnyConfig, config_from_dict, config_key
+
+# What a full evaluation leaves on its trial, and what a copy of its score carries along.
+# "units" (each item's 1/0, each trajectory's KL) make scores comparable item by item across trials.
+SCORE_ATTRS = ("accuracy", "parts", "kv_bytes", "decode_tokens_per_s", "backend", "device", "versions",
+               "fidelity_kl", "fidelity_agreement", "seconds", "accuracy_se", "parts_se", "units", "timings",
+               "proxy_kl")
+BITS_ATTRS = ("config", "bits", "key_bits", "kv_bits")
+FINISHED_STATES = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+
+class Kind(StrEnum):
+    SCORED = "scored"
+    REUSED = "reused"
+    SHARED = "shared"
+    SKIPPED = "skipped"
+    SURPLUS = "surplus"
+    PRUNED = "pruned"
+    FAILED = "failed"
+    PENDING = "pending"
+
+
+class Origin(StrEnum):
+    """Where a pnmix-alloc trial's layer-wise config came from (tuner/search/allocation.py)."""
+
+    ALLOCATION = "allocation"  # the allocator's config for the budget at the trial's shared fields
+    PROPOSAL = "proposal"  # a warm start's config, queued with the trial
+    MOVE = "move"  # a local move from the best config scored at those shared fields
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One Optuna trial as the campaign sees it. Every field is None (or empty) where the trial
+    does not hold it: a pending trial has no score, a skipped one no inference, and so on."""
+
+    number: int
+    kind: Kind
+    config_dict: dict[str, Any] | None  # the config as stored (`config` parses it)
+    label: str | None  # the config's short label (the dashboard shows it)
+    bits: float | None  # the figure the budget bounds (key bits, or KV bits under a KV budget)
+    key_bits: float | None
+    kv_bits: float | None
+    accuracy: float | None
+    accuracy_se: float | None
+    parts: dict[str, float] | None  # each part's score
+    units: dict[str, list[float]] | None  # each part's per-unit outcomes: what pairs two scores
+    kv_bytes: int | None  # the measured cache bytes of the evaluation
+    throughput: float | None  # decode tokens/s of the evaluation
+    backend: str | None
+    device: str | None
+    versions: dict[str, str] | None  # library versions the evaluation ran under
+    seconds: float | None  # the evaluation's wall time (a pruned race: its rungs')
+    timings: dict[str, float]  # where the evaluation's seconds went (kernel compiles, ...)
+    proxy_kl: float | None  # multi-fidelity: the proxy's attention KL
+    rung: dict[str, Any] | None  # racing: the last finished rung (a retried trial resumes after it)
+    pruned_at: float | None  # racing: the share of the items at which the trial was stopped
+    partial_accuracy: float | None  # racing: the accuracy on that share, with its SE
+    partial_accuracy_se: float | None
+    origin: Origin | None  # pnmix-alloc only
+    proposal: dict[str, Any] | None  # pnmix-alloc warm start: the config queued with the trial
+    neighbour_of: str | None  # queued as a neighbour of the config with this label
+    sensitivity_s: float  # seconds this trial spent on the allocator's sensitivity tables
+    source: str | None  # reused or shared: "study#trial" of the original score ("#trial": this study)
+    error: str | None
+    warm_start: bool
+
+    @property
+    def config(self) -> AnyConfig | None:
+        return config_from_dict(self.config_dict) if self.config_dict is not None else None
+
+    @property
+    def counts(self) -> bool:
+        """Whether it takes one of the requested slots (`takes_slot`)."""
+        return self.kind not in NO_SLOT
+
+    @property
+    def has_score(self) -> bool:
+        return self.accuracy is not None and self.kind in (Kind.SCORED, Kind.REUSED, Kind.SHARED)
+
+    @property
+    def original(self) -> bool:
+        """Its score is its own evaluation, not a copy (what a front keeps and what sharing spreads)."""
+        return self.kind == Kind.SCORED and self.accuracy is not None
+
+    @property
+    def copied_from_twin(self) -> bool:
+        """A copy of a twin's score in the same study (the twin stands for the config, not this one)."""
+        return self.source is not None and self.source.startswith("#")
+
+    @property
+    def copied_from_another_study(self) -> bool:
+        """A score another budget's study holds the original of (a shared or cross-budget reused copy)."""
+        return self.source is not None and not self.source.startswith("#")
+
+    @property
+    def stands_for_its_config(self) -> bool:
+        """Its score stands for its config in its study: its own evaluation, or a score from another
+        budget's study; not a copy of a twin in the same study (the twin stands)."""
+        return self.accuracy is not None and not self.copied_from_twin
+
+
+def kind_of(trial: optuna.trial.FrozenTrial) -> Kind:
+    attrs, state = trial.user_attrs, trial.state
+    # The kinds that take no slot first: a running trial already marked surplus or over budget is one.
+    if attrs.get("surplus"):
+        return Kind.SURPLUS
+    if "skipped" in attrs:
+        return Kind.SKIPPED
+    if attrs.get("shared"):
+        return Kind.SHARED
+    if state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING):
+        return Kind.PENDING
+    if state == optuna.trial.TrialState.FAIL:
+        return Kind.FAILED
+    if state == optuna.trial.TrialState.PRUNED:
+        return Kind.PRUNED
+    if "reused_from" in attrs or "score_from" in attrs:
+        return Kind.REUSED
+    return Kind.SCORED
+
+
+NO_SLOT = (Kind.SURPLUS, Kind.SKIPPED, Kind.SHARED)
+
+
+def takes_slot(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a trial takes one of its budget's requested slots: every kind but surplus, skipped and
+    shared. A pending trial does (another worker's running trial holds its slot while it runs); among
+    finished trials, the scored, reused and pruned ones do. Over-budget proposals cost no inference,
+    so they take none (the sampler still sees them as infeasible), and neither do the surplus trials
+    of a racing worker nor the scores another budget's study shared."""
+    return kind_of(trial) not in NO_SLOT
+
+
+def scored_here(trial: optuna.trial.FrozenTrial) -> bool:
+    """A COMPLETE trial whose config was evaluated in its own study (not a reused or shared score)."""
+    return kind_of(trial) == Kind.SCORED and "accuracy" in trial.user_attrs
+
+
+def stands_for_its_config(trial: optuna.trial.FrozenTrial) -> bool:
+    """`TrialRecord.stands_for_its_config` of a trial."""
+    return read(trial).stands_for_its_config
+
+
+def _bits(attrs: dict[str, Any]) -> float | None:
+    """The figure the budget bounds (key bits, or KV bits under a KV budget); trials recorded before
+    KV budgets hold it as their key bits."""
+    bits = attrs.get("bits", attrs.get("key_bits"))
+    return None if bits is None else float(bits)
+
+
+def budget_bits(trial: optuna.trial.FrozenTrial) -> float:
+    """A trial's `_bits`; KeyError for a trial that holds no config yet."""
+    bits = _bits(trial.user_attrs)
+    if bits is None:
+        raise KeyError("bits")
+    return bits
+
+
+def stored_config(trial: optuna.trial.FrozenTrial) -> dict[str, Any] | None:
+    """The config a trial stores, as its dict, read without decoding the rest of the record."""
+    return trial.user_attrs.get("config")
+
+
+def read(trial: optuna.trial.FrozenTrial) -> TrialRecord:
+    """The record of a trial (any campaign this product stored: trials recorded before KV budgets
+    hold their budget's figure as `key_bits` only)."""
+    a = trial.user_attrs
+    source = a.get("score_from") or (f"#{a['reused_from']}" if "reused_from" in a else None)
+    return TrialRecord(
+        number=trial.number, kind=kind_of(trial), config_dict=a.get("config"), label=a.get("label"),
+        bits=_bits(a), key_bits=a.get("key_bits"), kv_bits=a.get("kv_bits"), accuracy=a.get("accuracy"),
+        accuracy_se=a.get("accuracy_se"), parts=a.get("parts"), units=a.get("units"), kv_bytes=a.get("kv_bytes"),
+        throughput=a.get("decode_tokens_per_s"), backend=a.get("backend"), device=a.get("device"),
+        versions=a.get("versions"), seconds=a.get("seconds"), timings=a.get("timings") or {},
+        proxy_kl=a.get("proxy_kl"), rung=a.get("rung"), pruned_at=a.get("pruned_at"),
+        partial_accuracy=a.get("partial_accuracy"), partial_accuracy_se=a.get("partial_accuracy_se"),
+        origin=Origin(a["origin"]) if a.get("origin") else None, proposal=a.get("proposal"),
+        neighbour_of=a.get("neighbour_of"), sensitivity_s=float(a.get("sensitivity_s", 0.0)), source=source,
+        error=a.get("error"), warm_start=bool(a.get("warm_start")))
+
+
+def is_warm_start(trial: optuna.Trial) -> bool:
+    """Whether a trial being run was queued as a warm start."""
+    return bool(trial.user_attrs.get("warm_start"))
+
+
+def saved_rung(trial: optuna.Trial) -> dict[str, Any] | None:
+    """The last racing rung a trial being run holds (inherited by the retry of a dead worker's trial)."""
+    return trial.user_attrs.get("rung")
+
+
+def proposal_of(trial: optuna.Trial) -> AnyConfig | None:
+    """The config a pnmix-alloc warm start was queued with."""
+    proposal = trial.user_attrs.get("proposal")
+    return config_from_dict(proposal) if proposal is not None else None
+
+
+def queued_params(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """A waiting or running trial's parameters: a queued trial holds them in `fixed_params` until a
+    worker starts it."""
+    return dict(trial.system_attrs.get("fixed_params", trial.params))
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def write_config(trial: optuna.Trial, config: AnyConfig, bits: float, key_bits: float, kv_bits: float,
+                 origin: Origin | None = None) -> None:
+    """What a trial is about to score: its config (and label, for the dashboard) and its bit figures."""
+    trial.set_user_attr("config", config.to_dict())
+    trial.set_user_attr("label", config.label)
+    trial.set_user_attr("bits", bits)
+    trial.set_user_attr("key_bits", key_bits)
+    trial.set_user_attr("kv_bits", kv_bits)
+    if origin is not None:
+        trial.set_user_attr("origin", str(origin))
+
+
+def mark_skipped(trial: optuna.Trial) -> None:
+    trial.set_user_attr("skipped", "over budget: no inference run")
+
+
+def mark_surplus(trial: optuna.Trial) -> None:
+    trial.set_user_attr("surplus", True)
+
+
+def mark_failed(trial: optuna.Trial, reason: str) -> None:
+    trial.set_user_attr("error", reason)
+
+
+def write_proxy(trial: optuna.Trial, proxy_kl: float) -> None:
+    trial.set_user_attr("proxy_kl", proxy_kl)
+
+
+def write_rung(trial: optuna.Trial, rung: dict[str, Any]) -> None:
+    """A finished racing rung (`tuner.score.Rung.to_dict()`): a retry of the trial resumes after it."""
+    trial.set_user_attr("rung", rung)
+
+
+def mark_raced_out(trial: optuna.Trial, share: float, accuracy: float, accuracy_se: float | None,
+                   seconds: float) -> None:
+    """A trial racing stopped at `share` of the items, with its partial score there."""
+    trial.set_user_attr("pruned_at", share)
+    trial.set_user_attr("partial_accuracy", accuracy)
+    trial.set_user_attr("partial_accuracy_se", accuracy_se)
+    trial.set_user_attr("seconds", seconds)
+
+
+def add_sensitivity_seconds(trial: optuna.Trial, seconds: float) -> None:
+    trial.set_user_attr("sensitivity_s", seconds + trial.user_attrs.get("sensitivity_s", 0.0))
+
+
+def write_score(trial: optuna.Trial, score: Any) -> None:
+    """A full evaluation's results (a `tuner.score.Score`)."""
+    for name in SCORE_ATTRS:
+        if name != "proxy_kl":
+            trial.set_user_attr(name, getattr(score, name))
+
+
+def copy_score(trial: optuna.Trial, twin: optuna.trial.FrozenTrial, source: str | None) -> None:
+    """`twin`'s score on `trial`: reused from this study (`source` None: the twin stands on the
+    front) or from another budget's study `source` (the score belongs on this front too)."""
+    for name in SCORE_ATTRS:
+        if name in twin.user_attrs:
+            trial.set_user_attr(name, twin.user_attrs[name])
+    if source is None:
+        trial.set_user_attr("reused_from", twin.number)
+    else:
+        trial.set_user_attr("score_from", f"{source}#{twin.number}")
+
+
+def shared_attrs(trial: optuna.trial.FrozenTrial, source: str) -> dict[str, Any]:
+    """The attributes of `trial`'s score copied into another budget's study (a `shared` trial)."""
+    attrs = {name: trial.user_attrs[name] for name in (*SCORE_ATTRS, *BITS_ATTRS, "label", "origin")
+             if name in trial.user_attrs}
+    return {**attrs, "score_from": f"{source}#{trial.number}", "shared": True}
+
+
+def enqueue_warm_start(study: optuna.Study, params: dict[str, Any], proposal: AnyConfig | None = None) -> None:
+    """Queues a warm start (pnmix-alloc: with the config it proposes, which the trial takes)."""
+    attrs: dict[str, Any] = {"warm_start": True}
+    if proposal is not None:
+        attrs["proposal"] = proposal.to_dict()
+    study.enqueue_trial(params, user_attrs=attrs)
+
+
+def enqueue_neighbour(study: optuna.Study, params: dict[str, Any], of: AnyConfig) -> None:
+    """Queues a trial of a neighbour of config `of` (it carries `of`'s label)."""
+    study.enqueue_trial(params, user_attrs={"neighbour_of": of.label})
+
+
+def add_shared(study: optuna.Study, trial: optuna.trial.FrozenTrial, source: str,
+               distributions: dict[str, Any], constraints: dict[str, float]) -> None:
+    """Adds `trial`'s score, from study `source`, to `study` as a COMPLETE `shared` trial."""
+    study.add_trial(optuna.trial.create_trial(
+        values=list(trial.values), params=trial.params, distributions=distributions,
+        user_attrs=shared_attrs(trial, source), constraints=constraints))
+
+
+# -- studies -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    """What a campaign's study says of itself (the dashboard shows it)."""
+
+    budget: float | None
+    campaign_id: int | None
+    model: str | None
+    method: str | None
+
+
+def write_study_info(study: optuna.Study, info: StudyInfo) -> None:
+    study.set_user_attr("budget", info.budget)
+    study.set_user_attr("campaign_id", info.campaign_id)
+    study.set_user_attr("model", info.model)
+    study.set_user_attr("method", info.method)
+
+
+def study_info(study: optuna.Study) -> StudyInfo:
+    a = study.user_attrs
+    return StudyInfo(budget=a.get("budget"), campaign_id=a.get("campaign_id"), model=a.get("model"),
+                     method=a.get("method"))
+
+
+def scored_configs(study: optuna.Study) -> set[str]:
+    """Keys of the configs with a score in `study` (its own evaluations, reused and shared ones)."""
+    return {config_key(t.user_attrs["config"]) for t in study.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "accuracy" in t.user_attrs}
+
+
+def running_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+
+
+def records(study: optuna.Study, states: tuple[optuna.trial.TrialState, ...] | None = None) -> list[TrialRecord]:
+    """Every trial of `study` (of `states`, when given) as a record, in trial order."""
+    return [read(t) for t in study.get_trials(deepcopy=False, states=states)]
