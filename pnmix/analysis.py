@@ -185,75 +185,112 @@ def masked_kl(logits: torch.Tensor, logits_hat: torch.Tensor, visible: torch.Ten
     return (lp.exp() * (lp - lp_hat)).masked_fill(~visible, 0).sum(-1)
 
 
+class _Tally:
+    """What `analyze` sums over layers, each layer's share (1 / layers) at a time: per quantizer its key
+    MSE and attention KL, per criterion the Jaccard overlaps, and the importance shares."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.rows: dict[str, dict[str, float]] = {}
+        self.jaccard = {c: {"r=0.1": 0.0, "r=0.5": 0.0} for c in CRITERIA}
+        self.shares = {"top10": 0.0, "top30": 0.0, "top50": 0.0}
+
+    def add(self, name: str, q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, prefill: int,
+            scaling: float) -> None:
+        """Adds the key MSE and attention KL of the quantized keys `k_hat` to quantizer `name`'s row."""
+        mse, kl = float(((k_hat - k) ** 2).mean()), attention_kl(q, k, k_hat, prefill, scaling)
+        row = self.rows.setdefault(name, {"key_mse": 0.0, "attention_kl": 0.0})
+        row["key_mse"] += mse / self.layers
+        row["attention_kl"] += kl / self.layers
+
+
+def _top_pairs(frac: float, d: int) -> int:
+    """The number of a head's d/2 pairs that a fraction `frac` of them makes (at least one)."""
+    return max(1, math.floor(frac * d / 2 + 0.5))
+
+
+def _prefix_mask(t: int, upto: int) -> torch.Tensor:
+    """A [1, t] mask of the first `upto` tokens: the tokens a salient set is chosen from."""
+    mask = torch.zeros((1, t), dtype=torch.bool)
+    mask[0, :upto] = True
+    return mask
+
+
 def analyze(trace: Trace, pairing: Pairing, group: int = 64, ratio: float = 0.5, n_sink: int = 32,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The saliency simulation of the module's docstring over every layer of `trace`: per key quantizer
+    its key MSE and attention KL, each criterion's Jaccard overlap with the decode-time top pairs, and
+    the share of importance the top pairs hold (each a mean over layers)."""
     layers = len(trace.keys)
-    p = trace.prefill_len
     d = trace.keys[0].shape[-1]
     n_sal = math.floor(ratio * d / 2 + 0.5)
-    rows: dict[str, dict[str, float]] = {}
-
-    def add(name: str, mse: float, kl: float) -> None:
-        row = rows.setdefault(name, {"key_mse": 0.0, "attention_kl": 0.0})
-        row["key_mse"] += mse / layers
-        row["attention_kl"] += kl / layers
-
-    jaccard = {c: {"r=0.1": 0.0, "r=0.5": 0.0} for c in CRITERIA}
-    shares = {"top10": 0.0, "top30": 0.0, "top50": 0.0}
+    tally = _Tally(layers)
     for li in range(layers):
         if progress:
             progress(f"quantizing and scoring layer {li + 1}/{layers}")
         q, k = trace.queries[li], trace.keys[li]
-        t = k.shape[1]
-        imp = _importance(q, k, p, pairing)  # [Hkv, d/2]
-        sorted_imp = imp.sort(-1, descending=True).values
-        total = sorted_imp.sum(-1)
-        for key, frac in (("top10", 0.1), ("top30", 0.3), ("top50", 0.5)):
-            n = max(1, math.floor(frac * d / 2 + 0.5))
-            shares[key] += float((sorted_imp[:, :n].sum(-1) / total).mean()) / layers
-        for crit in CRITERIA:
-            for scope, upto in (("prefill", p), ("full", t)):
-                mask = torch.zeros((1, t), dtype=torch.bool)
-                mask[0, :upto] = True
-                scores = saliency_scores(crit, q[None], k[None], mask, pairing, seed=li)[0]
-                pairs = select_salient_pairs(scores, n_sal)
-                k_hat = quantize_pnmix(k, pairs, 3, 1, group, pairing)
-                add(f"pnmix-3/1 {crit} ({scope})", float(((k_hat - k) ** 2).mean()),
-                    attention_kl(q, k, k_hat, p, trace.scaling))
-                if scope == "prefill":
-                    for label, frac in (("r=0.1", 0.1), ("r=0.5", 0.5)):
-                        n = max(1, math.floor(frac * d / 2 + 0.5))
-                        chosen = select_salient_pairs(scores, n)
-                        truth = select_salient_pairs(imp, n)
-                        jaccard[crit][label] += _jaccard(chosen, truth, d // 2) / layers
-        none = torch.zeros((k.shape[0], 0), dtype=torch.long)
-        k_kivi = quantize_pnmix(k, none, 2, 2, group, pairing)
-        add("kivi-2 uniform", float(((k_kivi - k) ** 2).mean()), attention_kl(q, k, k_kivi, p, trace.scaling))
-        # As the cache runs them: the first n_sink tokens stay exact (attention sinks).
-        mask = torch.zeros((1, t), dtype=torch.bool)
-        mask[0, :p] = True
-        qk_pairs = select_salient_pairs(saliency_scores("qk_pair_norm", q[None], k[None], mask, pairing)[0], n_sal)
-        for name, b_high, b_low, pairs in (("kivi-2 uniform", 2, 2, none),
-                                           ("pnmix-3/1 qk_pair_norm (prefill)", 3, 1, qk_pairs)):
-            k_hat = k.clone()
-            k_hat[:, n_sink:] = quantize_pnmix(k[:, n_sink:], pairs, b_high, b_low, group, pairing)
-            add(f"{name} + {n_sink} fp sinks", float(((k_hat - k) ** 2).mean()),
-                attention_kl(q, k, k_hat, p, trace.scaling))
-        k_polar = quantize_polar(k, 2, group, pairing)
-        add("polar 2+2 bits per pair", float(((k_polar - k) ** 2).mean()),
-            attention_kl(q, k, k_polar, p, trace.scaling))
+        imp = _importance(q, k, trace.prefill_len, pairing)  # [Hkv, d/2]
+        _tally_shares(tally, imp, d)
+        _tally_criteria(tally, trace, li, imp, d, pairing, group, n_sal)
+        _tally_baselines(tally, trace, li, pairing, group, n_sal, n_sink)
     return {
-        "prefill_tokens": p,
+        "prefill_tokens": trace.prefill_len,
         "total_tokens": int(trace.keys[0].shape[1]),
         "layers": layers,
         "head_dim": d,
         "group_size": group,
         "salient_ratio": ratio,
         "n_sink": n_sink,
-        "quantizers": rows,
-        "jaccard_prefill_vs_decode": jaccard,
-        "importance_share": shares,
+        "quantizers": tally.rows,
+        "jaccard_prefill_vs_decode": tally.jaccard,
+        "importance_share": tally.shares,
     }
+
+
+def _tally_shares(tally: _Tally, imp: torch.Tensor, d: int) -> None:
+    """Adds one layer's share of total importance held by its top 10/30/50% pairs."""
+    sorted_imp = imp.sort(-1, descending=True).values
+    total = sorted_imp.sum(-1)
+    for key, frac in (("top10", 0.1), ("top30", 0.3), ("top50", 0.5)):
+        n = _top_pairs(frac, d)
+        tally.shares[key] += float((sorted_imp[:, :n].sum(-1) / total).mean()) / tally.layers
+
+
+def _tally_criteria(tally: _Tally, trace: Trace, li: int, imp: torch.Tensor, d: int, pairing: Pairing,
+                    group: int, n_sal: int) -> None:
+    """Layer `li` under PN-Mix 3/1 with each criterion's salient pairs, chosen from the prefill and from
+    the full sequence; and the Jaccard overlap of the prefill choice with the decode-time top pairs."""
+    q, k, p = trace.queries[li], trace.keys[li], trace.prefill_len
+    t = k.shape[1]
+    for crit in CRITERIA:
+        for scope, upto in (("prefill", p), ("full", t)):
+            scores = saliency_scores(crit, q[None], k[None], _prefix_mask(t, upto), pairing, seed=li)[0]
+            pairs = select_salient_pairs(scores, n_sal)
+            k_hat = quantize_pnmix(k, pairs, 3, 1, group, pairing)
+            tally.add(f"pnmix-3/1 {crit} ({scope})", q, k, k_hat, p, trace.scaling)
+            if scope == "prefill":
+                for label, frac in (("r=0.1", 0.1), ("r=0.5", 0.5)):
+                    n = _top_pairs(frac, d)
+                    chosen = select_salient_pairs(scores, n)
+                    truth = select_salient_pairs(imp, n)
+                    tally.jaccard[crit][label] += _jaccard(chosen, truth, d // 2) / tally.layers
+
+
+def _tally_baselines(tally: _Tally, trace: Trace, li: int, pairing: Pairing, group: int, n_sal: int,
+                     n_sink: int) -> None:
+    """Layer `li` under uniform 2-bit (KIVI-2) and the polar quantizer; and, as the cache runs them with
+    the first `n_sink` tokens exact (attention sinks), KIVI-2 and PN-Mix 3/1 (qk_pair_norm)."""
+    q, k, p = trace.queries[li], trace.keys[li], trace.prefill_len
+    none = torch.zeros((k.shape[0], 0), dtype=torch.long)
+    tally.add("kivi-2 uniform", q, k, quantize_pnmix(k, none, 2, 2, group, pairing), p, trace.scaling)
+    mask = _prefix_mask(k.shape[1], p)
+    qk_pairs = select_salient_pairs(saliency_scores("qk_pair_norm", q[None], k[None], mask, pairing)[0], n_sal)
+    for name, b_high, b_low, pairs in (("kivi-2 uniform", 2, 2, none),
+                                       ("pnmix-3/1 qk_pair_norm (prefill)", 3, 1, qk_pairs)):
+        k_hat = k.clone()
+        k_hat[:, n_sink:] = quantize_pnmix(k[:, n_sink:], pairs, b_high, b_low, group, pairing)
+        tally.add(f"{name} + {n_sink} fp sinks", q, k, k_hat, p, trace.scaling)
+    tally.add("polar 2+2 bits per pair", q, k, quantize_polar(k, 2, group, pairing), p, trace.scaling)
 
 
 def write_report(result: dict[str, Any], out_dir: Path, model: str) -> list[Path]:

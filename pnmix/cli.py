@@ -9,19 +9,23 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from pnmix import inputs
-from pnmix.bits import LayerPlan, ModelShape, key_bits, kv_cache_bytes, value_bits
+from pnmix.bits import KVBytes, LayerPlan, ModelShape, key_bits, kv_cache_bytes, value_bits
 from pnmix.config import CRITERIA, GROUP_SIZES, KEY_BITS, PRESETS, UNQUANTIZED_BITS, VALUE_BITS, PNMixConfig, preset
 from pnmix.inputs import INT32_MAX, Choice, InputFile, Int, ModelName, Number, Range, Text
-from pnmix.layerwise import as_layerwise
+from pnmix.layerwise import LayerwiseConfig, as_layerwise, load_config
 from pnmix.models import chat_ids
 from pnmix.names import FULL
+
+if TYPE_CHECKING:
+    import torch
 
 # Tables are wide: without a terminal (logs, CI) rich would wrap them at 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -107,41 +111,17 @@ def bits(
     layers: Annotated[int | None, typer.Option(help="layers of the model, for a layer-wise --config without "
                                                     "--model", parser=Int(_POSITIVE))] = None,
 ) -> None:
-    """Bit-width breakdown of one PN-Mix config (docs/design.md, "Bit-width accounting"); for a
-    layer-wise config, each layer's key bits and the model's average."""
-    from pathlib import Path
+    """Bit-width breakdown of one PN-Mix config (docs/design.md, "Bit-width accounting").
 
-    from pnmix.layerwise import LayerwiseConfig, load_config
-
-    shape: ModelShape | None = None
-    plan: LayerPlan | None = None
-    if model is not None:
-        from pnmix.models import layer_plan, model_shape
-
-        shape, plan = model_shape(model), layer_plan(model)
-    loaded = load_config(Path(config_file).read_bytes()) if config_file else None
-    config = loaded if loaded is not None else config_from_options(
+    For a layer-wise config, each layer's key bits and the model's average."""
+    shape, plan = _model_layout(model)
+    config = load_config(Path(config_file).read_bytes()) if config_file else config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group
     )
     d = head_dim if head_dim is not None else (shape.head_dim if shape else 128)
     config.check_head_dim(d)
-    if isinstance(config, LayerwiseConfig):
-        n_layers = shape.num_layers if shape is not None else layers
-        if n_layers is None:
-            raise inputs.InputError("--layers", "(missing)",
-                                    "the model's layer count (or --model) for a layer-wise config")
-        report, table = _layerwise_bits(config, n_layers, d, tokens)
-    else:
-        report, table = _single_bits(config, d, tokens)
-    kv = kv_cache_bytes(config, shape, batch, seq_len, plan) if shape is not None else None
-    held_table = None
-    if kv is not None:
-        report["model"] = model
-        report["kv_bytes"] = kv.as_dict()
-        report["batch"], report["seq_len"] = batch, seq_len
-    if shape is not None and plan is not None and plan.hybrid:
-        held_report, held_table = _held_bits(config, shape, plan, d, batch, seq_len)
-        report.update(held_report)
+    report, table = _config_bits(config, shape, layers, d, tokens)
+    kv, held_table = _model_bits(report, config, model, shape, plan, d, batch, seq_len)
     if as_json:
         print(json.dumps(report))
         return
@@ -153,6 +133,44 @@ def bits(
             f"{model}: batch {batch} x {seq_len} tokens -> {kv.total / 2**20:.2f} MiB "
             f"(fp16 {kv.fp16_total / 2**20:.2f} MiB, {kv.fp16_total / max(kv.total, 1):.2f}x smaller)"
         )
+
+
+def _model_layout(model: str | None) -> tuple[ModelShape | None, LayerPlan | None]:
+    """`pnmix bits --model`: the model's shape and layer plan; (None, None) without a model."""
+    if model is None:
+        return None, None
+    from pnmix.models import layer_plan, model_shape
+
+    return model_shape(model), layer_plan(model)
+
+
+def _config_bits(config: PNMixConfig | LayerwiseConfig, shape: ModelShape | None, layers: int | None, d: int,
+                 tokens: int) -> tuple[dict[str, Any], Table]:
+    """`pnmix bits` for either kind of config (report, table); a layer-wise one needs the layer count,
+    from the model's shape or --layers."""
+    if not isinstance(config, LayerwiseConfig):
+        return _single_bits(config, d, tokens)
+    n_layers = shape.num_layers if shape is not None else layers
+    if n_layers is None:
+        raise inputs.InputError("--layers", "(missing)", "the model's layer count (or --model) for a layer-wise config")
+    return _layerwise_bits(config, n_layers, d, tokens)
+
+
+def _model_bits(report: dict[str, Any], config: PNMixConfig | LayerwiseConfig, model: str | None,
+                shape: ModelShape | None, plan: LayerPlan | None, d: int, batch: int,
+                seq_len: int) -> tuple[KVBytes | None, Table | None]:
+    """`pnmix bits --model`: adds the model's KV bytes to `report` and, for a model with sliding-window
+    layers, what each layer holds (`_held_bits`). Returns the KV bytes and that table (None without them)."""
+    kv = kv_cache_bytes(config, shape, batch, seq_len, plan) if shape is not None else None
+    held_table = None
+    if kv is not None:
+        report["model"] = model
+        report["kv_bytes"] = kv.as_dict()
+        report["batch"], report["seq_len"] = batch, seq_len
+    if shape is not None and plan is not None and plan.hybrid:
+        held_report, held_table = _held_bits(config, shape, plan, d, batch, seq_len)
+        report.update(held_report)
+    return kv, held_table
 
 
 def _single_bits(config: PNMixConfig, d: int, tokens: int) -> tuple[dict[str, Any], Table]:
@@ -305,6 +323,26 @@ def generate(
     config = config_from_options(
         preset_name, b_high, b_low, group_size, salient_ratio, sinks, residual, value_bits_, value_group, criterion
     )
+    _check_generation(model, config, static)
+    import torch
+
+    from pnmix import models
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise inputs.InputError("--device", device, "cpu (no CUDA device is visible)")
+    loaded = models.load(model, purpose="accuracy", dtype=torch.bfloat16 if device == "cuda" else None, device=device)
+    tok = loaded.tokenizer
+    ids = chat_ids(tok, prompt)
+    run = _generate_static if static else _generate_dynamic
+    out, seconds, path, summary = run(loaded.model, config, ids, max_new_tokens, device)
+    console.print(tok.decode(out[0], skip_special_tokens=True))
+    console.print(f"[dim]{out.shape[1]} tokens in {seconds:.1f} s ({path}) | prompt {ids['input_ids'].shape[1]} "
+                  f"tokens | {summary}[/dim]", soft_wrap=True)  # one line, however long: logs grep it
+
+
+def _check_generation(model: str, config: PNMixConfig, static: bool) -> None:
+    """What `pnmix generate` refuses before torch and the weights load: an unknown model, a config that
+    does not fit the model's head dim, or one the static cache cannot run."""
     from pnmix import models
 
     models.resolve(model, purpose="accuracy")  # an unknown model: one line before torch loads
@@ -314,42 +352,47 @@ def generate(
         from pnmix.static import method_config
 
         method_config(config)
+
+
+def _generate_static(model: Any, config: PNMixConfig, ids: Any, max_new_tokens: int,
+                     device: str) -> tuple[torch.Tensor, float, str, str]:
+    """`pnmix generate --static`: greedy tokens on the static cache (CUDA graphs on CUDA), the seconds
+    they took, the path that ran and the cache's capacity."""
     import time
 
     import torch
 
-    from pnmix import generation, models
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise inputs.InputError("--device", device, "cpu (no CUDA device is visible)")
-    loaded = models.load(model, purpose="accuracy", dtype=torch.bfloat16 if device == "cuda" else None, device=device)
-    tok = loaded.tokenizer
-    ids = chat_ids(tok, prompt)
     start = time.perf_counter()
-    if static:
-        from pnmix.static import StaticGenerator
+    from pnmix.static import StaticGenerator
 
-        method = config if (config.keys_quantized or config.values_quantized) else "fp16"
-        gen = StaticGenerator(loaded.model, method, max_len=ids["input_ids"].shape[1] + max_new_tokens)
-        out = gen.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens).cpu()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        assert gen.cache is not None
-        path = "static cache, CUDA graphs" if gen.graphs_on else "static cache, eager"
-        summary = f"static cache capacity {gen.cache.nbytes() / 2**20:.2f} MiB"
-    else:
-        out, cache = generation.generate(loaded.model, ids["input_ids"], config, ids["attention_mask"],
-                                         max_new_tokens)
-        seconds = time.perf_counter() - start
-        held = cache.nbytes()
-        path = "CPU torch reference" if device == "cpu" else "generate, Triton kernels"
-        summary = f"cache {held['total'] / 2**20:.2f} MiB: " + ", ".join(
-            f"{k} {v / 2**10:.0f} KiB" for k, v in held["regions"].items() if v)
-        summary += " | " + _quantized_note(cache, config, ids["input_ids"].shape[1] + out.shape[1] - 1)
-    console.print(tok.decode(out[0], skip_special_tokens=True))
-    console.print(f"[dim]{out.shape[1]} tokens in {seconds:.1f} s ({path}) | prompt {ids['input_ids'].shape[1]} "
-                  f"tokens | {summary}[/dim]", soft_wrap=True)  # one line, however long: logs grep it
+    method = config if (config.keys_quantized or config.values_quantized) else "fp16"
+    gen = StaticGenerator(model, method, max_len=ids["input_ids"].shape[1] + max_new_tokens)
+    out = gen.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens).cpu()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert gen.cache is not None
+    path = "static cache, CUDA graphs" if gen.graphs_on else "static cache, eager"
+    return out, seconds, path, f"static cache capacity {gen.cache.nbytes() / 2**20:.2f} MiB"
+
+
+def _generate_dynamic(model: Any, config: PNMixConfig, ids: Any, max_new_tokens: int,
+                      device: str) -> tuple[torch.Tensor, float, str, str]:
+    """`pnmix generate`: greedy tokens on the PN-Mix cache, the seconds they took, the path that ran and
+    the bytes the cache held, by region, with how many of its tokens are quantized."""
+    import time
+
+    from pnmix import generation
+
+    start = time.perf_counter()
+    out, cache = generation.generate(model, ids["input_ids"], config, ids["attention_mask"], max_new_tokens)
+    seconds = time.perf_counter() - start
+    held = cache.nbytes()
+    path = "CPU torch reference" if device == "cpu" else "generate, Triton kernels"
+    summary = f"cache {held['total'] / 2**20:.2f} MiB: " + ", ".join(
+        f"{k} {v / 2**10:.0f} KiB" for k, v in held["regions"].items() if v)
+    summary += " | " + _quantized_note(cache, config, ids["input_ids"].shape[1] + out.shape[1] - 1)
+    return out, seconds, path, summary
 
 
 def _quantized_note(cache: Any, config: PNMixConfig, tokens: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pnmix.errors import PNMixError
+from pnmix.storage.vocabulary import BudgetOn
 
 
 class StorageError(PNMixError, RuntimeError):
@@ -35,7 +36,7 @@ class NoFeasiblePointError(NotFoundError):
         self.target_bits = target_bits
         self.min_accuracy = min_accuracy
         self.smallest_bits = smallest_bits
-        figure = "KV bits" if bits_of == "kv" else "key bits"
+        figure = "KV bits" if bits_of == BudgetOn.KV else "key bits"
         cond = f"{figure} <= {target_bits:g}" + (f" and accuracy >= {min_accuracy:g}" if min_accuracy > 0 else "")
         if smallest_bits is None:
             hint = "it has no front points" + (f" with accuracy >= {min_accuracy:g}" if min_accuracy > 0 else "")

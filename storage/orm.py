@@ -39,6 +39,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig
+from pnmix.storage.vocabulary import TIE_Z, BudgetOn
 
 CAMPAIGN_STATUSES = ("queued", "running", "done", "failed")
 TERMINAL_STATUSES = ("done", "failed")
@@ -241,7 +242,7 @@ class FrontPoint(Base):
 
     def holdout_summary(self) -> dict[str, Any] | None:
         """The held-out score as `recommend --json` and the API give it; None without one. `holds`:
-        the held-out score is not more than 2 standard errors (of the gap) below the in-search one;
+        the held-out score is not more than TIE_Z (2) standard errors (of the gap) below the in-search one;
         None when the gap has no standard error (a part with a single held-out unit)."""
         gap = self.holdout_gap()
         if gap is None:
@@ -250,8 +251,8 @@ class FrontPoint(Base):
         diff, se = gap
         return {"accuracy": self.holdout_accuracy, "accuracy_se": self.holdout_accuracy_se,
                 "units": detail.get("units", {}), "minus_in_search": diff, "minus_in_search_se": se,
-                "holds": None if se is None else diff >= -2 * se, "pnmix_paper": detail.get("paper")}
+                "holds": None if se is None else diff >= -TIE_Z * se, "pnmix_paper": detail.get("paper")}
 
     def bits(self, of: str) -> float:
         """The point's key bits (`of="key"`) or KV bits (`"kv"`)."""
-        return self.kv_bits if of == "kv" else self.key_bits
+        return self.kv_bits if of == BudgetOn.KV else self.key_bits

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, joinedload
 
 from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
-from pnmix.storage.vocabulary import BUDGET_ON
+from pnmix.storage.vocabulary import BUDGET_ON, TIE_Z, BudgetOn  # TIE_Z: also importable from here
 from pnmix.storage.write import BITS_EPS
 
 T = TypeVar("T")
@@ -96,9 +96,6 @@ def list_front_points(
     return Page(list(session.scalars(query)), total, limit if limit is not None else total, offset)
 
 
-TIE_Z = 2.0  # points whose accuracy is within this many standard errors of the best are tied with it
-
-
 def tied_with(best: FrontPoint, point: FrontPoint) -> bool:
     """Whether `point`'s accuracy is statistically indistinguishable from `best`'s: equal, or lower by
     at most TIE_Z standard errors of the difference. Two points of one campaign that keep their
@@ -140,7 +137,7 @@ def bits_column(bits_of: str) -> Any:
     """The column of the bit figure a recommendation's budget is on: key bits or KV bits."""
     if bits_of not in BUDGET_ON:
         raise InvalidValueError(f"invalid bits_of={bits_of!r}: allowed {', '.join(BUDGET_ON)}")
-    return FrontPoint.kv_bits if bits_of == "kv" else FrontPoint.key_bits
+    return FrontPoint.kv_bits if bits_of == BudgetOn.KV else FrontPoint.key_bits
 
 
 def applied_floor(session: Session, model: str, target_bits: float, optimize: str = "accuracy",

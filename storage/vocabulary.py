@@ -39,6 +39,11 @@ class BudgetOn(StrEnum):
 
 BUDGET_ON = tuple(b.value for b in BudgetOn)
 
+TIE_Z = 2.0
+"""Two accuracies within this many standard errors of their difference are tied: the points a
+recommendation calls tied with its best (`pnmix.storage.read.tied_with`), and a held-out score that
+`holds` against the in-search one (`pnmix.storage.orm.FrontPoint.holdout_summary`)."""
+
 # -- ranges --------------------------------------------------------------------------------------
 
 ACCURACY = Range(0.0, 1.0)  # a combined accuracy, and the floor a recommendation asks for

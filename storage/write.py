@@ -33,7 +33,7 @@ from pnmix.layerwise import LayerwiseConfig, simplest
 from pnmix.names import BACKENDS
 from pnmix.storage.errors import InvalidValueError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
-from pnmix.storage.vocabulary import BUDGET_ON, METHODS, TRIALS
+from pnmix.storage.vocabulary import BUDGET_ON, METHODS, TRIALS, BudgetOn
 
 # What a campaign may optimize: measured columns of its front points, each with the direction that
 # improves it (the tuner's Optuna study directions). Every campaign optimizes accuracy and key bits.
@@ -267,22 +267,9 @@ def create_campaign(
     figure the budgets constrain, "key" (key bits) or "kv" (keys and values). `trials_total` starts at
     `n_trials * len(budgets)`; `study_names` starts empty (set it with `update_campaign_progress`).
     """
-    budgets = check_budgets(budgets)
-    if not TRIALS.contains(n_trials):
-        raise InvalidValueError(f"invalid n_trials={n_trials!r}: {TRIALS.allowed}")
-    _check_choice("method", method, METHODS)
-    # Profiles are the tuner's (tuner.profiles), which sits above this layer: the tuner and the
-    # service check the name; here it only has to fit its column.
-    if not isinstance(profile, str) or not 0 < len(profile) <= 16:
-        raise InvalidValueError(f"invalid profile={profile!r}: a profile name of 1 to 16 characters")
-    _check_choice("backend", backend, BACKENDS)
-    _check_choice("budget_on", budget_on, BUDGET_ON)
-    _check_choice("status", status, ("queued", "running"))
-    objectives = check_objectives(objectives, budget_on)
-    model_row = _model_or_registry(session, model)
-    if model_row.source == "shape":  # a worker would load it for accuracy and refuse: refuse it here
-        raise InvalidValueError(f"model {model!r} has random weights (performance work only); a campaign scores "
-                                "accuracy: use a real model such as smollm2-135m")
+    budgets, objectives = _check_campaign_fields(budgets, n_trials, method, profile, objectives, backend,
+                                                 budget_on, status)
+    model_row = _campaign_model(session, model)
     now = utcnow()
     campaign = Campaign(
         model_id=model_row.id,
@@ -307,6 +294,35 @@ def create_campaign(
     session.add(campaign)
     session.flush()
     return campaign
+
+
+def _check_campaign_fields(budgets: Sequence[float], n_trials: int, method: str, profile: str,
+                           objectives: Sequence[str], backend: str, budget_on: str,
+                           status: str) -> tuple[list[float], list[str]]:
+    """`create_campaign`'s arguments checked in turn (the first bad one is refused), before the
+    database is touched: the budgets and the objectives as they are stored."""
+    budgets = check_budgets(budgets)
+    if not TRIALS.contains(n_trials):
+        raise InvalidValueError(f"invalid n_trials={n_trials!r}: {TRIALS.allowed}")
+    _check_choice("method", method, METHODS)
+    # Profiles are the tuner's (tuner.profiles), which sits above this layer: the tuner and the
+    # service check the name; here it only has to fit its column.
+    if not isinstance(profile, str) or not 0 < len(profile) <= 16:
+        raise InvalidValueError(f"invalid profile={profile!r}: a profile name of 1 to 16 characters")
+    _check_choice("backend", backend, BACKENDS)
+    _check_choice("budget_on", budget_on, BUDGET_ON)
+    _check_choice("status", status, ("queued", "running"))
+    return budgets, check_objectives(objectives, budget_on)
+
+
+def _campaign_model(session: Session, model: str) -> Model:
+    """The stored row of a campaign's model (a registry model is stored first); a shape model, which
+    has random weights, is refused."""
+    model_row = _model_or_registry(session, model)
+    if model_row.source == "shape":  # a worker would load it for accuracy and refuse: refuse it here
+        raise InvalidValueError(f"model {model!r} has random weights (performance work only); a campaign scores "
+                                "accuracy: use a real model such as smollm2-135m")
+    return model_row
 
 
 def claim_next_queued_campaign(
@@ -457,51 +473,8 @@ def replace_front(
         if point.trial_number in seen:
             raise InvalidValueError(f"trial {point.trial_number} appears twice in the front of budget {budget:g}")
         seen.add(point.trial_number)
-        config = simplest(point.config)
-        try:
-            key = weighted_key_bits(config, plan, head_dim)
-            kv = weighted_kv_bits(config, plan, head_dim)
-        except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size, layers)
-            raise InvalidValueError(f"trial {point.trial_number}: {exc}") from None
-        bits = kv if campaign.budget_on == "kv" else key
-        if bits > budget + BITS_EPS:
-            raise InvalidValueError(
-                f"trial {point.trial_number} needs {bits:.5f} {campaign.budget_on} bits, over the budget {budget:g}"
-            )
-        default = config.default if isinstance(config, LayerwiseConfig) else config
-        rows.append(
-            FrontPoint(
-                campaign_id=campaign.id,
-                model_id=campaign.model_id,
-                budget=budget,
-                budget_on=campaign.budget_on,
-                trial_number=point.trial_number,
-                **{name: getattr(default, name) for name in CONFIG_FIELDS},
-                layers=config.to_dict()["layers"] if isinstance(config, LayerwiseConfig) else None,
-                accuracy=float(point.accuracy),
-                accuracy_se=None if point.accuracy_se is None else float(point.accuracy_se),
-                accuracy_parts={str(k): float(v) for k, v in point.accuracy_parts.items()},
-                key_bits=key,
-                kv_bits=kv,
-                kv_bytes=point.kv_bytes,
-                throughput=float(point.throughput),
-                backend=point.backend,
-                device=point.device,
-                versions={str(k): str(v) for k, v in point.versions.items()},
-                unit_influence=None if point.unit_influence is None else {
-                    str(k): {"weight": float(v["weight"]), "values": [float(x) for x in v["values"]]}
-                    for k, v in point.unit_influence.items()},
-            )
-        )
-    # A point's held-out score (set once the campaign finished) stays with its trial's config.
-    kept = {(p.trial_number, p.config.to_json()): (p.holdout_accuracy, p.holdout_accuracy_se, p.holdout)
-            for p in session.scalars(select(FrontPoint).where(FrontPoint.campaign_id == campaign.id,
-                                                              FrontPoint.budget == budget,
-                                                              FrontPoint.holdout_accuracy.is_not(None)))}
-    for row in rows:
-        held = kept.get((row.trial_number, row.config.to_json()))
-        if held is not None:
-            row.holdout_accuracy, row.holdout_accuracy_se, row.holdout = held
+        rows.append(_front_row(campaign, budget, point, head_dim, plan))
+    _keep_holdouts(session, campaign.id, budget, rows)
     session.execute(
         delete(FrontPoint)
         .where(FrontPoint.campaign_id == campaign.id, FrontPoint.budget == budget)
@@ -511,6 +484,67 @@ def replace_front(
     campaign.heartbeat_at = utcnow()
     session.flush()
     return rows
+
+
+def _point_bits(campaign: Campaign, budget: float, trial_number: int, config: PNMixConfig | LayerwiseConfig,
+                head_dim: int, plan: LayerPlan) -> tuple[float, float]:
+    """A front point's (key bits, KV bits) on the campaign's model; the figure the campaign's
+    `budget_on` names must be within `budget`."""
+    try:
+        key = weighted_key_bits(config, plan, head_dim)
+        kv = weighted_kv_bits(config, plan, head_dim)
+    except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size, layers)
+        raise InvalidValueError(f"trial {trial_number}: {exc}") from None
+    bits = kv if campaign.budget_on == BudgetOn.KV else key
+    if bits > budget + BITS_EPS:
+        raise InvalidValueError(
+            f"trial {trial_number} needs {bits:.5f} {campaign.budget_on} bits, over the budget {budget:g}"
+        )
+    return key, kv
+
+
+def _front_row(campaign: Campaign, budget: float, point: FrontPointIn, head_dim: int,
+               plan: LayerPlan) -> FrontPoint:
+    """The row that stores `point` in the front of (campaign, budget): its config compact, its bits
+    computed and checked against the budget (`_point_bits`)."""
+    config = simplest(point.config)
+    key, kv = _point_bits(campaign, budget, point.trial_number, config, head_dim, plan)
+    default = config.default if isinstance(config, LayerwiseConfig) else config
+    return FrontPoint(
+        campaign_id=campaign.id,
+        model_id=campaign.model_id,
+        budget=budget,
+        budget_on=campaign.budget_on,
+        trial_number=point.trial_number,
+        **{name: getattr(default, name) for name in CONFIG_FIELDS},
+        layers=config.to_dict()["layers"] if isinstance(config, LayerwiseConfig) else None,
+        accuracy=float(point.accuracy),
+        accuracy_se=None if point.accuracy_se is None else float(point.accuracy_se),
+        accuracy_parts={str(k): float(v) for k, v in point.accuracy_parts.items()},
+        key_bits=key,
+        kv_bits=kv,
+        kv_bytes=point.kv_bytes,
+        throughput=float(point.throughput),
+        backend=point.backend,
+        device=point.device,
+        versions={str(k): str(v) for k, v in point.versions.items()},
+        unit_influence=None if point.unit_influence is None else {
+            str(k): {"weight": float(v["weight"]), "values": [float(x) for x in v["values"]]}
+            for k, v in point.unit_influence.items()},
+    )
+
+
+def _keep_holdouts(session: Session, campaign_id: int, budget: float, rows: Sequence[FrontPoint]) -> None:
+    """Carries the held-out scores of the stored front of (campaign, budget) over to the `rows` that
+    replace it: a point's held-out score (set once the campaign finished) stays with its trial's config."""
+    kept = {(p.trial_number, p.config.to_json()): (p.holdout_accuracy, p.holdout_accuracy_se, p.holdout)
+            for p in session.scalars(select(FrontPoint).where(FrontPoint.campaign_id == campaign_id,
+                                                              FrontPoint.budget == budget,
+                                                              FrontPoint.holdout_accuracy.is_not(None)))}
+    for row in rows:
+        held = kept.get((row.trial_number, row.config.to_json()))
+        if held is not None:
+            row.holdout_accuracy, row.holdout_accuracy_se, row.holdout = held
 
 
 def check_objectives(objectives: Sequence[str], budget_on: str = "key") -> list[str]:
@@ -523,11 +557,11 @@ def check_objectives(objectives: Sequence[str], budget_on: str = "key") -> list[
     out = list(objectives)
     for name in out:
         _check_choice("objective", name, tuple(OBJECTIVES))
-    if len(set(out)) != len(out) or (budget_on == "key" and not set(REQUIRED_OBJECTIVES) <= set(out)):
+    if len(set(out)) != len(out) or (budget_on == BudgetOn.KEY and not set(REQUIRED_OBJECTIVES) <= set(out)):
         raise InvalidValueError(
             f"invalid objectives={out}: distinct names that include {' and '.join(REQUIRED_OBJECTIVES)}"
         )
-    if budget_on == "key":
+    if budget_on == BudgetOn.KEY:
         if "kv_bits" in out:
             raise InvalidValueError(f"invalid objectives={out}: kv_bits is the bit objective of a KV budget "
                                     "(budget_on kv); under a key budget the bits are key_bits")

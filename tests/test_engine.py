@@ -15,7 +15,8 @@ from pnmix.prefill import RECORDED_CRITERIA, build_cache, record_prefill, record
 from pnmix.static import StaticGenerator
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import stats, tasks
-from pnmix.tuner.scoring.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory
+from pnmix.tuner.scoring.cost import COST_NEW_TOKENS, COST_PROMPT_TOKENS
+from pnmix.tuner.scoring.engine import ScoringEngine, Trajectory
 from pnmix.tuner.scoring.fidelity import reference_logits, replay, trajectory
 
 SMALL = PNMixConfig(b_high=3, b_low=1, group_size=32, salient_ratio=0.5, n_sink=4, residual_len=32,

@@ -79,7 +79,8 @@ def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config):
     from pnmix.cache import BatchWindowLayer
     from pnmix.generation import new_cache
     from pnmix.prefill import build_cache
-    from pnmix.tuner.scoring.engine import COST_NEW_TOKENS, COST_PROMPT_TOKENS, ScoringEngine, Trajectory, live_cost
+    from pnmix.tuner.scoring.cost import COST_NEW_TOKENS, COST_PROMPT_TOKENS, live_cost
+    from pnmix.tuner.scoring.engine import ScoringEngine, Trajectory
     from pnmix.tuner.scoring.fidelity import replay
 
     model = tiny_gemma3(window=WINDOW, max_position_embeddings=2048, vocab_size=4096)  # the cost prompt's ids < 4000

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,18 +38,13 @@ import torch
 
 from pnmix.families import plan_of_config
 from pnmix.generation import cache_kwargs
-from pnmix.layerwise import AnyConfig, as_layerwise
-from pnmix.prefill import PrefillState, build_cache, build_layer, record_prefill, record_prefills
-from pnmix.static import StaticGenerator, static_method
+from pnmix.layerwise import AnyConfig
+from pnmix.prefill import PrefillState, build_cache, record_prefill, record_prefills
+from pnmix.static import StaticGenerator
 from pnmix.tuner.errors import EvalError
+from pnmix.tuner.scoring import cost
 from pnmix.tuner.scoring.tasks import Item
 
-COST_PROMPT_TOKENS = 512  # the fixed workload of measured bytes and decode throughput
-COST_NEW_TOKENS = 32
-# Decode throughput: timed runs of a few steps each, the median run's step time. A CPU step of a small
-# model takes tens of milliseconds, a GPU step (a replayed graph) about one.
-COST_REPEATS = {"cpu": 3, "cuda": 5}
-COST_STEPS = {"cpu": 3, "cuda": 8}
 STATE_DEVICE_SHARE = 0.4  # of the device's free memory that the recorded states may take
 BATCH_MEMORY_SHARE = 0.5  # of the free memory (after the states) that one decode batch may take
 DECODE_BYTES_FACTOR = 3  # a decode batch holds about this many times its states' bytes (view, packed, work)
@@ -96,24 +89,6 @@ def free_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def median_step_seconds(step: Callable[[], object], repeats: int, steps: int, cuda: bool) -> float:
-    """Seconds per decode step: two untimed steps (compile, capture, first allocations), then the
-    median over `repeats` timed runs of `steps` steps each, so one slow run cannot set the figure."""
-    for _ in range(2):
-        step()
-    run_times: list[float] = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-        run_times.append((time.perf_counter() - t0) / steps)
-    return statistics.median(run_times)
-
-
 def context_of(model: Any) -> int | None:
     """The model's context in tokens (`max_position_embeddings`), or None where it states none."""
     return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -124,49 +99,6 @@ def check_context(context: int | None, what: str, tokens: int) -> None:
     if context is not None and tokens > context:
         raise EvalError(f"{what} needs {tokens} tokens, more than the model's context of {context}: "
                         "use a profile with shorter contexts")
-
-
-@torch.inference_mode()
-def live_cost(model: Any, make_cache: Callable[[], Any], held_bytes: Callable[[Any], int],
-              seed: int = 0) -> tuple[int, float, int | None]:
-    """(bytes the cache holds, decode tokens/s, peak device bytes) of the cost workload on a cache
-    that the model fills as it runs (a peer's QuantizedCache, a hybrid model's PN-Mix cache): the
-    prompt of COST_PROMPT_TOKENS random ids (`ScoringEngine.measure_cost`'s, same seed) prefilled
-    into `make_cache()`, then greedy decode steps. Bytes: `held_bytes(cache)` once COST_NEW_TOKENS - 1
-    new tokens went in (the last is never fed back, as in `generate`). Tokens/s as the engine times
-    PN-Mix (`median_step_seconds`); the steps it times count towards those new tokens. Peak (CUDA
-    only): the weights plus what the workload allocates at its peak."""
-    from pnmix.generation import cache_kwargs
-
-    device = model.device
-    cuda = device.type == "cuda"
-    kind = "cuda" if cuda else "cpu"
-    ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed)).to(device)
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    cache = make_cache()
-    kw = cache_kwargs(model, cache)
-    nxt = model(input_ids=ids, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
-    fed, kv_bytes = 0, 0
-
-    def step() -> None:
-        nonlocal nxt, fed, kv_bytes
-        pos = torch.tensor([[COST_PROMPT_TOKENS + fed]], device=device)
-        nxt = model(input_ids=nxt, position_ids=pos, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
-        fed += 1
-        if fed == COST_NEW_TOKENS - 1:
-            kv_bytes = held_bytes(cache)
-
-    step_seconds = median_step_seconds(step, COST_REPEATS[kind], COST_STEPS[kind], cuda)
-    while fed < COST_NEW_TOKENS - 1:
-        step()
-    peak = None
-    if cuda:
-        weights = sum(q.nbytes for q in model.parameters())
-        peak = weights + int(torch.cuda.max_memory_allocated(device)) - before
-    return kv_bytes, 1.0 / step_seconds, peak
 
 
 class ScoringEngine:
@@ -362,7 +294,7 @@ class ScoringEngine:
         if not stop:
             logits0[:, eos] = float("-inf")
         first = logits0.argmax(-1)
-        method = self._static_method(config, head_dim)
+        method = cost.static_path_of(self.model, self.plan, config, head_dim)
         cache = build_cache(self.model, config, states)
         if method is not None:
             # Graphs without torch.compile: a trial decodes a few dozen steps per batch, and compiling the
@@ -450,82 +382,10 @@ class ScoringEngine:
 
     # -- cost ------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def measure_cost(self, config: AnyConfig, seed: int = 0) -> tuple[int, float, int | None]:
-        """(bytes the cache holds, decode tokens/s, peak device bytes) on the fixed workload: a
-        prompt of COST_PROMPT_TOKENS random ids (prefilled once), then COST_NEW_TOKENS new tokens.
-
-        Bytes: `cache.nbytes()` of the config's cache built from that prefill after the new tokens
-        went through its own decode-time append, one at a time (the bytes depend on the token
-        counts, not on their values, and are the same in every layer). Tokens/s: on CUDA the
-        static CUDA-graph path started from that cache (what serving runs), else greedy decode on
-        the dynamic cache; after two untimed steps (compile, capture, allocator warm-up), the
-        steps run in COST_REPEATS timed runs of COST_STEPS steps each, and tokens/s is one over the
-        median of the runs' step times: a run of several steps is long enough to time, and the
-        median keeps one disturbed run (another process, a clock change) out of the figure. Peak
-        (CUDA only): the model's weights plus what the workload allocates at its peak, so that the
-        states this engine keeps do not count.
-        """
+        """(bytes the cache holds, decode tokens/s, peak device bytes) on the fixed cost workload
+        (tuner/scoring/cost.py), from its prompt's prefill, recorded once."""
         if self._cost_state is None:
-            rng = torch.Generator().manual_seed(seed)
-            ids = torch.randint(100, 4000, (1, COST_PROMPT_TOKENS), generator=rng)
-            self._cost_state = record_prefill(self.model, ids)
+            self._cost_state = record_prefill(self.model, cost.prompt_ids(seed))
         state = self._on_device([self._cost_state])[0]
-        kv_bytes = self._held_bytes(config, state)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        head_dim = state.keys[0].shape[-1]
-        method = self._static_method(config, head_dim)
-        first = state.logits.argmax(-1)[None]
-        cache = build_cache(self.model, config, [state])
-        repeats, steps = COST_REPEATS["cuda" if cuda else "cpu"], COST_STEPS["cuda" if cuda else "cpu"]
-        if method is not None:
-            static = StaticGenerator(self.model, method, max_len=COST_PROMPT_TOKENS + 4 + repeats * steps)
-            static.start(cache, first)
-            del cache
-            step_seconds = median_step_seconds(static.step, repeats, steps, cuda)
-        else:
-            kw = cache_kwargs(self.model, cache)
-            ids, pos = first[:, None], torch.tensor([[state.length]], device=self.device)
-
-            def step() -> None:
-                nonlocal ids, pos
-                logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **self._last_only, **kw).logits
-                ids, pos = logits[:, -1].argmax(-1, keepdim=True), pos + 1
-
-            step_seconds = median_step_seconds(step, repeats, steps, cuda)
-        peak = None
-        if cuda:
-            weights = sum(p.nbytes for p in self.model.parameters())
-            peak = weights + int(torch.cuda.max_memory_allocated(self.device)) - before
-        return kv_bytes, 1.0 / step_seconds, peak
-
-    def _static_method(self, config: AnyConfig, head_dim: int) -> str | AnyConfig | None:
-        """What the static path runs for `config` (`pnmix.static.static_method`); None on the CPU and
-        for a model with sliding-window layers, which decode on the batched dynamic cache."""
-        if self.device.type != "cuda" or self.plan.hybrid:
-            return None
-        return static_method(config, self.device, head_dim)
-
-    def _held_bytes(self, config: AnyConfig, state: Any) -> int:
-        """The bytes `config`'s cache holds after the cost workload's new tokens. Every full-attention
-        layer holds the same token counts, so one layer's appends give the bytes of every layer of its
-        format (a layer-wise config: one layer per distinct format, times its count); a
-        sliding-window layer holds its last window - 1 tokens of keys and values in the model's dtype."""
-        per_layer = as_layerwise(config).per_layer(len(state.keys))
-        full = self.plan.full_layers
-        held = self.plan.held(state.length + COST_NEW_TOKENS - 1)
-        h, _, d = state.keys[0].shape
-        kv_bytes = sum(2 * h * held[i] * d * state.keys[0].dtype.itemsize for i in range(len(held)) if i not in full)
-        full_formats = [per_layer[i] for i in full]
-        for fmt in dict.fromkeys(full_formats):
-            layer = build_layer(self.model, fmt, [state], layer_idx=full[full_formats.index(fmt)])
-            k, v = state.keys[0][None, :, -1:], state.values[0][None, :, -1:]
-            for _ in range(COST_NEW_TOKENS - 1):  # the last new token is never fed back, as in `generate`
-                layer.append(k, v)
-            kv_bytes += full_formats.count(fmt) * sum(layer.nbytes().values())
-            del layer
-        return kv_bytes
+        return cost.measure(self.model, self.plan, config, state, self._last_only)

@@ -163,9 +163,9 @@ def replay(model: Any, p: Peer, prompt_ids: list[int], tokens: torch.Tensor,
 
 def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | None]:
     """(bytes held, decode tokens/s, peak device bytes) of a peer's cache on the engine's cost
-    workload (`tuner.engine.live_cost`): bytes are what the QuantizedCache holds (`cache_bytes`)
+    workload (`tuner.scoring.cost.live_cost`): bytes are what the QuantizedCache holds (`cache_bytes`)
     once COST_NEW_TOKENS - 1 new tokens went in."""
-    from pnmix.tuner.scoring.engine import live_cost
+    from pnmix.tuner.scoring.cost import live_cost
 
     return live_cost(model, lambda: p.new_cache(model), cache_bytes, seed)
 

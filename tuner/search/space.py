@@ -40,11 +40,9 @@ from pnmix.config import GROUP_SIZES, PNMixConfig
 from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
 from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, METHODS, BudgetOn
 from pnmix.tuner.errors import EvalError
+from pnmix.tuner.search import steps
+from pnmix.tuner.search.axes import RATIOS, SINKS, VALUE_BITS, VALUE_GROUPS
 
-RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-SINKS = (0, 8, 16, 32, 64)
-VALUE_BITS = (1, 2, 4, 8)  # searched value bits (`search_values`)
-VALUE_GROUPS = (32, 64, 128)  # searched value group sizes, those that divide the model's head_dim
 LAYERED = "pnmix-layers"
 ALLOCATED = "pnmix-alloc"
 DEFAULT_LAYER_GROUPS = 4
@@ -148,10 +146,10 @@ class SearchSpace:
             return ["4/2"]
         return [f"{hi}/{lo}" for lo in range(1, 5) for hi in range(lo, 5)]
 
-    def _sinks(self) -> list[int]:
+    def sinks(self) -> list[int]:
         return [0] if self.method == "kivi" else [32] if self.method == "kitty" else list(SINKS)
 
-    def _ratios(self, hi: int, lo: int) -> list[float]:
+    def ratios(self, hi: int, lo: int) -> list[float]:
         return [0.0] if self.method == "kivi" or hi == lo else list(RATIOS)
 
     def value_choices(self, head_dim: int) -> list[tuple[int, int]]:
@@ -160,7 +158,7 @@ class SearchSpace:
             return [(self.value_bits, self.value_group_size)]
         return [(b, g) for b in VALUE_BITS for g in VALUE_GROUPS if head_dim % g == 0]
 
-    def _value_cost(self, values: tuple[int, int]) -> float:
+    def value_cost(self, values: tuple[int, int]) -> float:
         """Bits per value element of a (value bits, value group size) format (`pnmix.bits.value_bits`)."""
         from pnmix.bits import value_bits
 
@@ -177,9 +175,9 @@ class SearchSpace:
             hi, lo = (int(x) for x in trial.suggest_categorical("bits", pairs or self.bit_pairs()).split("/"))
         group = trial.suggest_categorical("group_size", list(GROUP_SIZES))
         if not self.layered:
-            ratios = self._ratios(hi, lo)
+            ratios = self.ratios(hi, lo)
             ratio = float(trial.suggest_categorical("salient_ratio", ratios)) if len(ratios) > 1 else ratios[0]
-        sinks = int(trial.suggest_categorical("n_sink", list(SINKS))) if len(self._sinks()) > 1 else self._sinks()[0]
+        sinks = int(trial.suggest_categorical("n_sink", list(SINKS))) if len(self.sinks()) > 1 else self.sinks()[0]
         values: dict[str, int] = {}
         if self.search_values:
             groups = sorted({g for _, g in self.value_choices(head_dim)})
@@ -219,7 +217,7 @@ class SearchSpace:
                 layers[i] = cfg
         return simplest(LayerwiseConfig.from_layers(layers))
 
-    def _per_group(self, config: AnyConfig) -> list[PNMixConfig]:
+    def per_group(self, config: AnyConfig) -> list[PNMixConfig]:
         lw = as_layerwise(config)
         return [lw.for_layer(g[0]) for g in self.groups]
 
@@ -230,10 +228,10 @@ class SearchSpace:
         for pair in self.bit_pairs():
             hi, lo = (int(x) for x in pair.split("/"))
             for group in GROUP_SIZES:
-                out.extend(self.config(hi, lo, group, r, s) for r in self._ratios(hi, lo) for s in self._sinks())
+                out.extend(self.config(hi, lo, group, r, s) for r in self.ratios(hi, lo) for s in self.sinks())
         return out
 
-    def _residual(self, group: int) -> int:
+    def residual(self, group: int) -> int:
         """The space's residual length for token group `group`: at least one group, a whole number of them."""
         residual = max(self.residual_len, group)
         return residual - residual % group
@@ -242,7 +240,7 @@ class SearchSpace:
                value_bits: int | None = None, value_group_size: int | None = None) -> PNMixConfig:
         criterion = "k_magnitude" if self.method == "kitty" else self.criterion
         return PNMixConfig(b_high=b_high, b_low=b_low, group_size=group, salient_ratio=ratio, n_sink=sinks,
-                           residual_len=self._residual(group),
+                           residual_len=self.residual(group),
                            value_bits=self.value_bits if value_bits is None else value_bits,
                            value_group_size=self.value_group_size if value_group_size is None else value_group_size,
                            criterion=criterion)
@@ -262,7 +260,7 @@ class SearchSpace:
         """The trial parameters that reproduce `config` (for enqueueing warm starts and neighbours)."""
         first = as_layerwise(config).default
         params: dict[str, Any] = {"group_size": first.group_size}
-        if len(self._sinks()) > 1:
+        if len(self.sinks()) > 1:
             params["n_sink"] = first.n_sink
         if self.search_values and not self.values_per_layer:
             params["value_bits"], params["value_group_size"] = first.value_bits, first.value_group_size
@@ -270,91 +268,27 @@ class SearchSpace:
             return params
         if not self.layered:
             params["bits"] = f"{first.b_high}/{first.b_low}"
-            if len(self._ratios(first.b_high, first.b_low)) > 1:
+            if len(self.ratios(first.b_high, first.b_low)) > 1:
                 params["salient_ratio"] = first.salient_ratio
             return params
-        for k, c in enumerate(self._per_group(config)):
+        for k, c in enumerate(self.per_group(config)):
             params[f"bits_{k}"] = f"{c.b_high}/{c.b_low}"
             if c.b_high > c.b_low:
                 params[f"salient_ratio_{k}"] = c.salient_ratio
         return params
 
     def fullest_within(self, budget: float, head_dim: int) -> list[PNMixConfig]:
-        """Per bit pair, the config that spends the budget on what buys accuracy: the most salient
-        channels (mixed pairs: the largest G and the most sinks, then the largest r that fits) or
-        the finest groups (uniform pairs: the smallest G that fits, the most sinks). Group metadata
-        and sinks cost a few hundredths of a bit; the salient ratio and G are where bits go.
-
-        With values searched, first the fullest config of the paper's pair (3/1) for each value
-        format that leaves room for it, most value bits first: which value format a budget wants is
-        the new question, and a sampler that meets the infeasible formats first tends to settle on
-        the cheapest one; then every pair with the space's own value format."""
-        out: list[PNMixConfig] = []
-        if self.search_values:
-            formats = sorted(self.value_choices(head_dim), key=self._value_cost, reverse=True)
-            for values in formats:
-                out += self._fullest(["3/1"], budget, head_dim, values)
-        out += self._fullest(self.pairs_within(budget, head_dim), budget, head_dim,
-                             (self.value_bits, self.value_group_size))
-        return list(dict.fromkeys(out))
-
-    def _fullest(self, pairs: list[str], budget: float, head_dim: int, values: tuple[int, int]) -> list[PNMixConfig]:
-        sinks = sorted(self._sinks(), reverse=True)
-        out: list[PNMixConfig] = []
-        for pair in pairs:
-            hi, lo = (int(x) for x in pair.split("/"))
-            if hi > lo and self.method != "kivi":
-                tries = [(max(GROUP_SIZES), r, s) for r in sorted(RATIOS, reverse=True) for s in sinks]
-            else:
-                tries = [(g, 0.0, s) for g in sorted(GROUP_SIZES) for s in sinks]
-            configs = (self.config(hi, lo, g, r, s, *values) for g, r, s in tries)
-            first = next((c for c in configs if self.cost(c, head_dim) <= budget), None)
-            if first is not None:
-                out.append(first)
-        return out
+        """Per bit pair, the config that spends the budget on what buys accuracy (tuner/search/steps.py)."""
+        return steps.fullest_within(self, budget, head_dim)
 
     def neighbours(self, config: AnyConfig, head_dim: int | None = None) -> list[AnyConfig]:
-        """The configs of the space one step from `config` on one searched knob (sinks, salient ratio
-        (each group's, for pnmix-layers), group size, value bits and group when searched: the next
-        value down or up), in that order; with `head_dim`, only value groups that divide it."""
-        if not self.contains(config) or self.allocated:  # pnmix-alloc: local moves (tuner.layers.moves)
-            return []
-
-        def steps(values: Sequence[Any], v: Any) -> list[Any]:
-            i = list(values).index(v)
-            return [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
-
-        per_group = self._per_group(config) if self.layered else [config]
-        assert all(isinstance(c, PNMixConfig) for c in per_group)
-
-        def everywhere(**change: Any) -> AnyConfig:
-            changed = [c.with_(**change) for c in per_group]  # type: ignore[union-attr]
-            return self.layerwise(changed) if self.layered else changed[0]
-
-        c = per_group[0]
-        assert isinstance(c, PNMixConfig)
-        out: list[AnyConfig] = []
-        if len(self._sinks()) > 1:
-            out += [everywhere(n_sink=s) for s in steps(SINKS, c.n_sink)]
-        for k, ck in enumerate(per_group):
-            assert isinstance(ck, PNMixConfig)
-            if len(self._ratios(ck.b_high, ck.b_low)) > 1:
-                for r in steps(RATIOS, ck.salient_ratio):
-                    changed = list(per_group)
-                    changed[k] = ck.with_(salient_ratio=r)
-                    out.append(self.layerwise(changed) if self.layered else changed[0])  # type: ignore[arg-type]
-        out += [everywhere(group_size=g, residual_len=self._residual(g))
-                for g in steps(GROUP_SIZES, c.group_size)]
-        if self.search_values:
-            out += [everywhere(value_bits=b) for b in steps(VALUE_BITS, c.value_bits)]
-            out += [everywhere(value_group_size=g) for g in steps(VALUE_GROUPS, c.value_group_size)
-                    if head_dim is None or head_dim % g == 0]
-        return out
+        """The configs of the space one step from `config` on one searched knob (tuner/search/steps.py)."""
+        return steps.neighbours(self, config, head_dim)
 
     def contains(self, config: AnyConfig) -> bool:
         if isinstance(config, LayerwiseConfig) and not self.layered:
             return False
-        per_group = self._per_group(config) if self.layered else [config]
+        per_group = self.per_group(config) if self.layered else [config]
         if self.layered and self.layerwise(per_group) != simplest(config):  # type: ignore[arg-type]
             return False  # layers of one group differ
         return all(self._contains_one(c) for c in per_group)  # type: ignore[arg-type]
@@ -362,14 +296,14 @@ class SearchSpace:
     def _contains_one(self, config: PNMixConfig) -> bool:
         if f"{config.b_high}/{config.b_low}" not in self.bit_pairs() or config.group_size not in GROUP_SIZES:
             return False
-        if config.salient_ratio not in self._ratios(config.b_high, config.b_low):
+        if config.salient_ratio not in self.ratios(config.b_high, config.b_low):
             return False
         if self.search_values:
             if config.value_bits not in VALUE_BITS or config.value_group_size not in VALUE_GROUPS:
                 return False
         elif (config.value_bits, config.value_group_size) != (self.value_bits, self.value_group_size):
             return False
-        return config.n_sink in self._sinks()
+        return config.n_sink in self.sinks()
 
     def min_bits(self, head_dim: int) -> float:
         """The budget figure of the cheapest config in the space (below it no budget is feasible)."""
@@ -388,9 +322,9 @@ class SearchSpace:
         """The cost of a bit pair's cheapest config: the largest group, the smallest salient ratio, no
         sinks (the fewest the method allows), the cheapest values when they are searched."""
         hi, lo = (int(x) for x in pair.split("/"))
-        ratio = self._ratios(hi, lo)[0]
-        values = min(self.value_choices(head_dim), key=self._value_cost)
-        cheapest = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self._sinks()), *values)
+        ratio = self.ratios(hi, lo)[0]
+        values = min(self.value_choices(head_dim), key=self.value_cost)
+        cheapest = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self.sinks()), *values)
         return self.cost(cheapest, head_dim)
 
     # -- records -----------------------------------------------------------------------------------
@@ -401,7 +335,7 @@ class SearchSpace:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
-               "salient_ratio": [] if self.method == "kivi" else list(RATIOS), "n_sink": self._sinks(),
+               "salient_ratio": [] if self.method == "kivi" else list(RATIOS), "n_sink": self.sinks(),
                "residual_len": self.residual_len,
                "value_bits": list(VALUE_BITS) if self.search_values else self.value_bits,
                "value_group_size": list(VALUE_GROUPS) if self.search_values else self.value_group_size,
