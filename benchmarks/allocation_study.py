@@ -63,11 +63,12 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
     from pnmix.storage import Database, upgrade
     from pnmix.tuner.errors import EvalError
     from pnmix.tuner.search import record as trial_record
-    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignRunner
     from pnmix.tuner.search.fronts import front_trials
     from pnmix.tuner.search.record import Kind
     from pnmix.tuner.search.session import find_or_create_campaign
     from pnmix.tuner.search.space import ALLOCATED, SearchSpace
+    from pnmix.tuner.search.spec import CampaignSpec
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     kv = name == "kv"

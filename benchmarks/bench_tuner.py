@@ -205,8 +205,9 @@ def single_study(sampler: optuna.samplers.BaseSampler, space: SearchSpace, repla
 
 def run_campaign(space: SearchSpace, replay: Replay, seed: int, trials: int, race: bool = False) -> None:
     """The product's campaign over the replay evaluator, `trials` a budget."""
-    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignRunner
     from pnmix.tuner.search.session import find_or_create_campaign, open_db
+    from pnmix.tuner.search.spec import CampaignSpec
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         db = open_db(f"sqlite:///{tmp}/replay.db", upgrade=True)

@@ -46,9 +46,10 @@ def log(msg: str) -> None:
 
 def run_campaign(method: str, ev: Any, budgets: tuple[float, ...], trials: int, db: Any) -> dict[float, Any]:
     """The campaign's studies by budget (resumed where the database has it)."""
-    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignRunner
     from pnmix.tuner.search.session import find_or_create_campaign
     from pnmix.tuner.search.space import SearchSpace
+    from pnmix.tuner.search.spec import CampaignSpec
 
     spec = CampaignSpec(model=ev.model_name, budgets=budgets, n_trials=trials, method=method,
                         profile=ev.profile.name, seed=ev.seed, holdout=ev.holdout, space=SearchSpace(method=method))

@@ -27,9 +27,10 @@ from pnmix.storage import Database, upgrade
 from pnmix.tuner.scoring.evaluate import Evaluator
 from pnmix.tuner.scoring.profiles import profile
 from pnmix.tuner.search import record
-from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.fronts import front_trials, hypervolume_2d
 from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.spec import CampaignSpec
 
 
 def main() -> None:

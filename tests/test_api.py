@@ -442,7 +442,7 @@ def test_a_campaign_names_its_files_and_hold_out_share_checked_at_enqueue(env, t
     r = client.post("/v1/campaigns", json=body, headers=AUTH)
     assert r.status_code == 201, r.text
     from pnmix.storage import get_campaign
-    from pnmix.tuner.search.campaign import CampaignSpec
+    from pnmix.tuner.search.spec import CampaignSpec
 
     with db.session(readonly=True) as s:
         spec = CampaignSpec.from_campaign(get_campaign(s, r.json()["id"]))

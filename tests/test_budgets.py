@@ -17,11 +17,12 @@ from pnmix.layerwise import LayerRange, LayerwiseConfig, config_from_dict
 from pnmix.storage import Database, FrontPointIn, create_campaign, recommend, replace_front, upgrade
 from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError
 from pnmix.tuner.errors import EvalError
-from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.fronts import front_trials
 from pnmix.tuner.search.layers import allocate, candidates_like, group_layers, grouped_for_budget
 from pnmix.tuner.search.session import find_or_create_campaign
 from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import study_name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -22,11 +22,12 @@ from pnmix.storage import Database, list_front_points, upgrade
 from pnmix.storage.testing import postgres_skip_reason, temporary_postgres_url
 from pnmix.tuner.scoring.evaluate import Evaluator
 from pnmix.tuner.scoring.profiles import profile
-from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.fronts import front_trials
 from pnmix.tuner.search.record import scored_here
 from pnmix.tuner.search.session import find_or_create_campaign
 from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import finished, study_name
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]  # the CLI, without the checkout on sys.path

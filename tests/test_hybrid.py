@@ -368,9 +368,10 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tm
     from pnmix.api.settings import Settings
     from pnmix.storage import Database, get_campaign, list_front_points, recommend, upgrade
     from pnmix.storage.testing import sqlite_url
-    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignRunner
     from pnmix.tuner.search.session import find_or_create_campaign
     from pnmix.tuner.search.space import SearchSpace
+    from pnmix.tuner.search.spec import CampaignSpec
 
     db = Database(sqlite_url(tmp_path))
     upgrade(db)

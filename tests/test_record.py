@@ -13,8 +13,9 @@ from test_budgets import LayerFormulaEvaluator
 
 from pnmix.storage import Database, get_campaign, list_campaigns, list_front_points, upgrade
 from pnmix.tuner.search import record
-from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import finished, study_name
 
 ROOT = Path(__file__).resolve().parents[1]

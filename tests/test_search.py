@@ -209,9 +209,10 @@ def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_tuner import Replay, head_dim_of
 
-    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignRunner
     from pnmix.tuner.search.record import scored_here
     from pnmix.tuner.search.session import find_or_create_campaign, open_db
+    from pnmix.tuner.search.spec import CampaignSpec
 
     replay = Replay(truth.records, head_dim_of(truth.records), "full", 0)
     db = open_db(f"sqlite:///{tmp_path / 'r.db'}", upgrade=True)

@@ -21,8 +21,9 @@ from pnmix.tuner.scoring import holdout, tasks, texts
 from pnmix.tuner.scoring.evaluate import Evaluator
 from pnmix.tuner.scoring.fidelity import reference_logits, replay
 from pnmix.tuner.scoring.profiles import profile
-from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.spec import CampaignSpec
 
 PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]
 DOCS = Path(__file__).resolve().parents[1] / "docs"

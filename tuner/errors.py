@@ -23,3 +23,9 @@ class CannotRunHere(EvalError):
 
 class PeerMissing(PNMixError):
     """A peer's package is not installed; the message names the pip command."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message, at most 300 characters."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

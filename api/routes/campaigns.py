@@ -12,6 +12,7 @@ from pnmix.storage.vocabulary import CAMPAIGN_ID, OFFSET, PAGE_SIZE
 from pnmix.tuner.errors import EvalError, MissingFile
 from pnmix.tuner.scoring.parts import check_file_entry, file_entries
 from pnmix.tuner.search.queue import check_budgets_reachable
+from pnmix.tuner.search.spec import CampaignOptions
 
 router = APIRouter(tags=["campaigns"])
 
@@ -59,7 +60,8 @@ def enqueue_campaign(body: CampaignCreate, session: WriteSession, response: Resp
         session, body.model, body.budgets, body.n_trials, method=body.method, profile=body.profile,
         objectives=body.objectives, backend=body.backend, budget_on=body.budget_on,
         search_space=space.to_dict(),
-        options={"space": space.to_options(), "multi_fidelity": False, "tasks": body.tasks, "holdout": body.holdout},
+        options=CampaignOptions(tasks=tuple(body.tasks) if body.tasks else None, holdout=body.holdout,
+                                space=space.to_options()).to_dict(),
     )
     try:  # refused inside the write session: it rolls back, nothing is stored
         check_budgets_reachable(space.with_plan(campaign.model.plan), body.budgets, campaign.model.head_dim,

@@ -86,8 +86,9 @@ def stub_campaign(url: str, budgets: tuple[float, ...], n_trials: int, status: s
                   **spec_extra: Any) -> int:
     """A campaign of the registry model smollm2-135m (head_dim 64), as `pnmix tune --enqueue` makes it."""
     from pnmix.storage import Database, upgrade
-    from pnmix.tuner.search.campaign import CampaignSpec, optuna_storage
+    from pnmix.tuner.search.campaign import optuna_storage
     from pnmix.tuner.search.session import find_or_create_campaign
+    from pnmix.tuner.search.spec import CampaignSpec
 
     db = Database(url)
     try:

@@ -18,9 +18,10 @@ from pnmix.storage import Database, get_campaign, list_front_points, upgrade
 from pnmix.storage.testing import sqlite_url
 from pnmix.tuner.scoring.evaluate import Evaluator
 from pnmix.tuner.scoring.profiles import profile
-from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.fronts import front_trials
 from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import finished
 
 FAIL = optuna.trial.TrialState.FAIL

@@ -171,7 +171,8 @@ def test_a_trial_orphaned_after_the_last_one_does_not_keep_the_campaign_running(
     from stub_worker import StubEvaluator
 
     from pnmix.tuner.search import campaign as campaign_module
-    from pnmix.tuner.search.campaign import CampaignRunner, CampaignSpec
+    from pnmix.tuner.search.campaign import CampaignRunner
+    from pnmix.tuner.search.spec import CampaignSpec
 
     monkeypatch.setattr(campaign_module, "HEARTBEAT_S", 1)
     monkeypatch.setattr(campaign_module, "GRACE_S", 3)

@@ -20,9 +20,9 @@ import optuna
 from rel_helpers import PNMIX, stub_campaign, stub_worker_args, wait_for, worker_env
 
 from pnmix.storage import Database, get_campaign, list_front_points, touch_campaign, upgrade
-from pnmix.tuner.search.campaign import CampaignSpec
 from pnmix.tuner.search.fronts import front_trials
 from pnmix.tuner.search.session import find_or_create_campaign
+from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import finished, study_name
 
 TRIALS = 5

@@ -50,7 +50,7 @@ from pnmix.tuner.scoring.holdout import DEFAULT_SHARE
 from pnmix.tuner.search.space import ALLOCATED, DEFAULT_LAYER_GROUPS
 
 if TYPE_CHECKING:
-    from pnmix.tuner.search.campaign import CampaignSpec
+    from pnmix.tuner.search.spec import CampaignSpec
 
 
 def _evaluator(spec: CampaignSpec, progress: Callable[[str], None]) -> Any:
@@ -147,17 +147,15 @@ def tune(
     enqueue: Annotated[bool, typer.Option(help="only queue it for `pnmix worker`")] = False,
 ) -> None:
     """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
-    from pnmix import models
     from pnmix.tuner.commands.plot import pareto_plot
-    from pnmix.tuner.search.campaign import CampaignSpec, optuna_storage
+    from pnmix.tuner.search.campaign import optuna_storage
     from pnmix.tuner.search.session import find_or_create_campaign, open_db
     from pnmix.tuner.search.space import SearchSpace
+    from pnmix.tuner.search.spec import CampaignSpec
 
     chosen = with_lm_eval(task_list(tasks, items, texts_task(texts, text_prefix, text_tokens)), lm_eval_task,
                           lm_eval_limit)
-    if not budgets:  # on a hybrid model, the budgets that leave its full-attention layers these bits
-        plan = models.layer_plan(model)
-        budgets = [plan.budget_for(b) for b in (3.0, 2.5, 2.25, 2.0, 1.5)]
+    budgets = budgets or default_budgets(model)
     spec = CampaignSpec(model=model, budgets=tuple(budgets), n_trials=trials,
                         method=method, profile=profile_name, objectives=objective_list(objectives), seed=seed,
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
@@ -180,6 +178,15 @@ def tune(
                        budget_on=budget_on)
     console.print(f"Pareto plot: {path}")
 
+
+
+def default_budgets(model: str) -> list[float]:
+    """The budgets a campaign takes by default: 3.0, 2.5, 2.25, 2.0 and 1.5 key bits, on a hybrid model
+    the weighted budgets that leave its full-attention layers those bits."""
+    from pnmix import models
+
+    plan = models.layer_plan(model)
+    return [plan.budget_for(b) for b in (3.0, 2.5, 2.25, 2.0, 1.5)]
 
 
 def with_lm_eval(chosen: tuple[str, ...] | None, task: str | None, limit: int | None) -> tuple[str, ...] | None:
@@ -323,7 +330,8 @@ def _claim(db: Any, campaign: int | None, worker_id: str,
     running one whose workers stopped beating: they died); (None, None, None) when there is none."""
     from pnmix.errors import PNMixError
     from pnmix.storage import claim_next_queued_campaign, get_campaign
-    from pnmix.tuner.search.campaign import GRACE_S, CampaignSpec
+    from pnmix.tuner.search.campaign import GRACE_S
+    from pnmix.tuner.search.spec import CampaignSpec
 
     with db.session() as s:
         row: Any
@@ -367,9 +375,9 @@ def run_main_job(
     from pnmix import models
     from pnmix.storage import recommend_with_ties
     from pnmix.tuner.commands.plot import pareto_plot
-    from pnmix.tuner.search.campaign import CampaignSpec
     from pnmix.tuner.search.session import find_or_create_campaign, open_db
     from pnmix.tuner.search.space import SearchSpace
+    from pnmix.tuner.search.spec import CampaignSpec
 
     console.print(budget_table(model))
     db = open_db(storage, upgrade=True)

@@ -11,7 +11,8 @@ The runner's rooms, each a module of its own:
   tuner/search/trial.py       one trial from proposal to score: cap, twins, proxy screen, racing, evaluation
   tuner/search/sharing.py     twin reuse and the scores shared between budgets
   tuner/search/fronts.py      Pareto maths and the stored form of a front
-  tuner/scoring/holdout.py     the held-out split and its scores when the campaign is done
+  tuner/search/holdout_score.py  each budget's pick scored on the held-out units when it is done
+  tuner/search/spec.py        what a campaign is (CampaignSpec) and the options it stores (CampaignOptions)
   tuner/search/record.py      the trial record: the only code that reads or writes a trial's attributes
 This module keeps the loop over budgets (from the lowest up: a config within a budget is within
 every higher one, so each later study starts with every score below it and spends its own trials
@@ -33,29 +34,20 @@ too, so `pnmix worker` can reclaim a campaign whose every worker died.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import optuna
 from optuna.exceptions import ExperimentalWarning
 
-from pnmix.errors import PNMixError
-from pnmix.inputs import SEED, shorten
-from pnmix.names import BACKENDS
 from pnmix.storage.errors import StorageError
-from pnmix.storage.vocabulary import TRIALS, env_value
-from pnmix.storage.write import check_budgets, check_objectives
-from pnmix.tuner.errors import EvalError
-from pnmix.tuner.scoring import parts, profiles
-from pnmix.tuner.scoring.holdout import DEFAULT_SHARE, HOLDOUT
+from pnmix.storage.vocabulary import env_value
+from pnmix.tuner.errors import EvalError, one_line
 from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
 from pnmix.tuner.search.allocation import AllocatorLoop
@@ -64,6 +56,7 @@ from pnmix.tuner.search.holdout_score import score_holdout
 from pnmix.tuner.search.record import running_trials
 from pnmix.tuner.search.sharing import Sharing
 from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import Studies, exhausted, finished, over_budget_limit, study_name
 from pnmix.tuner.search.trial import Objective
 from pnmix.tuner.search.warm_start import WarmStarts
@@ -81,72 +74,6 @@ log = logging.getLogger("pnmix.tuner")
 
 Progress = Callable[[str], None]
 OnTrial = Callable[[float, optuna.Study], None] | None  # called after each finished trial of a budget
-
-
-@dataclass(frozen=True)
-class CampaignSpec:
-    model: str
-    budgets: tuple[float, ...]
-    n_trials: int
-    method: str = "pnmix"
-    profile: str = "quick"
-    objectives: tuple[str, ...] = ("accuracy", "key_bits")
-    seed: int = 0
-    multi_fidelity: bool = False  # the proxy screen: opt-in (docs/search.md, "Multi-fidelity")
-    racing: bool = False  # race candidates on growing shares of the items (tuner/search/racing.py)
-    backend: str = "auto"
-    tasks: tuple[str, ...] | None = None
-    space: SearchSpace = field(default_factory=SearchSpace)
-    holdout: float = DEFAULT_SHARE  # share of every part's units no trial sees (tuner/scoring/holdout.py)
-
-    def __post_init__(self) -> None:
-        """Budgets and objectives get the storage's checks (the campaign row holds them); the
-        profile, a name of this layer, is checked here (the method is checked by the space); the
-        rest as tuner/search/queue.py says, so that what is enqueued is what a worker can run."""
-        check_budgets(self.budgets)
-        for name, value, allowed in (("trials", self.n_trials, TRIALS), ("seed", self.seed, SEED)):
-            if not allowed.contains(value):
-                raise EvalError(f"invalid {name}={shorten(value)}: allowed {allowed.allowed}")
-        if self.method != self.space.method:
-            raise EvalError(f"method {self.method!r} and its search space's {self.space.method!r} differ")
-        object.__setattr__(self, "objectives", tuple(check_objectives(self.objectives, self.space.budget_on)))
-        profiles.profile(self.profile)
-        if self.backend not in BACKENDS:
-            raise EvalError(f"unknown backend {shorten(self.backend)}: allowed {', '.join(BACKENDS)}")
-        if self.tasks is not None:
-            parts.check_entries(self.tasks)
-        if isinstance(self.holdout, bool) or not isinstance(self.holdout, int | float) or not HOLDOUT.contains(
-                self.holdout):
-            raise EvalError(f"invalid holdout={shorten(self.holdout)}: allowed {HOLDOUT.allowed}")
-
-    def key(self) -> str:
-        """Identity of the campaign: the same spec resumes the same campaign."""
-        data = asdict(self)
-        data.pop("n_trials")
-        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    def options(self) -> dict[str, Any]:
-        return {"seed": self.seed, "multi_fidelity": self.multi_fidelity, "racing": self.racing, "tasks": self.tasks,
-                "holdout": self.holdout, "spec_key": self.key(),
-                "space": self.space.to_options()}
-
-    @classmethod
-    def from_campaign(cls, row: Any) -> CampaignSpec:
-        """The spec of a stored campaign; EvalError (with the reason) for one this version cannot run,
-        e.g. written by another version or straight into the database."""
-        try:
-            opts = row.options or {}
-            space = SearchSpace(**{**opts.get("space", {}), "method": row.method, "budget_on": row.budget_on})
-            tasks = tuple(opts["tasks"]) if opts.get("tasks") else None
-            return cls(model=row.model.name, budgets=tuple(row.budgets), n_trials=row.n_trials, method=row.method,
-                       profile=row.profile, objectives=tuple(row.objectives), seed=opts.get("seed", 0),
-                       multi_fidelity=opts.get("multi_fidelity", True), racing=opts.get("racing", False),
-                       backend=row.backend, tasks=tasks, space=space,
-                       holdout=opts.get("holdout", 0.0))  # campaigns stored before hold-outs had none
-        except PNMixError:
-            raise
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise EvalError(f"campaign {row.id} cannot be read by this pnmix: {_one_line(exc)}") from None
 
 
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:
@@ -197,7 +124,7 @@ class _Storage(optuna.storages.RDBStorage):
             super().record_heartbeat(trial_id)
         except Exception as exc:
             self.remove_session()  # this thread's session may hold a dead transaction: start afresh next beat
-            log.warning("warning: trial heartbeat not recorded: %s", _one_line(exc))
+            log.warning("warning: trial heartbeat not recorded: %s", one_line(exc))
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         """Optuna's stale trials, plus RUNNING ones that never recorded a heartbeat and started longer
@@ -217,11 +144,6 @@ class _Storage(optuna.storages.RDBStorage):
                 models.TrialModel.study_id == study_id, models.TrialModel.state == optuna.trial.TrialState.RUNNING,
                 models.TrialModel._datetime_start_utc < cutoff).all()
         return stale + [trial_id for (trial_id,) in silent if trial_id not in beating and trial_id not in stale]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 class CampaignHeartbeat:
@@ -248,7 +170,7 @@ class CampaignHeartbeat:
                 with self.db.session() as s:
                     touch_campaign(s, self.campaign_id, self.worker_id)
             except Exception as exc:  # the trial loop meets the same fault and decides; a beat just waits
-                log.warning("warning: campaign heartbeat not recorded: %s", _one_line(exc))
+                log.warning("warning: campaign heartbeat not recorded: %s", one_line(exc))
 
 
 class CampaignRunner:
@@ -434,7 +356,7 @@ class CampaignRunner:
             self.set_progress(trials_done=done)
 
     def score_holdout(self) -> None:
-        """Each budget's pick and pnmix-paper on the held-out units (tuner/scoring/holdout.py, `score_holdout`)."""
+        """Each budget's pick and pnmix-paper on the held-out units (tuner/search/holdout_score.py)."""
         score_holdout(self.db, self.campaign_id, self.spec, self.space, self.evaluator, self.progress)
 
     def write_front(self, study: optuna.Study | None, budget: float, progress: bool = True) -> int:

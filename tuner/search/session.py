@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pnmix.tuner.errors import EvalError
-from pnmix.tuner.search.campaign import CampaignSpec
+from pnmix.tuner.search.spec import CampaignSpec
 
 
 def open_db(storage: str | None, upgrade: bool = False, create: bool = False, create_folder: bool = True) -> Any:
