@@ -213,7 +213,6 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
     from optuna.trial import TrialState, create_trial
 
     from pnmix.tuner.search import record
-    from pnmix.tuner.search.record import scored_here
     from pnmix.tuner.search.record import takes_slot as counts
 
     paper = preset("pnmix-paper").to_dict()
@@ -239,11 +238,11 @@ def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
         r = record.read(t)
         assert r.kind == kind, (t.number, r.kind)
         assert counts(t) == (kind not in (record.Kind.SHARED, record.Kind.SKIPPED, record.Kind.SURPLUS))
-        assert scored_here(t) == (kind == record.Kind.SCORED)
+        assert record.read(t).original == (kind == record.Kind.SCORED)
     first, reused, shared = (record.read(t) for t in study.trials[:3])
     assert first.bits == 2.263 and first.config == preset("pnmix-paper") and first.original and first.has_score
-    assert reused.source == "#0" and not reused.original and not record.stands_for_its_config(study.trials[1])
-    assert shared.source == "pnmix:1:2.5#3" and record.stands_for_its_config(study.trials[2])
+    assert reused.source == "#0" and not reused.original and not record.read(study.trials[1]).stands_for_its_config
+    assert shared.source == "pnmix:1:2.5#3" and record.read(study.trials[2]).stands_for_its_config
     assert record.read(study.trials[6]).error == "out of memory: CUDA"
     # Another worker's running trial holds its slot; one already marked over budget does not.
     running = optuna.create_study().ask()

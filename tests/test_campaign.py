@@ -24,7 +24,7 @@ from pnmix.tuner.scoring.evaluate import Evaluator
 from pnmix.tuner.scoring.profiles import profile
 from pnmix.tuner.search.campaign import CampaignRunner
 from pnmix.tuner.search.fronts import front_trials
-from pnmix.tuner.search.record import scored_here
+from pnmix.tuner.search.record import read
 from pnmix.tuner.search.session import find_or_create_campaign
 from pnmix.tuner.search.space import SearchSpace
 from pnmix.tuner.search.spec import CampaignSpec
@@ -116,7 +116,7 @@ def test_every_score_reaches_every_budget_it_fits(tmp_path, tiny_dir):
     studies = runner.run()
     assert list(studies) == [2.8, 3.0]  # from the lowest budget up
     key = json.dumps(rich.to_dict(), sort_keys=True)
-    scored = {b: {json.dumps(t.user_attrs["config"], sort_keys=True): t for t in st.trials if scored_here(t)}
+    scored = {b: {json.dumps(t.user_attrs["config"], sort_keys=True): t for t in st.trials if read(t).original}
               for b, st in studies.items()}
     assert (key in scored[3.0]) != (key in scored[2.8])  # evaluated once, in one of the two studies
     for budget, study in studies.items():
@@ -183,7 +183,7 @@ def test_a_runner_sees_what_another_worker_adds_after_its_first_read(tmp_path):
     low, high = optuna.load_study(study_name=study_name(campaign_id, 2.0), storage=db.url), optuna.load_study(
         study_name=study_name(campaign_id, 3.0), storage=db.url)
     held = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in high.trials if "accuracy" in t.user_attrs}
-    assert {json.dumps(t.user_attrs["config"], sort_keys=True) for t in low.trials if scored_here(t)} <= held
+    assert {json.dumps(t.user_attrs["config"], sort_keys=True) for t in low.trials if read(t).original} <= held
     # No config was evaluated twice across the two workers and both budgets.
     calls = a.evaluator.calls + b.evaluator.calls
     assert len(calls) == len(set(calls))

@@ -210,7 +210,7 @@ def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
     from bench_tuner import Replay, head_dim_of
 
     from pnmix.tuner.search.campaign import CampaignRunner
-    from pnmix.tuner.search.record import scored_here
+    from pnmix.tuner.search.record import read
     from pnmix.tuner.search.session import find_or_create_campaign, open_db
     from pnmix.tuner.search.spec import CampaignSpec
 
@@ -231,6 +231,6 @@ def test_a_reproposed_config_queues_an_unscored_neighbour(tmp_path, truth):
             origin = next(c for c in SearchSpace().configs() if c.label == t.user_attrs["neighbour_of"])
             assert cfg.label in {c.label for c in SearchSpace().neighbours(origin)}
             assert t.user_attrs["key_bits"] <= budget
-            assert scored_here(t) and config_key(cfg) in order  # run here, not a copy of an earlier score
+            assert read(t).original and config_key(cfg) in order  # run here, not a copy of an earlier score
     assert queued >= 5
     db.engine.dispose()

@@ -48,7 +48,7 @@ from pnmix.tuner.search.layers import (
     moves,
     spread,
 )
-from pnmix.tuner.search.record import Origin, running_trials, scored_configs
+from pnmix.tuner.search.record import Origin, RunningTrial, running_trials, scored_configs
 from pnmix.tuner.search.space import SearchSpace
 
 Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
@@ -150,7 +150,7 @@ class AllocatorLoop:
 
     # -- a trial's config ------------------------------------------------------------------------
 
-    def config(self, trial: optuna.Trial, budget: float,
+    def config(self, trial: optuna.Trial, running: RunningTrial, budget: float,
                studies: Sequence[optuna.Study]) -> tuple[AnyConfig, Origin]:
         """The config of a trial whose parameters are the shared fields, and its origin: the queued
         `proposal` (a warm start) where it has these shared fields; else the allocator's config for
@@ -161,10 +161,10 @@ class AllocatorLoop:
         tell apart)."""
         space = self.space
         base = space.suggest_shared(trial)
-        cfg = record.proposal_of(trial)
+        cfg = running.proposal
         if cfg is not None and space.contains(cfg) and space.shared_base(cfg) == base:
             return cfg, Origin.PROPOSAL
-        allocations = self.allocations(base, budget, trial)
+        allocations = self.allocations(base, budget, running)
         if not allocations:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
             return min(self.table(base), key=self.cost), Origin.ALLOCATION
         taken = taken_configs(studies)
@@ -181,7 +181,7 @@ class AllocatorLoop:
                 return cfg, Origin.MOVE
         return allocations[0], Origin.ALLOCATION  # no move left: the allocation's score is reused
 
-    def allocations(self, base: PNMixConfig, budget: float, trial: optuna.Trial | None = None) -> list[AnyConfig]:
+    def allocations(self, base: PNMixConfig, budget: float, running: RunningTrial | None = None) -> list[AnyConfig]:
         """The knapsack's configs for `budget` at `base`'s shared fields, in the order trials take
         them: the keys' allocation over the KL table with the value format every layer shares (the
         space's, or the trial's); with per-layer values, then the joint allocation of each layer's
@@ -191,13 +191,13 @@ class AllocatorLoop:
         out: list[AnyConfig] = []
         within = self._budget(budget, base)
         try:
-            layers = allocate(self.table(base, trial), within, self.head_dim,
+            layers = allocate(self.table(base, running), within, self.head_dim,
                               cost=lambda c: self._plain.cost(c, self.head_dim))
             out.append(self._layers_config(layers))
         except EvalError:
             pass
         if self.joint:
-            joint = self.joint_table(base, trial)
+            joint = self.joint_table(base, running)
             try:
                 items = allocate(joint, within, self.head_dim, cost=lambda item: self.item_cost(item, base))
                 cfg = self._config(items)
@@ -207,18 +207,18 @@ class AllocatorLoop:
                 pass
         return out
 
-    def table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> dict[PNMixConfig, list[float]]:
+    def table(self, base: PNMixConfig, running: RunningTrial | None = None) -> dict[PNMixConfig, list[float]]:
         """The keys' sensitivity table at `base`'s shared fields: each candidate's proxy KL per
         allocated layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with
         `base`'s value format (with per-layer values, `base` holds the space's); computed once per
         loop, the seconds it took recorded on the trial that needed it (`sensitivity_s`)."""
         keys = self._keys_base(base)
-        rows = self._computed((keys, "kl"), trial,
+        rows = self._computed((keys, "kl"), running,
                               lambda: self._rows(dict(self.evaluator.sensitivity(candidates_like(keys, self.space)))))
         values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
         return {c.with_(**values): row for c, row in rows.items()}  # type: ignore[union-attr]
 
-    def joint_table(self, base: PNMixConfig, trial: optuna.Trial | None = None) -> Table:
+    def joint_table(self, base: PNMixConfig, running: RunningTrial | None = None) -> Table:
         """Per-layer values: the joint table of each key candidate's and each value format's relative
         attention-output error per layer (`tuner.layers.joint_table`), computed once per loop."""
         keys = self._keys_base(base)
@@ -229,21 +229,22 @@ class AllocatorLoop:
             outputs = self.evaluator.sensitivity(candidates_like(keys, self.space), measure=ProxyMeasure.OUTPUT)
             return joint_table(self._rows(outputs), self._rows({ValueFormat(*f): row for f, row in values.items()}))
 
-        return self._computed((keys, "joint"), trial, compute)
+        return self._computed((keys, "joint"), running, compute)
 
     def _keys_base(self, base: PNMixConfig) -> PNMixConfig:
         # The KL proxy sees keys only: one table per key-side shared fields, whatever the value format.
         return base.with_(value_bits=self.space.value_bits, value_group_size=self.space.value_group_size)
 
-    def _computed(self, key: tuple[PNMixConfig, str], trial: optuna.Trial | None, compute: Callable[[], Any]) -> Any:
+    def _computed(self, key: tuple[PNMixConfig, str], running: RunningTrial | None,
+                  compute: Callable[[], Any]) -> Any:
         if key not in self.tables:
             started = time.perf_counter()
             self.progress(f"layer sensitivity at {key[0].label} ({key[1]})")
             self.tables[key] = compute()
             seconds = time.perf_counter() - started
             self.sensitivity_seconds += seconds
-            if trial is not None:
-                record.add_sensitivity_seconds(trial, seconds)
+            if running is not None:
+                running.add_sensitivity_seconds(seconds)
         return self.tables[key]
 
     def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:

@@ -309,7 +309,7 @@ class CampaignRunner:
 
     def _optimize(self, study: optuna.Study, budget: float, n: int, on_trial: OnTrial) -> None:
         def after_trial(st: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            if record.scored_here(trial):
+            if record.read(trial).original:
                 for other in self.sharing.share(trial, st.study_name):
                     self.write_front(self.studies.peek(other), other, progress=False)
             self.write_front(st, budget)

@@ -98,11 +98,6 @@ class TrialRecord:
         return config_from_dict(self.config_dict) if self.config_dict is not None else None
 
     @property
-    def counts(self) -> bool:
-        """Whether it takes one of the requested slots (`takes_slot`)."""
-        return self.kind not in NO_SLOT
-
-    @property
     def has_score(self) -> bool:
         return self.accuracy is not None and self.kind in (Kind.SCORED, Kind.REUSED, Kind.SHARED)
 
@@ -160,16 +155,6 @@ def takes_slot(trial: optuna.trial.FrozenTrial) -> bool:
     return kind_of(trial) not in NO_SLOT
 
 
-def scored_here(trial: optuna.trial.FrozenTrial) -> bool:
-    """A COMPLETE trial whose config was evaluated in its own study (not a reused or shared score)."""
-    return kind_of(trial) == Kind.SCORED and "accuracy" in trial.user_attrs
-
-
-def stands_for_its_config(trial: optuna.trial.FrozenTrial) -> bool:
-    """`TrialRecord.stands_for_its_config` of a trial."""
-    return read(trial).stands_for_its_config
-
-
 def _bits(attrs: dict[str, Any]) -> float | None:
     """The figure the budget bounds (key bits, or KV bits under a KV budget); trials recorded before
     KV budgets hold it as their key bits."""
@@ -208,94 +193,75 @@ def read(trial: optuna.trial.FrozenTrial) -> TrialRecord:
         error=a.get("error"), warm_start=bool(a.get("warm_start")))
 
 
-def is_warm_start(trial: optuna.Trial) -> bool:
-    """Whether a trial being run was queued as a warm start."""
-    return bool(trial.user_attrs.get("warm_start"))
-
-
-def saved_rung(trial: optuna.Trial) -> dict[str, Any] | None:
-    """The last racing rung a trial being run holds (inherited by the retry of a dead worker's trial)."""
-    return trial.user_attrs.get("rung")
-
-
-def proposal_of(trial: optuna.Trial) -> AnyConfig | None:
-    """The config a pnmix-alloc warm start was queued with."""
-    proposal = trial.user_attrs.get("proposal")
-    return config_from_dict(proposal) if proposal is not None else None
-
-
 def queued_params(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
     """A waiting or running trial's parameters: a queued trial holds them in `fixed_params` until a
     worker starts it."""
     return dict(trial.system_attrs.get("fixed_params", trial.params))
 
 
-# -- writing -------------------------------------------------------------------------------------
+# -- the trial being run -------------------------------------------------------------------------
 
 
-def write_config(trial: optuna.Trial, config: AnyConfig, bits: float, key_bits: float, kv_bits: float,
-                 origin: Origin | None = None) -> None:
-    """What a trial is about to score: its config (and label, for the dashboard) and its bit figures."""
-    trial.set_user_attr("config", config.to_dict())
-    trial.set_user_attr("label", config.label)
-    trial.set_user_attr("bits", bits)
-    trial.set_user_attr("key_bits", key_bits)
-    trial.set_user_attr("kv_bits", kv_bits)
-    if origin is not None:
-        trial.set_user_attr("origin", str(origin))
+class RunningTrial:
+    """The trial a worker runs, as the record sees it: what it was queued with, read once when it
+    starts, and the writes of its lifetime. Each write is stored at once: other workers read a
+    running trial's config (so that two never score the same one), the dashboard shows its
+    progress, and a retry of a dead worker's trial resumes after its last finished rung."""
 
+    def __init__(self, trial: optuna.Trial) -> None:
+        self.trial = trial
+        attrs = trial.user_attrs
+        self.warm_start = bool(attrs.get("warm_start"))  # queued as a warm start
+        self.saved_rung: dict[str, Any] | None = attrs.get("rung")  # racing: inherited by a retry
+        proposal = attrs.get("proposal")  # pnmix-alloc warm start: the config queued with it
+        self.proposal: AnyConfig | None = config_from_dict(proposal) if proposal is not None else None
 
-def mark_skipped(trial: optuna.Trial) -> None:
-    trial.set_user_attr("skipped", "over budget: no inference run")
+    def write_config(self, config: AnyConfig, bits: float, key_bits: float, kv_bits: float,
+                     origin: Origin | None = None) -> None:
+        """What the trial is about to score: its config (and label, for the dashboard) and its bit figures."""
+        self._set(config=config.to_dict(), label=config.label, bits=bits, key_bits=key_bits, kv_bits=kv_bits)
+        if origin is not None:
+            self._set(origin=str(origin))
 
+    def mark_skipped(self) -> None:
+        self._set(skipped="over budget: no inference run")
 
-def mark_surplus(trial: optuna.Trial) -> None:
-    trial.set_user_attr("surplus", True)
+    def mark_surplus(self) -> None:
+        self._set(surplus=True)
 
+    def mark_failed(self, reason: str) -> None:
+        self._set(error=reason)
 
-def mark_failed(trial: optuna.Trial, reason: str) -> None:
-    trial.set_user_attr("error", reason)
+    def write_proxy(self, proxy_kl: float) -> None:
+        self._set(proxy_kl=proxy_kl)
 
+    def write_rung(self, rung: dict[str, Any]) -> None:
+        """A finished racing rung (`tuner.scoring.score.Rung.to_dict()`): a retry resumes after it."""
+        self._set(rung=rung)
 
-def write_proxy(trial: optuna.Trial, proxy_kl: float) -> None:
-    trial.set_user_attr("proxy_kl", proxy_kl)
+    def mark_raced_out(self, share: float, accuracy: float, accuracy_se: float | None, seconds: float) -> None:
+        """Racing stopped the trial at `share` of the items, with its partial score there."""
+        self._set(pruned_at=share, partial_accuracy=accuracy, partial_accuracy_se=accuracy_se, seconds=seconds)
 
+    def add_sensitivity_seconds(self, seconds: float) -> None:
+        self._set(sensitivity_s=seconds + self.trial.user_attrs.get("sensitivity_s", 0.0))
 
-def write_rung(trial: optuna.Trial, rung: dict[str, Any]) -> None:
-    """A finished racing rung (`tuner.score.Rung.to_dict()`): a retry of the trial resumes after it."""
-    trial.set_user_attr("rung", rung)
+    def write_score(self, score: Any) -> None:
+        """A full evaluation's results (a `tuner.scoring.score.Score`)."""
+        self._set(**{name: getattr(score, name) for name in SCORE_ATTRS if name != "proxy_kl"})
 
+    def copy_score(self, twin: optuna.trial.FrozenTrial, source: str | None) -> None:
+        """`twin`'s score: reused from this study (`source` None: the twin stands on the front) or
+        from another budget's study `source` (the score belongs on this front too)."""
+        self._set(**{name: twin.user_attrs[name] for name in SCORE_ATTRS if name in twin.user_attrs})
+        if source is None:
+            self._set(reused_from=twin.number)
+        else:
+            self._set(score_from=f"{source}#{twin.number}")
 
-def mark_raced_out(trial: optuna.Trial, share: float, accuracy: float, accuracy_se: float | None,
-                   seconds: float) -> None:
-    """A trial racing stopped at `share` of the items, with its partial score there."""
-    trial.set_user_attr("pruned_at", share)
-    trial.set_user_attr("partial_accuracy", accuracy)
-    trial.set_user_attr("partial_accuracy_se", accuracy_se)
-    trial.set_user_attr("seconds", seconds)
-
-
-def add_sensitivity_seconds(trial: optuna.Trial, seconds: float) -> None:
-    trial.set_user_attr("sensitivity_s", seconds + trial.user_attrs.get("sensitivity_s", 0.0))
-
-
-def write_score(trial: optuna.Trial, score: Any) -> None:
-    """A full evaluation's results (a `tuner.score.Score`)."""
-    for name in SCORE_ATTRS:
-        if name != "proxy_kl":
-            trial.set_user_attr(name, getattr(score, name))
-
-
-def copy_score(trial: optuna.Trial, twin: optuna.trial.FrozenTrial, source: str | None) -> None:
-    """`twin`'s score on `trial`: reused from this study (`source` None: the twin stands on the
-    front) or from another budget's study `source` (the score belongs on this front too)."""
-    for name in SCORE_ATTRS:
-        if name in twin.user_attrs:
-            trial.set_user_attr(name, twin.user_attrs[name])
-    if source is None:
-        trial.set_user_attr("reused_from", twin.number)
-    else:
-        trial.set_user_attr("score_from", f"{source}#{twin.number}")
+    def _set(self, **attrs: Any) -> None:
+        for name, value in attrs.items():
+            self.trial.set_user_attr(name, value)
 
 
 def shared_attrs(trial: optuna.trial.FrozenTrial, source: str) -> dict[str, Any]:

@@ -67,7 +67,7 @@ class Sharing:
             if source is None:
                 continue
             for t in source.get_trials(deepcopy=False, states=COMPLETE):
-                if record.scored_here(t) and record.budget_bits(t) <= budget:
+                if record.read(t).original and record.budget_bits(t) <= budget:
                     added = self._add(study, budget, t, source.study_name, have) or added
         return added
 

@@ -68,65 +68,68 @@ class Objective:
         self.compile_seconds = 0.0
 
     def run(self, trial: optuna.Trial, budget: float) -> tuple[float, ...]:
+        running = record.RunningTrial(trial)
         if self._cap_reached(trial):
             # Another worker started the last trial at the same moment: record this one as surplus
             # (no inference, excluded from the count) rather than run past the requested count.
-            record.mark_surplus(trial)
+            running.mark_surplus()
             trial.study.stop()
             raise optuna.TrialPruned("trial cap reached by other workers")
-        config, bits = self._propose(trial, budget)
+        config, bits = self._propose(trial, running, budget)
         if bits > budget:
-            record.mark_skipped(trial)
+            running.mark_skipped()
             return self._values(0.0, bits, None)
         found = self.sharing.twin(trial.study, config)
         if found is not None:  # a config already scored in this campaign: reuse the score, don't re-run
             source, twin = found
             # From this study, the twin stands on the front; from another budget's, the same score
             # belongs on this front too.
-            record.copy_score(trial, twin, None if source == trial.study.study_name else source)
+            running.copy_score(twin, None if source == trial.study.study_name else source)
             self._enqueue_neighbour(trial.study, config, budget, trial.number)
             return tuple(twin.values)
-        warm = record.is_warm_start(trial)
+        warm = running.warm_start
         if self.spec.multi_fidelity:  # warm starts get a proxy value too: they anchor the pruning rule
             proxy = self.evaluator.proxy(config)
-            record.write_proxy(trial, proxy)
+            running.write_proxy(proxy)
             if not warm and self._dominated(trial.study, bits, proxy):
                 self.progress(f"budget {budget:g}: trial {trial.number} pruned by the proxy")
                 raise optuna.TrialPruned(f"proxy KL {proxy:.4g} beaten at <= {bits:.3f} bits")
         self.progress(f"budget {budget:g}: trial {trial.number} {config.label}: evaluating")
-        score = self._evaluate(trial, config, bits, budget, race=self.spec.racing and not warm)
-        record.write_score(trial, score)
+        score = self._evaluate(running, config, bits, budget, race=self.spec.racing and not warm)
+        running.write_score(score)
         self.kernels_compiled += int(score.timings.get("kernels_compiled", 0))
         self.compile_seconds += score.timings.get("kernel_compile", 0.0)
         return self._values(score.accuracy, bits, score)
 
-    def _propose(self, trial: optuna.Trial, budget: float) -> tuple[AnyConfig, float]:
+    def _propose(self, trial: optuna.Trial, running: record.RunningTrial, budget: float) -> tuple[AnyConfig, float]:
         """The trial's config and its budget figure, written on the trial with the constraint."""
         origin = None
         if self.allocator is not None:
-            config, origin = self.allocator.config(trial, budget, self.studies.of_campaign(trial.study))
+            config, origin = self.allocator.config(trial, running, budget, self.studies.of_campaign(trial.study))
         else:
             config = self.space.suggest(trial, self.studies.pairs(budget, self.head_dim), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
         plan = self.evaluator.plan
-        record.write_config(trial, config, bits, weighted_key_bits(config, plan, self.head_dim),
-                            weighted_kv_bits(config, plan, self.head_dim), origin)
+        running.write_config(config, bits, weighted_key_bits(config, plan, self.head_dim),
+                             weighted_kv_bits(config, plan, self.head_dim), origin)
         trial.set_constraint(f"{self.space.budget_on}_bits", bits - budget)
         return config, bits
 
-    def _evaluate(self, trial: optuna.Trial, config: AnyConfig, bits: float, budget: float, race: bool) -> Any:
+    def _evaluate(self, running: record.RunningTrial, config: AnyConfig, bits: float, budget: float,
+                  race: bool) -> Any:
+        trial = running.trial
         try:
-            have = self._race(trial, config, bits) if race else None
+            have = self._race(running, config, bits) if race else None
             return self.evaluator.evaluate(config, have=have) if have is not None else self.evaluator.evaluate(config)
         except (MemoryError, RuntimeError) as exc:  # torch's (CUDA or CPU) out of memory is a RuntimeError
             if isinstance(exc, StorageError):
                 raise
             reason = failure_reason(exc)
             print(f"warning: budget {budget:g}: trial {trial.number} failed: {reason}", file=sys.stderr, flush=True)
-            record.mark_failed(trial, reason)
+            running.mark_failed(reason)
             raise
 
-    def _race(self, trial: optuna.Trial, config: AnyConfig, bits: float) -> Any:
+    def _race(self, running: record.RunningTrial, config: AnyConfig, bits: float) -> Any:
         """Scores `config` rung by rung (tuner/search/racing.py) against this study's front of no more bits;
         raises TrialPruned (partial score kept) once a front point beats it with confidence, else
         returns what the rungs scored for the full evaluation to complete.
@@ -136,19 +139,19 @@ class Objective:
         from pnmix.tuner.scoring.score import Rung
         from pnmix.tuner.search import racing
 
+        trial = running.trial
         front = [(r.bits or 0.0, r.units) for r in map(record.read, front_trials(trial.study)) if r.units]
-        saved = record.saved_rung(trial)
-        have = Rung(**saved) if saved else None
+        have = Rung(**running.saved_rung) if running.saved_rung else None
         counts = self.evaluator.unit_counts()
         for share in racing.RUNGS[:-1]:  # the last rung is the full evaluation
             upto = racing.rung_sizes(counts, share)
             if have is None or any(len(have.units.get(p, [])) < n for p, n in upto.items()):
                 have = self.evaluator.rung(config, upto, have)
-                record.write_rung(trial, have.to_dict())
+                running.write_rung(have.to_dict())
             verdict = racing.judge(have.units, bits, front, share)
             if verdict.stop:
                 diff, se = verdict.margin or (float("nan"), None)
-                record.mark_raced_out(trial, share, verdict.accuracy, verdict.accuracy_se, have.seconds)
+                running.mark_raced_out(share, verdict.accuracy, verdict.accuracy_se, have.seconds)
                 self.progress(f"trial {trial.number} stopped at {share:g} of the items: a front point is "
                               f"{diff:.3f} +- {se or 0:.3f} more accurate")
                 raise optuna.TrialPruned(f"beaten by a front point at <= {bits:.3f} bits by {diff:.3f} "
