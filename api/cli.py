@@ -7,9 +7,10 @@ without loading torch.
 
 from __future__ import annotations
 
+import inspect
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import typer
 
@@ -19,6 +20,15 @@ from pnmix.errors import PNMixError
 from pnmix.inputs import InputError, shorten
 from pnmix.tuner.commands import campaigns, results, scoring
 
+
+def help_of(command: Callable[..., Any]) -> str:
+    """A command's docstring as its help: each paragraph's lines joined into one (Typer would keep
+    the docstring's line breaks, breaking sentences mid-line); indented lines stay as they are."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    return "\n\n".join(p if any(line.startswith(" ") for line in p.splitlines())
+                       else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
 app = typer.Typer(
     name="pnmix",
     help="PN-Mix mixed-precision KV-cache quantization: method, tuner and service.",
@@ -26,23 +36,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command("bits")(method_cli.bits)
-app.command("models")(method_cli.list_models)
-app.command("generate")(method_cli.generate)
-app.command("analyze")(method_cli.analyze)
-app.command("run")(campaigns.run_main_job)
-app.command("serve")(service_cli.serve)
+app.command("bits", help=help_of(method_cli.bits))(method_cli.bits)
+app.command("models", help=help_of(method_cli.list_models))(method_cli.list_models)
+app.command("generate", help=help_of(method_cli.generate))(method_cli.generate)
+app.command("analyze", help=help_of(method_cli.analyze))(method_cli.analyze)
+app.command("run", help=help_of(campaigns.run_main_job))(campaigns.run_main_job)
+app.command("serve", help=help_of(service_cli.serve))(service_cli.serve)
 app.add_typer(service_cli.db_app, name="db")
-app.command("eval")(scoring.eval_config)
-app.command("validate")(scoring.validate)
-app.command("layers")(scoring.layers)
-app.command("sweep")(campaigns.sweep)
-app.command("tune")(campaigns.tune)
-app.command("worker")(campaigns.worker)
-app.command("fronts")(results.fronts)
-app.command("recommend")(results.recommend)
-app.command("export")(results.export)
-app.command("dashboard")(results.dashboard)
+app.command("eval", help=help_of(scoring.eval_config))(scoring.eval_config)
+app.command("validate", help=help_of(scoring.validate))(scoring.validate)
+app.command("layers", help=help_of(scoring.layers))(scoring.layers)
+app.command("sweep", help=help_of(campaigns.sweep))(campaigns.sweep)
+app.command("tune", help=help_of(campaigns.tune))(campaigns.tune)
+app.command("worker", help=help_of(campaigns.worker))(campaigns.worker)
+app.command("fronts", help=help_of(results.fronts))(results.fronts)
+app.command("recommend", help=help_of(results.recommend))(results.recommend)
+app.command("export", help=help_of(results.export))(results.export)
+app.command("dashboard", help=help_of(results.dashboard))(results.dashboard)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

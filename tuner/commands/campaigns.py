@@ -15,7 +15,7 @@ from pnmix.cli import (
 )
 from pnmix.inputs import Choice, Int, OutputFile
 from pnmix.storage import vocabulary
-from pnmix.storage.vocabulary import DEFAULT_METHOD, Shard
+from pnmix.storage.vocabulary import DEFAULT_METHOD, BudgetOn, Shard
 from pnmix.tuner.commands.options import (
     SWEPT,
     BackendOpt,
@@ -44,7 +44,15 @@ from pnmix.tuner.commands.options import (
     task_list,
     texts_task,
 )
-from pnmix.tuner.commands.render import against_paper, holdout_line, pm, print_fronts, print_holdout, print_ties
+from pnmix.tuner.commands.render import (
+    against_paper,
+    budget_words,
+    holdout_line,
+    pm,
+    print_fronts,
+    print_holdout,
+    print_ties,
+)
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring.holdout import DEFAULT_SHARE
 from pnmix.tuner.search.space import ALLOCATED, DEFAULT_LAYER_GROUPS
@@ -147,6 +155,7 @@ def tune(
     enqueue: Annotated[bool, typer.Option(help="only queue it for `pnmix worker`")] = False,
 ) -> None:
     """Run (or resume) an Optuna campaign: one study per budget, fronts stored in SQL."""
+    from pnmix import models
     from pnmix.tuner.commands.plot import pareto_plot
     from pnmix.tuner.search.campaign import optuna_storage
     from pnmix.tuner.search.session import find_or_create_campaign, open_db
@@ -169,13 +178,15 @@ def tune(
     if enqueue:
         console.print(f"campaign {campaign_id} queued for `pnmix worker`")
         return
-    console.print(f"campaign {campaign_id}: {model}, {method}, budgets {', '.join(f'{b:g}' for b in spec.budgets)}, "
+    plan = models.layer_plan(model)
+    console.print(f"campaign {campaign_id}: {model}, {method}, budgets "
+                  f"{'; '.join(budget_words(b, budget_on, plan) for b in spec.budgets)}, "
                   f"{trials} trials each, profile {profile_name}, storage {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
     print_holdout(db, model, campaign_id, spec.budgets, budget_on)
     path = pareto_plot(studies, Path(plot or f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}",
-                       budget_on=budget_on)
+                       budget_on=budget_on, plan=plan)
     console.print(f"Pareto plot: {path}")
 
 
@@ -367,7 +378,9 @@ def run_main_job(
     trials: TrialsOpt = 6,
     storage: StorageOpt = None,
 ) -> None:
-    """The main job: bit-budget table, then a small real allocator campaign (quick profile, budgets 3.0
+    """The main job: a bit-budget table, a small allocator campaign, its fronts, the recommendation and a plot.
+
+    The main job: bit-budget table, then a small real allocator campaign (quick profile, budgets 3.0
     and 2.25 key bits; a quarter of the items held out), its fronts, the recommendation at <= 2.25 bits
     beside pnmix-paper with its held-out score, and a plot. On a hybrid model the budgets are the
     weighted figures that leave its full-attention layers 3.0 and 2.25 bits."""
@@ -389,15 +402,16 @@ def run_main_job(
     spec = CampaignSpec(model=model, budgets=(loose, tight), n_trials=trials, profile="quick", method=ALLOCATED,
                         space=SearchSpace(method=ALLOCATED))
     campaign_id = find_or_create_campaign(db, spec)
-    console.print(f"campaign {campaign_id} on {db.display_url}")
+    console.print(f"campaign {campaign_id} on {db.display_url}: budgets "
+                  f"{'; '.join(budget_words(b, BudgetOn.KEY, plan) for b in spec.budgets)}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
     with db.session(readonly=True) as s:
         rec = recommend_with_ties(s, model, tight, campaign_id=campaign_id)
         p = rec.point
         path = pareto_plot(studies, Path(f"out/campaign-{campaign_id}.png"), f"{model}: campaign {campaign_id}",
-                           recommended=(p.budget, p.trial_number))
-        console.print(f"recommendation at <= {tight:g} key bits: {p.config.to_json()} "
+                           recommended=(p.budget, p.trial_number), plan=plan)
+        console.print(f"recommendation at <= {budget_words(tight, BudgetOn.KEY, plan)}: {p.config.to_json()} "
                       f"(key bits {p.key_bits:.3f}, accuracy {pm(p.accuracy, p.accuracy_se)})")
         console.print(holdout_line(p))
         print_ties(rec)

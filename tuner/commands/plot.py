@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import LayerwiseConfig
+from pnmix.storage.vocabulary import BudgetOn
+from pnmix.tuner.commands.render import budget_words
 
 NEAR_BITS = 0.02  # points closer than this in bits and NEAR_ACCURACY in accuracy are drawn as one
 NEAR_ACCURACY = 0.01
@@ -71,9 +74,20 @@ def front_steps(front: Sequence[Spot]) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def bits_axis(budget_on: str, plan: LayerPlan | None) -> str:
+    """What the x axis measures: the mean over layers, or on a hybrid model the mean weighted by the
+    tokens each layer holds (the windows' at 16 bits)."""
+    figure = "KV bits per element" if budget_on == BudgetOn.KV else "key bits per element"
+    if plan is not None and plan.hybrid:
+        return f"{figure} (weighted by tokens held; windows at 16 bits)"
+    return f"{figure} (layers' mean)"
+
+
 def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: str = "key",
-                recommended: tuple[float, int] | None = None) -> Path:
-    """Writes the plot to `path`; `recommended` = (budget, trial number) of the point to star."""
+                recommended: tuple[float, int] | None = None, plan: LayerPlan | None = None) -> Path:
+    """Writes the plot to `path`; `recommended` = (budget, trial number) of the point to star. On a
+    hybrid model (`plan`), the bits are the weighted figure, and each budget says what it leaves
+    the full-attention layers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,9 +122,9 @@ def pareto_plot(studies: dict[float, Any], path: Path, title: str, budget_on: st
                 ax.scatter([s.bits], [s.accuracy], marker="*", s=260, color="gold", edgecolors="black", zorder=4,
                            label="recommended")
         ax.axvline(budget, color=color, linestyle=":", linewidth=1, label=f"budget {budget:g} bits")
-        ax.set_title(f"budget {budget:g} {budget_on} bits: {len(done)} scored, {len(on)} on the front", fontsize=9)
-        ax.set_xlabel("KV bits per element" if budget_on == "kv" else "key bits per element (layers' mean)",
-                      fontsize=8)
+        ax.set_title(f"budget {budget_words(budget, budget_on, plan)}: {len(done)} scored, {len(on)} on the front",
+                     fontsize=9)
+        ax.set_xlabel(bits_axis(budget_on, plan), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     axes[0][0].set_ylabel("accuracy (combined, +- 1 SE on the front)")

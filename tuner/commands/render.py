@@ -8,9 +8,11 @@ from typing import Any
 
 from rich.table import Table
 
+from pnmix.bits import LayerPlan
 from pnmix.cli import (
     console,
 )
+from pnmix.storage.vocabulary import TIE_Z, BudgetOn
 
 
 def num(value: float, fmt: str) -> str:
@@ -22,10 +24,19 @@ def pm(value: float, se: float | None) -> str:
     return f"{value:.3f} +- {se:.3f}" if se is not None else f"{value:.3f}"
 
 
+def budget_words(budget: float, budget_on: str = BudgetOn.KEY, plan: LayerPlan | None = None) -> str:
+    """A budget as its figure and unit; on a hybrid model, with the mean bits it leaves the
+    full-attention layers (the weighted figure counts the windows' tokens at 16 bits)."""
+    words = f"{budget:g} {budget_on} bits"
+    if plan is None or not plan.hybrid:
+        return words
+    return f"{words} ({plan.full_layer_budget(budget, n_sink=32):.2f} on the full-attention layers)"
+
+
 def signed(value: float, se: float | None) -> str:
     if se is None:
         return f"{value:+.3f}"
-    mark = "*" if abs(value) > 2 * se else ""
+    mark = "*" if abs(value) > TIE_Z * se else ""
     return f"{value:+.3f} +- {se:.3f}{mark}"
 
 
@@ -40,7 +51,7 @@ def print_fronts(db: Any, model: str, campaign_id: int | None = None) -> None:
             table.add_column(col, justify="right")
         for p in sorted(points, key=lambda p: (p.campaign_id, p.budget, p.bits(p.budget_on))):
             parts = " ".join(f"{k}={v:.2f}" for k, v in (p.accuracy_parts or {}).items())
-            budget = f"{p.budget:g}" + (" (kv)" if p.budget_on == "kv" else "")
+            budget = f"{p.budget:g}" + (" (kv)" if p.budget_on == BudgetOn.KV else "")
             table.add_row(str(p.campaign_id), budget, str(p.trial_number), p.config.label, f"{p.key_bits:.3f}",
                           f"{p.kv_bits:.3f}", f"{p.accuracy:.3f}", parts, f"{p.kv_bytes / 1024:.0f}",
                           f"{p.throughput:.1f}", p.backend)
@@ -119,6 +130,6 @@ def against_paper(study: Any, trial_number: int, space: Any, elsewhere: Sequence
     if mine.config_dict == theirs.config_dict:
         return "is pnmix-paper itself"
     diff, se = paired(mine.units, theirs.units)["accuracy"]
-    verdict = ("beyond two standard errors" if se and abs(diff) > 2 * se
+    verdict = ("beyond two standard errors" if se and abs(diff) > TIE_Z * se
                else "within two standard errors: not a measured difference")
     return f"minus pnmix-paper, paired on the same items: {signed(diff, se)} ({verdict})"

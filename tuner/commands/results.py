@@ -47,7 +47,9 @@ def recommend(
     storage: ReadStorageOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """The best stored config within a bit budget (key bits, or KV bits with --bits-of kv), with the
+    """Recommend the best stored config within a bit budget, with the points statistically tied with it.
+
+    The best stored config within a bit budget (key bits, or KV bits with --bits-of kv), with the
     points statistically tied with it.
 
     optimize=accuracy: the most accurate point and every point whose accuracy is within 2 standard
@@ -95,7 +97,9 @@ def export(
                                         parser=OutputFile())] = "pnmix-config.json",
     storage: ReadStorageOpt = None,
 ) -> None:
-    """Write the recommended config as JSON: a PNMixConfig, or a layer-wise config where the best point
+    """Write the recommended config as JSON.
+
+    Write the recommended config as JSON: a PNMixConfig, or a layer-wise config where the best point
     is one (`pnmix.layerwise.load_config`, `pnmix eval --config` and `pnmix bits --config` read either)."""
 
     from pnmix.storage import recommend as best_point

@@ -27,6 +27,7 @@ from pnmix.cli import (
 )
 from pnmix.config import PRESETS
 from pnmix.inputs import InputFile, Names, Number, OutputFile
+from pnmix.storage.vocabulary import TIE_Z
 from pnmix.tuner.commands.options import (
     ItemsOpt,
     LmEvalLimitOpt,
@@ -197,7 +198,9 @@ def validate(
     seed: SeedOpt = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Check a config on your data: it and the baselines scored on the same texts and items, with
+    """Check a config on your data against the baselines, with standard errors and paired differences.
+
+    Check a config on your data: it and the baselines scored on the same texts and items, with
     standard errors and paired differences. With --texts or --items only those parts run (else the
     built-in tasks of the profile). Exits 0 whatever the verdict."""
     import json
@@ -241,7 +244,7 @@ def _validation_json(model: str, config: Any, evaluator: Any, scores: dict[str, 
                               "parts": sc.parts, "parts_se": sc.parts_se,
                               "texts_kl": None if math.isnan(sc.texts_kl) else sc.texts_kl}
                        for name, sc in scores.items()},
-            "config_minus": {name: {part: {"diff": v, "se": se, "beyond_2se": se is not None and abs(v) > 2 * se}
+            "config_minus": {name: {part: {"diff": v, "se": se, "beyond_2se": se is not None and abs(v) > TIE_Z * se}
                                     for part, (v, se) in d.items()} for name, d in diffs.items()}}
 
 
@@ -261,7 +264,7 @@ def _print_validation(config_file: str, model: str, evaluator: Any, scores: dict
     console.print(table)
     for name, d in diffs.items():
         diff, se = d["accuracy"]
-        verdict = ("above it" if diff > 0 else "below it") if se is not None and abs(diff) > 2 * se else (
+        verdict = ("above it" if diff > 0 else "below it") if se is not None and abs(diff) > TIE_Z * se else (
             "not distinguishable from it (within 2 SE)")
         console.print(f"against {name}: {verdict}")
 
@@ -282,7 +285,9 @@ def layers(
                                              parser=OutputFile())] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
+    """Measure each layer's sensitivity and allocate a layer-wise config within --bits.
+
+    Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
     config, then every layer's bit pair and salient ratio chosen so that the summed KL is least
     with the model's key bits within --bits (on a hybrid model: its full-attention layers, the
     windows at 16 bits, weighted by what each layer holds; tuner/search/layers.py; docs/layerwise.md)."""
