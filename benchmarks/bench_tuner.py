@@ -10,7 +10,7 @@ campaign reuses scores; the single-study strategies look them up again). For eve
 seed it records, after each charged evaluation, the hypervolume of the front of what was scored
 within each budget (reference point: the budget's bits and accuracy 0) as a fraction of the true
 front's. Strategies:
-- campaign: the product's campaign with its defaults (tuner.campaign.CampaignRunner on a real
+- campaign: the product's campaign with its defaults (tuner.search.campaign.CampaignRunner on a real
   SQLite database: one TPE study per budget, budgets from the lowest up, every score shared with
   every budget it fits, warm starts including each bit pair's config that fills the budget, a
   neighbour of a re-proposed config scored in its place), 30 trials a budget as `pnmix tune`, without the proxy screen

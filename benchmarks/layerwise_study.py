@@ -5,7 +5,7 @@
 For each budget (3.0, 2.5, 2.25, 2.0, 1.5) the uniform config is the ground truth's best within
 it (benchmarks/ground_truth/, full profile, seed 0). The layer-wise configs keep that config's
 shared fields (G, sinks, residual, values) and let each layer take any bit pair and salient
-ratio of the space, chosen by `tuner.layers.allocate` from the proxy's per-layer attention KL
+ratio of the space, chosen by `tuner.search.layers.allocate` from the proxy's per-layer attention KL
 (`--variants`):
   - uniform-bits: mean key bits <= the uniform config's own (equal or fewer bits);
   - budget: mean key bits <= the budget.

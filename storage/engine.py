@@ -95,7 +95,7 @@ def make_engine(url: str, *, busy_timeout_s: float = 30.0, echo: bool = False, c
 def configure_sqlite(engine: Engine, busy_timeout_s: float, readonly_option: bool = True) -> None:
     """WAL, busy timeout, foreign keys, and `BEGIN IMMEDIATE` for write transactions.
 
-    Also applied to Optuna's engine (tuner.campaign) with `readonly_option=False`: Optuna cannot
+    Also applied to Optuna's engine (tuner.search.campaign) with `readonly_option=False`: Optuna cannot
     mark read-only transactions, so there every transaction takes the write lock at its start.
     Without it, two workers popping the same enqueued (WAITING) trial both see it waiting and
     both run it, because the driver's deferred transactions do not lock the read.

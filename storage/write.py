@@ -305,7 +305,7 @@ def _check_campaign_fields(budgets: Sequence[float], n_trials: int, method: str,
     if not TRIALS.contains(n_trials):
         raise InvalidValueError(f"invalid n_trials={n_trials!r}: {TRIALS.allowed}")
     _check_choice("method", method, METHODS)
-    # Profiles are the tuner's (tuner.profiles), which sits above this layer: the tuner and the
+    # Profiles are the tuner's (tuner.scoring.profiles), which sits above this layer: the tuner and the
     # service check the name; here it only has to fit its column.
     if not isinstance(profile, str) or not 0 < len(profile) <= 16:
         raise InvalidValueError(f"invalid profile={profile!r}: a profile name of 1 to 16 characters")

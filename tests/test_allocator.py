@@ -206,7 +206,7 @@ def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db): 
 
 
 def test_the_trial_record_reads_every_kind_and_trials_stored_before_it():
-    """`tuner.record.read` on trials as campaigns stored them: a score with only `key_bits` (before KV
+    """`tuner.search.record.read` on trials as campaigns stored them: a score with only `key_bits` (before KV
     budgets), a reused twin, another budget's shared score, an over-budget proposal, a surplus trial,
     a pruned one and a failed one."""
     from optuna.distributions import CategoricalDistribution

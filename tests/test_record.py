@@ -29,13 +29,14 @@ def test_only_the_record_touches_trial_attributes():
     offenders = []
     for folder in ("pnmix", "kernels", "tuner", "storage", "api", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == ROOT / "tuner" / "record.py":
+            if path == ROOT / "tuner" / "search" / "record.py":
                 continue
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if DOOR.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
-    assert DOOR.search((ROOT / "tuner" / "record.py").read_text()), "the pattern no longer finds the record's own use"
+    record = ROOT / "tuner" / "search" / "record.py"
+    assert DOOR.search(record.read_text()), "the pattern no longer finds the record's own use"
 
 
 def test_campaigns_stored_by_earlier_versions_read_and_resume(tmp_path):

@@ -42,7 +42,7 @@ class Spot:
 
 
 def spots(records: Sequence[Any], front: set[int]) -> list[Spot]:
-    """Scored trial records (`tuner.record.TrialRecord`: number, bits, accuracy, accuracy_se,
+    """Scored trial records (`tuner.search.record.TrialRecord`: number, bits, accuracy, accuracy_se,
     config) merged into markers: front points first, each point joining the first marker near it
     of the same kind (front or not)."""
     out: list[Spot] = []

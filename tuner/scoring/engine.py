@@ -368,7 +368,7 @@ class ScoringEngine:
             logits = torch.cat(pieces, dim=1)  # [B, n, V]
             for row, traj in enumerate(batch):
                 log_p, log_q = traj.ref_logp, logits[row].log_softmax(-1)
-                kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # as tuner.fidelity.replay
+                kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # as tuner.scoring.fidelity.replay
                 agree = (logits[row].argmax(-1) == traj.ref_top).float()
                 out.append((float(agree.mean()), float(kl.mean())))
         return out

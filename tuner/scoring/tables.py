@@ -80,18 +80,18 @@ class ProxyTables:
                       else LayerwiseConfig.from_layers([per_layer[i] for i in full]))
 
     def proxy(self, config: AnyConfig) -> float:
-        """Attention KL on recorded traces (tuner.proxy), milliseconds per layer (per quantized layer
+        """Attention KL on recorded traces (tuner.scoring.proxy), milliseconds per layer (per quantized layer
         of a hybrid model)."""
         return proxy_kl(*self.quantized_trace(config), self.pairing)
 
     def proxy_by_layer(self, config: AnyConfig) -> list[float]:
-        """The proxy's attention KL of each layer under its own config (tuner.layers reads it); for
+        """The proxy's attention KL of each layer under its own config (tuner.search.layers reads it); for
         a model with sliding-window layers, of its full-attention layers."""
         return proxy_kl_by_layer(*self.quantized_trace(config), self.pairing)
 
     def sensitivity(self, candidates: list[PNMixConfig],
                     measure: ProxyMeasure = ProxyMeasure.KL) -> dict[PNMixConfig, list[float]]:
-        """The allocator's table: each candidate's proxy KL per layer (`tuner.proxy.proxy_kl_table`;
+        """The allocator's table: each candidate's proxy KL per layer (`tuner.scoring.proxy.proxy_kl_table`;
         the candidates share G, sinks, residual and criterion), or with `measure=ProxyMeasure.OUTPUT` its
         relative attention-output error, the unit `value_sensitivity` shares. Cached on disk beside
         the preparation, per model, profile, seed, measure and candidate set, so a campaign's later
@@ -103,7 +103,7 @@ class ProxyTables:
     def value_sensitivity(self, formats: list[tuple[int, int]],
                           shared: PNMixConfig) -> dict[tuple[int, int], list[float]]:
         """Each value format's (bits, group size) relative attention-output error per layer under
-        `shared`'s token schedule (`tuner.proxy.proxy_value_table`), cached like `sensitivity`."""
+        `shared`'s token schedule (`tuner.scoring.proxy.proxy_value_table`), cached like `sensitivity`."""
         schedule = {f: getattr(shared, f) for f in ("n_sink", "group_size", "residual_len")}
         rows = self._cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
                                   lambda: proxy_value_table(self.trace(), formats, shared))

@@ -4,10 +4,10 @@ A trial of this method samples only the fields every layer shares (G, sinks, the
 when values are searched: `SearchSpace.suggest_shared`); `AllocatorLoop.config` turns them into
 the trial's layer-wise config, one of three kinds (its `origin`):
 
-- allocation: the knapsack's config for the budget (`tuner.layers.allocate`) over the
+- allocation: the knapsack's config for the budget (`tuner.search.layers.allocate`) over the
   sensitivity table at those shared fields;
 - move: when the campaign has already scored that allocation, the next local move
-  (`tuner.layers.moves`) from the most accurate config scored at those shared fields;
+  (`tuner.search.layers.moves`) from the most accurate config scored at those shared fields;
 - proposal: a warm start's config (`warm_starts`), queued with the trial.
 
 Sensitivity tables are computed once per key-side shared fields (the KL proxy sees keys only) and
@@ -15,7 +15,7 @@ cached on disk by the evaluator; `sensitivity_seconds` is what this loop spent o
 
 With values searched (`SearchSpace.values_per_layer`: a KV budget), a trial's allocations are
 first the keys' KL allocation with the space's value format in every layer, then the joint one,
-whose items are each layer's keys and each layer's values (`tuner.layers.joint_table`), both
+whose items are each layer's keys and each layer's values (`tuner.search.layers.joint_table`), both
 scored by the proxy's relative attention-output error, so a layer's value format is chosen
 against the other layers' keys and values within the total KV bits; moves in the joint table may
 then trade a key step for a value step (`allocations` says why the KL allocation comes first).
@@ -220,7 +220,7 @@ class AllocatorLoop:
 
     def joint_table(self, base: PNMixConfig, running: RunningTrial | None = None) -> Table:
         """Per-layer values: the joint table of each key candidate's and each value format's relative
-        attention-output error per layer (`tuner.layers.joint_table`), computed once per loop."""
+        attention-output error per layer (`tuner.search.layers.joint_table`), computed once per loop."""
         keys = self._keys_base(base)
 
         def compute() -> Table:

@@ -2,7 +2,7 @@
 
 A budget's front is the study's feasible, fully evaluated, non-dominated trials (Optuna's
 `best_trials` honour constraints); `front_points` maps them to the storage's `FrontPointIn`, which
-`tuner.campaign` writes after every finished trial. `tuner.sweep` and the benchmarks use the same
+`tuner.search.campaign` writes after every finished trial. `tuner.search.sweep` and the benchmarks use the same
 maths on the ground truth.
 """
 

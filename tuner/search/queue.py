@@ -4,7 +4,7 @@ enqueued (`pnmix tune --enqueue`, `POST /v1/campaigns`) and again in the worker 
 A campaign passes through three hands: the one that enqueues it, the database, and a worker,
 perhaps on another machine and a later version. Each checks what it can know:
 - the campaign's own fields (budgets, trial count, objectives, method, profile, backend, seed,
-  tasks): `tuner.campaign.CampaignSpec` on the command line and in the worker, the same checks
+  tasks): `tuner.search.spec.CampaignSpec` on the command line and in the worker, the same checks
   (`storage.write.check_budgets`, ..., `tuner.scoring.parts.check_entries`) in the service's request body;
 - its model: a model the storage knows, and not a random-weight shape model (a campaign scores
   accuracy), checked by `storage.write.create_campaign` for every enqueue; where the model is

@@ -100,7 +100,7 @@ def neighbours(space: SearchSpace, config: AnyConfig, head_dim: int | None = Non
     """The configs of the space one step from `config` on one searched knob (sinks, salient ratio
     (each group's, for pnmix-layers), group size, value bits and group when searched: the next
     value down or up), in that order; with `head_dim`, only value groups that divide it."""
-    if not space.contains(config) or space.allocated:  # pnmix-alloc: local moves (tuner.layers.moves)
+    if not space.contains(config) or space.allocated:  # pnmix-alloc: local moves (tuner.search.layers.moves)
         return []
 
     def step(values: Sequence[Any], v: Any) -> list[Any]:

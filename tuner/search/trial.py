@@ -2,7 +2,7 @@
 
 1. The cap: a worker that starts a trial when other workers' trials already take the budget's
    count records it as surplus (no inference).
-2. The config: the allocator's (pnmix-alloc) or the sampler's (tuner.space; TPE, multivariate and
+2. The config: the allocator's (pnmix-alloc) or the sampler's (tuner.search.space; TPE, multivariate and
    grouped, choosing among the bit pairs that have a config within the budget), and its bits (the
    formula's key bits, or KV bits under a KV budget: `SearchSpace.cost`, stored as the trial's
    "bits"); the budget is an Optuna constraint (`bits - budget <= 0`); a config over budget never
@@ -12,7 +12,7 @@
 4. Multi-fidelity (opt-in): the proxy (attention KL on recorded traces, milliseconds) screens it; a
    candidate that an already fully evaluated trial beats on both proxy KL and bits is pruned.
 5. Racing (opt-in): rung by rung against the front (tuner/search/racing.py); then the full evaluation
-   by real inference (tuner.evaluate). Out of memory is recorded as the trial's error.
+   by real inference (tuner.scoring.evaluate). Out of memory is recorded as the trial's error.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@
   (`SearchSpace.fullest_within`: the top of a budget's front is where its best point lies, and TPE
   alone seldom reaches it), in that order; pnmix-layers first enqueues, for each of those uniform
   configs, the layer-wise one that the proxy's per-layer KL says spends the same budget best across
-  the groups (`tuner.layers.grouped_for_budget`); pnmix-alloc queues the allocator's warm starts
+  the groups (`tuner.search.layers.grouped_for_budget`); pnmix-alloc queues the allocator's warm starts
   (`AllocatorLoop.warm_starts`). At most half the budget's trials (queued trials run first: a dead
   worker's retried trial queues behind them); new studies only.
 - Layer groups (`WarmStarts.layered_space`): pnmix-layers groups the model's layers by sensitivity
-  (each layer's proxy KL under pnmix-paper, `tuner.layers.group_layers`); the first worker stores
+  (each layer's proxy KL under pnmix-paper, `tuner.search.layers.group_layers`); the first worker stores
   them on the campaign row (`search_space["groups"]`), every later one, and a resumed run, reads
   them there, so all of a campaign's trials share one grouping. pnmix-alloc has one layer a group
   and an `AllocatorLoop` over them.
