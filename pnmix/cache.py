@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from pnmix import backend, packing
 from pnmix.config import ConfigError, PNMixConfig
-from pnmix.families import FULL, check_model, layer_kinds, sliding_window
+from pnmix.families import FULL, check_model, plan_of_config
 from pnmix.layerwise import LayerwiseConfig, as_layerwise
 from pnmix.saliency import Pairing, pair_channels, saliency_scores, select_salient_pairs
 
@@ -666,9 +666,9 @@ class PNMixCache(Cache):
         self.pnmix_config = layerwise.default
         self.layerwise = layerwise
         per_layer = layerwise.per_layer(model_config.get_text_config(decoder=True).num_hidden_layers)
-        window = sliding_window(model_config)
-        layers: list[Any] = [PNMixLayer(cfg, pairing, i) if kind == FULL else WindowLayer(window or 0)
-                             for i, (cfg, kind) in enumerate(zip(per_layer, layer_kinds(model_config), strict=True))]
+        self.plan = plan_of_config(model_config)  # what each layer holds: read once, here
+        layers: list[Any] = [PNMixLayer(cfg, pairing, i) if kind == FULL else WindowLayer(self.plan.window or 0)
+                             for i, (cfg, kind) in enumerate(zip(per_layer, self.plan.kinds, strict=True))]
         for layer in layers:
             layer.multi_token = multi_token
         super().__init__(layers=layers)

@@ -22,6 +22,7 @@ inode, so later runs only stat the file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -139,6 +140,14 @@ class LoadedModel:
         from pnmix.families import shape_of_config
 
         return shape_of_config(self.model.config)
+
+    @functools.cached_property
+    def plan(self) -> LayerPlan:
+        """What each layer holds (kinds, sliding window), read once from the loaded model's config:
+        the scoring engine, the bit figures and the caches take it from here."""
+        from pnmix.families import plan_of_config
+
+        return plan_of_config(self.model.config)
 
 
 def cache_dir() -> Path:

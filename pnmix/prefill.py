@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from pnmix.cache import BatchWindowLayer, LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
 from pnmix.config import PNMixConfig
-from pnmix.families import check_model, rope_pairing, sliding_window
+from pnmix.families import check_model, rope_pairing
 from pnmix.generation import cache_kwargs, use_pnmix_attention
 from pnmix.layerwise import AnyConfig
 from pnmix.saliency import Pairing, saliency_scores
@@ -172,7 +172,7 @@ def build_cache(model: Any, config: AnyConfig, states: list[PrefillState], multi
     check_model(model.config, config)
     use_pnmix_attention(model)
     cache = PNMixCache(model.config, config, multi_token=multi_token)
-    window = sliding_window(model.config) or 0
+    window = cache.plan.window or 0
     for li, layer in enumerate(cache.layers):
         if isinstance(layer, PNMixLayer):
             _load_layer(layer, layer.config, states, li)  # a layer-wise config: each layer its own

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pnmix.bits import LayerPlan
 from pnmix.families import plan_of_config
 from pnmix.generation import cache_kwargs
 from pnmix.layerwise import AnyConfig
@@ -112,14 +113,15 @@ class ScoringEngine:
     """
 
     def __init__(self, model: Any, tokenizer: Any, progress: Progress | None = None,
-                 memory_bytes: int | None = None) -> None:
+                 memory_bytes: int | None = None, plan: LayerPlan | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
         eos = model.config.eos_token_id  # an id, a list of ids, or None (random-weight shape models)
         self.eos: list[int] = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         self.progress = progress or (lambda message: None)
         self.context = context_of(model)
-        self.plan = plan_of_config(model.config)  # what each layer holds (kinds, sliding window)
+        # What each layer holds (kinds, sliding window): the loaded model's, or read from its config.
+        self.plan = plan if plan is not None else plan_of_config(model.config)
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._last_only: dict[str, int] = {"logits_to_keep": 1} if keeps else {}
         self._budget = memory_bytes if memory_bytes is not None else free_bytes(self.device)

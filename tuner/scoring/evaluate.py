@@ -27,7 +27,7 @@ import torch
 from pnmix import models
 from pnmix.bits import weighted_key_bits
 from pnmix.config import PNMixConfig
-from pnmix.families import plan_of_config, rope_pairing
+from pnmix.families import rope_pairing
 from pnmix.layerwise import AnyConfig
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import fidelity, harness
@@ -70,7 +70,7 @@ class Evaluator:
         self.loaded = models.load(model, purpose="accuracy", dtype=dtype, device=device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         # What each layer holds: the bit figures weigh the layers by it (pnmix.bits.weighted_key_bits).
-        self.plan = plan_of_config(self.model.config)
+        self.plan = self.loaded.plan
         self.head_dim, self.num_layers = self.loaded.shape.head_dim, self.loaded.shape.num_layers
         self.device = str(self.model.device)
         self.backend = self._backend_label()

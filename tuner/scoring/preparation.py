@@ -115,7 +115,7 @@ class Preparation:
     def new_engine(self, quiet: bool = False) -> ScoringEngine:
         """An empty scoring engine on this model (quiet: without progress lines)."""
         progress = None if quiet else self.progress
-        return ScoringEngine(self.model, self.tokenizer, progress=progress)
+        return ScoringEngine(self.model, self.tokenizer, progress=progress, plan=self.loaded.plan)
 
     def gguf_sha256(self) -> str | None:
         """SHA-256 of the embedded model's GGUF (what shipped preparations are keyed by); None otherwise."""

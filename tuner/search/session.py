@@ -41,12 +41,12 @@ def ensure_model(session: Any, name: str, model_config: Any | None = None) -> No
         source = models.resolve(name)
         if model_config is None:
             model_config = models.auto_config(source)
-        from pnmix.families import layer_kinds, shape_of_config, sliding_window
+        from pnmix.families import plan_of_config, shape_of_config
 
-        shape = shape_of_config(model_config)
+        shape, plan = shape_of_config(model_config), plan_of_config(model_config)
         entry = ModelIn(name, str(model_config.model_type), source.kind, shape.num_layers, shape.num_heads,
                         shape.num_kv_heads, shape.head_dim, location=source.location,
-                        layer_kinds=tuple(layer_kinds(model_config)), sliding_window=sliding_window(model_config))
+                        layer_kinds=plan.kinds, sliding_window=plan.window)
     upsert_model(session, entry)
 
 
