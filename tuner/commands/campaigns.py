@@ -46,6 +46,7 @@ from pnmix.tuner.commands.options import (
 )
 from pnmix.tuner.commands.render import (
     against_paper,
+    budget_list,
     budget_words,
     holdout_line,
     pm,
@@ -164,8 +165,7 @@ def tune(
 
     chosen = with_lm_eval(task_list(tasks, items, texts_task(texts, text_prefix, text_tokens)), lm_eval_task,
                           lm_eval_limit)
-    budgets = budgets or default_budgets(model)
-    spec = CampaignSpec(model=model, budgets=tuple(budgets), n_trials=trials,
+    spec = CampaignSpec(model=model, budgets=tuple(budgets or default_budgets(model)), n_trials=trials,
                         method=method, profile=profile_name, objectives=objective_list(objectives), seed=seed,
                         multi_fidelity=multi_fidelity, racing=racing, backend=backend,
                         space=SearchSpace(method=method, budget_on=budget_on, search_values=search_values,
@@ -179,8 +179,7 @@ def tune(
         console.print(f"campaign {campaign_id} queued for `pnmix worker`")
         return
     plan = models.layer_plan(model)
-    console.print(f"campaign {campaign_id}: {model}, {method}, budgets "
-                  f"{'; '.join(budget_words(b, budget_on, plan) for b in spec.budgets)}, "
+    console.print(f"campaign {campaign_id}: {model}, {method}, budgets {budget_list(spec.budgets, budget_on, plan)}, "
                   f"{trials} trials each, profile {profile_name}, storage {db.display_url}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
@@ -402,8 +401,7 @@ def run_main_job(
     spec = CampaignSpec(model=model, budgets=(loose, tight), n_trials=trials, profile="quick", method=ALLOCATED,
                         space=SearchSpace(method=ALLOCATED))
     campaign_id = find_or_create_campaign(db, spec)
-    console.print(f"campaign {campaign_id} on {db.display_url}: budgets "
-                  f"{'; '.join(budget_words(b, BudgetOn.KEY, plan) for b in spec.budgets)}")
+    console.print(f"campaign {campaign_id} on {db.display_url}: budgets {budget_list(spec.budgets, plan=plan)}")
     studies = run_campaign(db, campaign_id, spec)
     print_fronts(db, model, campaign_id)
     with db.session(readonly=True) as s:

@@ -33,6 +33,10 @@ def budget_words(budget: float, budget_on: str = BudgetOn.KEY, plan: LayerPlan |
     return f"{words} ({plan.full_layer_budget(budget, n_sink=32):.2f} on the full-attention layers)"
 
 
+def budget_list(budgets: Sequence[float], budget_on: str = BudgetOn.KEY, plan: LayerPlan | None = None) -> str:
+    return "; ".join(budget_words(b, budget_on, plan) for b in budgets)
+
+
 def signed(value: float, se: float | None) -> str:
     if se is None:
         return f"{value:+.3f}"

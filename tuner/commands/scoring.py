@@ -287,10 +287,9 @@ def layers(
 ) -> None:
     """Measure each layer's sensitivity and allocate a layer-wise config within --bits.
 
-    Layer sensitivity and a layer-wise config: each layer's attention KL (the proxy) under the base
-    config, then every layer's bit pair and salient ratio chosen so that the summed KL is least
-    with the model's key bits within --bits (on a hybrid model: its full-attention layers, the
-    windows at 16 bits, weighted by what each layer holds; tuner/search/layers.py; docs/layerwise.md)."""
+    Each layer's attention KL (the proxy) under the base config, then every layer's bit pair and
+    salient ratio chosen so that the summed KL is least with the model's key bits within --bits (on
+    a hybrid model: its full-attention layers, the windows at 16 bits; docs/layerwise.md)."""
     import json
 
     from pnmix.bits import weighted_key_bits
@@ -322,15 +321,19 @@ def layers(
     if output:
         write_regular_file(Path(output), lw.to_json() + "\n")
     if plot:
-        from pnmix.tuner.commands.plot import layers_plot
-
-        layers_plot(kl_of[base], chosen, layer_kl, d, Path(plot),
-                    f"{model}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "
-                    f"({report['key_bits']:.3f} bits)", report["layers"])
+        _plot_layers(report, base, chosen, d, Path(plot))
     if as_json:
         print(json.dumps(report))
     else:
         _print_layers(report, base, lw, chosen, kl_of, output, plot)
+
+
+def _plot_layers(report: dict[str, Any], base: Any, chosen: list[Any], head_dim: int, path: Path) -> None:
+    from pnmix.tuner.commands.plot import layers_plot
+
+    layers_plot(report["sensitivity"], chosen, report["layer_kl"], head_dim, path,
+                f"{report['model']}: base {base.label} ({report['base_key_bits']:.3f} bits) -> layer-wise "
+                f"({report['key_bits']:.3f} bits)", report["layers"])
 
 
 def _print_layers(report: dict[str, Any], base: Any, lw: Any, chosen: list[Any], kl_of: dict[Any, list[float]],

@@ -21,7 +21,9 @@ Kinds:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -48,6 +50,16 @@ class Kind(StrEnum):
     FAILED = "failed"
     PENDING = "pending"
 
+    @property
+    def takes_slot(self) -> bool:
+        """Whether a trial of this kind takes one of its budget's requested slots: every kind but
+        surplus, skipped and shared. A pending trial does (another worker's running trial holds its
+        slot while it runs); among finished trials, the scored, reused and pruned ones do.
+        Over-budget proposals cost no inference, so they take none (the sampler still sees them as
+        infeasible), and neither do the surplus trials of a racing worker nor the scores another
+        budget's study shared."""
+        return self not in (Kind.SURPLUS, Kind.SKIPPED, Kind.SHARED)
+
 
 class Origin(StrEnum):
     """Where a pnmix-alloc trial's layer-wise config came from (tuner/search/allocation.py)."""
@@ -64,6 +76,9 @@ class TrialRecord:
 
     number: int
     kind: Kind
+    state: optuna.trial.TrialState
+    started: datetime | None  # when a worker started it (None: still waiting)
+    params: dict[str, Any]  # its Optuna parameters; a waiting or running trial's as they were queued
     config_dict: dict[str, Any] | None  # the config as stored (`config` parses it)
     label: str | None  # the config's short label (the dashboard shows it)
     bits: float | None  # the figure the budget bounds (key bits, or KV bits under a KV budget)
@@ -143,16 +158,9 @@ def kind_of(trial: optuna.trial.FrozenTrial) -> Kind:
     return Kind.SCORED
 
 
-NO_SLOT = (Kind.SURPLUS, Kind.SKIPPED, Kind.SHARED)
-
-
 def takes_slot(trial: optuna.trial.FrozenTrial) -> bool:
-    """Whether a trial takes one of its budget's requested slots: every kind but surplus, skipped and
-    shared. A pending trial does (another worker's running trial holds its slot while it runs); among
-    finished trials, the scored, reused and pruned ones do. Over-budget proposals cost no inference,
-    so they take none (the sampler still sees them as infeasible), and neither do the surplus trials
-    of a racing worker nor the scores another budget's study shared."""
-    return kind_of(trial) not in NO_SLOT
+    """Whether a trial takes one of its budget's requested slots (`Kind.takes_slot`)."""
+    return kind_of(trial).takes_slot
 
 
 def _bits(attrs: dict[str, Any]) -> float | None:
@@ -180,8 +188,12 @@ def read(trial: optuna.trial.FrozenTrial) -> TrialRecord:
     hold their budget's figure as `key_bits` only)."""
     a = trial.user_attrs
     source = a.get("score_from") or (f"#{a['reused_from']}" if "reused_from" in a else None)
+    pending = trial.state in (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
+    # A queued trial holds its parameters in `fixed_params` until a worker starts it.
+    params = dict(trial.system_attrs.get("fixed_params", trial.params) if pending else trial.params)
     return TrialRecord(
-        number=trial.number, kind=kind_of(trial), config_dict=a.get("config"), label=a.get("label"),
+        number=trial.number, kind=kind_of(trial), state=trial.state, started=trial.datetime_start, params=params,
+        config_dict=a.get("config"), label=a.get("label"),
         bits=_bits(a), key_bits=a.get("key_bits"), kv_bits=a.get("kv_bits"), accuracy=a.get("accuracy"),
         accuracy_se=a.get("accuracy_se"), parts=a.get("parts"), units=a.get("units"), kv_bytes=a.get("kv_bytes"),
         throughput=a.get("decode_tokens_per_s"), backend=a.get("backend"), device=a.get("device"),
@@ -193,10 +205,36 @@ def read(trial: optuna.trial.FrozenTrial) -> TrialRecord:
         error=a.get("error"), warm_start=bool(a.get("warm_start")))
 
 
-def queued_params(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
-    """A waiting or running trial's parameters: a queued trial holds them in `fixed_params` until a
-    worker starts it."""
-    return dict(trial.system_attrs.get("fixed_params", trial.params))
+@dataclass(frozen=True)
+class Scored:
+    """A full evaluation (or a copy of one) that a study of the campaign holds."""
+
+    study: str  # the study's name
+    trial: optuna.trial.FrozenTrial  # what a copy of the score copies
+    record: TrialRecord
+
+
+@dataclass(frozen=True)
+class CampaignView:
+    """What a trial sees of its campaign when it starts, read once: its own study's trials as
+    records, and the scored trials of the campaign's studies (its own study first)."""
+
+    study: str  # the trial's own study
+    trials: list[TrialRecord]  # its trials, in trial order
+    scored: list[Scored]  # its own study's first
+    scored_keys: frozenset[str]  # `config_key` of every scored config (evaluations, reused and shared scores)
+
+
+def campaign_view(studies: Sequence[optuna.Study]) -> CampaignView:
+    """The view of a trial of `studies[0]`, the campaign's studies with the trial's own first."""
+    own = [(t, read(t)) for t in studies[0].get_trials(deepcopy=False)]
+    complete = optuna.trial.TrialState.COMPLETE
+    scored = [Scored(studies[0].study_name, t, r) for t, r in own if r.state == complete]
+    for st in studies[1:]:
+        scored += [Scored(st.study_name, t, read(t)) for t in st.get_trials(deepcopy=False, states=(complete,))]
+    scored = [s for s in scored if s.record.accuracy is not None and s.record.config_dict is not None]
+    return CampaignView(studies[0].study_name, [r for _, r in own], scored,
+                        frozenset(config_key(s.record.config_dict or {}) for s in scored))
 
 
 # -- the trial being run -------------------------------------------------------------------------

@@ -30,18 +30,15 @@ class Sharing:
     def __init__(self, studies: Studies, head_dim: int) -> None:
         self.studies, self.head_dim = studies, head_dim
 
-    def twin(self, study: optuna.Study, config: AnyConfig) -> tuple[str, optuna.trial.FrozenTrial] | None:
-        """(study name, trial) of an earlier full evaluation of `config` in this campaign: in this
-        budget's study first (a score shared into it included), then in the other budgets'."""
+    @staticmethod
+    def twin(view: record.CampaignView, config: AnyConfig) -> record.Scored | None:
+        """An earlier full evaluation of `config` in this campaign (`view`): in this budget's study
+        first (a score shared into it included), then in the other budgets'."""
         wanted = config.to_dict()
-        for st in self.studies.of_campaign(study):
-            for t in st.get_trials(deepcopy=False, states=COMPLETE):
-                if record.stored_config(t) != wanted:
-                    continue
-                r = record.read(t)
-                # Elsewhere, point at the original evaluation, not at another budget's copy of it.
-                if r.accuracy is not None and (st is study or not r.copied_from_another_study):
-                    return st.study_name, t
+        for s in view.scored:
+            # Elsewhere, point at the original evaluation, not at another budget's copy of it.
+            if s.record.config_dict == wanted and (s.study == view.study or not s.record.copied_from_another_study):
+                return s
         return None
 
     def share(self, trial: optuna.trial.FrozenTrial, source: str) -> list[float]:

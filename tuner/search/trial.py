@@ -31,9 +31,9 @@ from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
 from pnmix.tuner.search.allocation import AllocatorLoop
 from pnmix.tuner.search.fronts import front_trials
-from pnmix.tuner.search.record import FINISHED_STATES, scored_configs
+from pnmix.tuner.search.record import FINISHED_STATES
 from pnmix.tuner.search.sharing import Sharing
-from pnmix.tuner.search.studies import Studies, finished
+from pnmix.tuner.search.studies import Studies
 
 PRUNE_SLACK = 0.9  # prune only when an evaluated trial's proxy KL is at least 10% lower
 MIN_FULL = 3  # always fully evaluate the first few candidates of a study
@@ -69,7 +69,9 @@ class Objective:
 
     def run(self, trial: optuna.Trial, budget: float) -> tuple[float, ...]:
         running = record.RunningTrial(trial)
-        if self._cap_reached(trial):
+        # The campaign as this trial starts: its study's trials and the scores of every study, read once.
+        view = record.campaign_view(self.studies.of_campaign(trial.study))
+        if self._cap_reached(trial.number, view):
             # Another worker started the last trial at the same moment: record this one as surplus
             # (no inference, excluded from the count) rather than run past the requested count.
             running.mark_surplus()
@@ -79,19 +81,18 @@ class Objective:
         if bits > budget:
             running.mark_skipped()
             return self._values(0.0, bits, None)
-        found = self.sharing.twin(trial.study, config)
-        if found is not None:  # a config already scored in this campaign: reuse the score, don't re-run
-            source, twin = found
+        twin = self.sharing.twin(view, config)
+        if twin is not None:  # a config already scored in this campaign: reuse the score, don't re-run
             # From this study, the twin stands on the front; from another budget's, the same score
             # belongs on this front too.
-            running.copy_score(twin, None if source == trial.study.study_name else source)
-            self._enqueue_neighbour(trial.study, config, budget, trial.number)
-            return tuple(twin.values)
+            running.copy_score(twin.trial, None if twin.study == trial.study.study_name else twin.study)
+            self._enqueue_neighbour(trial.study, view, config, budget, trial.number)
+            return tuple(twin.trial.values)
         warm = running.warm_start
         if self.spec.multi_fidelity:  # warm starts get a proxy value too: they anchor the pruning rule
             proxy = self.evaluator.proxy(config)
             running.write_proxy(proxy)
-            if not warm and self._dominated(trial.study, bits, proxy):
+            if not warm and self._dominated(view, bits, proxy):
                 self.progress(f"budget {budget:g}: trial {trial.number} pruned by the proxy")
                 raise optuna.TrialPruned(f"proxy KL {proxy:.4g} beaten at <= {bits:.3f} bits")
         self.progress(f"budget {budget:g}: trial {trial.number} {config.label}: evaluating")
@@ -158,44 +159,45 @@ class Objective:
                                          f"(z {verdict.z:.2f}) on {share:g} of the items")
         return have
 
-    def _enqueue_neighbour(self, study: optuna.Study, config: AnyConfig, budget: float, number: int) -> None:
+    def _enqueue_neighbour(self, study: optuna.Study, view: record.CampaignView, config: AnyConfig, budget: float,
+                           number: int) -> None:
         """A sampler that proposes a config already scored has converged around it: the slot it
         spent buys nothing, so the next trial of the budget scores a neighbour of that config (one
         knob one step away, within the budget, drawn in an order seeded by the campaign's seed and
         the trial number) that no study of the campaign has scored or queued yet. On the ground
         truth this turns the re-proposals (about half of a budget's trials) into a local search
         along the front (docs/search.md, "Budgets")."""
-        if len(finished(study)) + 1 >= self.spec.n_trials:  # this trial is the budget's last: no slot left
+        done = sum(1 for r in view.trials if r.state in FINISHED_STATES and r.kind.takes_slot)
+        if done + 1 >= self.spec.n_trials:  # this trial is the budget's last: no slot left
             return
-        scored = set().union(*(scored_configs(st) for st in self.studies.of_campaign(study)))
-        pending = {json.dumps(record.queued_params(t), sort_keys=True) for t in study.get_trials(
-            deepcopy=False, states=(optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))}
+        pending = {json.dumps(r.params, sort_keys=True) for r in view.trials
+                   if r.state in (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)}
         candidates = self.space.neighbours(config, self.head_dim)
         random.Random(self.spec.seed * 100_003 + number).shuffle(candidates)
         for cfg in candidates:
             params = self.space.params_of(cfg)
-            if (self.space.cost(cfg, self.head_dim) <= budget and config_key(cfg.to_dict()) not in scored
+            if (self.space.cost(cfg, self.head_dim) <= budget and config_key(cfg.to_dict()) not in view.scored_keys
                     and json.dumps(params, sort_keys=True) not in pending):
                 record.enqueue_neighbour(study, params, config)
                 return
 
-    def _cap_reached(self, trial: optuna.Trial) -> bool:
+    def _cap_reached(self, number: int, view: record.CampaignView) -> bool:
         """Whether the budget's count is already taken by finished trials and by running trials that
-        started before this one. Start order, not trial number: a queued trial (a warm start, a
+        started before trial `number`. Start order, not trial number: a queued trial (a warm start, a
         neighbour, a dead worker's retry) holds the number it was queued with and may start after
         trials numbered above it, so by number several workers could run one trial past the count."""
         states = (*FINISHED_STATES, optuna.trial.TrialState.RUNNING)
-        trials = trial.study.get_trials(deepcopy=False, states=states)
-        mine = next((t.datetime_start for t in trials if t.number == trial.number), None)
+        trials = [r for r in view.trials if r.state in states]
+        mine = next((r.started for r in trials if r.number == number), None)
 
-        def before(t: optuna.trial.FrozenTrial) -> bool:
-            if t.state != optuna.trial.TrialState.RUNNING:
+        def before(r: record.TrialRecord) -> bool:
+            if r.state != optuna.trial.TrialState.RUNNING:
                 return True
-            if mine is None or t.datetime_start is None:
-                return t.number < trial.number
-            return (t.datetime_start, t.number) < (mine, trial.number)
+            if mine is None or r.started is None:
+                return r.number < number
+            return (r.started, r.number) < (mine, number)
 
-        taken = [t for t in trials if t.number != trial.number and record.takes_slot(t) and before(t)]
+        taken = [r for r in trials if r.number != number and r.kind.takes_slot and before(r)]
         return len(taken) >= self.spec.n_trials
 
     def _values(self, accuracy: float, bits: float, score: Any) -> tuple[float, ...]:
@@ -204,10 +206,10 @@ class Objective:
                   "throughput": float(score.decode_tokens_per_s) if score else 0.0}
         return tuple(values[o] for o in self.spec.objectives)
 
-    def _dominated(self, study: optuna.Study, bits: float, proxy: float) -> bool:
+    def _dominated(self, view: record.CampaignView, bits: float, proxy: float) -> bool:
         """True when a fully evaluated feasible trial has no more bits and a clearly lower proxy KL."""
-        evaluated = [r for r in record.records(study, (optuna.trial.TrialState.COMPLETE,))
-                     if r.accuracy is not None and r.proxy_kl is not None]
+        evaluated = [r for r in view.trials if r.state == optuna.trial.TrialState.COMPLETE
+                     and r.accuracy is not None and r.proxy_kl is not None]
         if len(evaluated) < MIN_FULL:
             return False
         return any((r.bits or 0.0) <= bits + 1e-9 and (r.proxy_kl or 0.0) < proxy * PRUNE_SLACK for r in evaluated)
