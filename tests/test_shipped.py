@@ -8,6 +8,7 @@ import pytest
 from pnmix.config import preset
 from pnmix.tuner.scoring import shipped
 from pnmix.tuner.scoring.evaluate import Evaluator
+from pnmix.tuner.scoring.preparation import Preparation
 from pnmix.tuner.scoring.profiles import Profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shipped")]  # one worker: the tests share a seed
@@ -54,7 +55,7 @@ def no_build(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("built although a shipped preparation applies")
 
-    monkeypatch.setattr(Evaluator, "_build", refuse)
+    monkeypatch.setattr(Preparation, "_build", refuse)
     monkeypatch.setattr("pnmix.tuner.scoring.engine.ScoringEngine.continuations", refuse)
 
 
