@@ -82,15 +82,19 @@ def e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(chosen, x)
 
 
-def nvfp4(x: torch.Tensor) -> torch.Tensor:
-    """NVFP4 (blocks of 16, E4M3 block scales, fp32 tensor scale); dequantized."""
+def nvfp4_scale(x: torch.Tensor) -> float:
+    """NVFP4's per-tensor scale calibrated on `x`: amax / (6 * 448), 1.0 for an all-zero tensor."""
+    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    return amax / (E2M1_MAX * FP8_MAX) if amax > 0 else 1.0
+
+
+def nvfp4(x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    """NVFP4 (blocks of 16, E4M3 block scales, fp32 tensor scale: `x`'s own, `nvfp4_scale`, unless
+    given); dequantized. Given a smaller tensor scale than `x` needs, block scales saturate at 448."""
     blocks = _blocks(x, NVFP4_BLOCK)
-    amax = float(blocks.abs().max()) if blocks.numel() else 0.0
-    if amax == 0:
-        return torch.zeros_like(x)
-    tensor_scale = amax / (E2M1_MAX * FP8_MAX)
+    scale = nvfp4_scale(blocks) if tensor_scale is None else tensor_scale
     block_amax = blocks.abs().amax(-1, keepdim=True)
-    block_scale = (block_amax / E2M1_MAX / tensor_scale).to(torch.float8_e4m3fn).float() * tensor_scale
+    block_scale = (block_amax / E2M1_MAX / scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float() * scale
     safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
     q = torch.where(block_scale > 0, e2m1(blocks / safe), torch.zeros_like(blocks))
     return (q * block_scale).reshape(x.shape).to(x.dtype)
@@ -120,9 +124,19 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+def calibrate(fmt: KVFormat | str, x: torch.Tensor) -> float | None:
+    """The per-tensor scale a format takes from the prefill's `x` (FP8's k_scale / v_scale, NVFP4's
+    tensor scale); None for the formats that have none."""
+    fmt = KVFormat(fmt)
+    return fp8_scale(x) if fmt == KVFormat.FP8 else nvfp4_scale(x) if fmt == KVFormat.NVFP4 else None
+
+
 def round_trip(fmt: KVFormat | str, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """`x` stored in `fmt` and read back; `scale`: FP8's per-tensor scale (default 1.0)."""
+    """`x` stored in `fmt` and read back; `scale`: FP8's per-tensor scale (default 1.0) or NVFP4's
+    (default `x`'s own)."""
     fmt = KVFormat(fmt)
     if fmt == KVFormat.FP8:
         return fp8(x, 1.0 if scale is None else scale)
-    return {KVFormat.BF16: bf16, KVFormat.NVFP4: nvfp4, KVFormat.Q8_0: q8_0, KVFormat.Q4_0: q4_0}[fmt](x)
+    if fmt == KVFormat.NVFP4:
+        return nvfp4(x, scale)
+    return {KVFormat.BF16: bf16, KVFormat.Q8_0: q8_0, KVFormat.Q4_0: q4_0}[fmt](x)
