@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from tiny import tiny_gemma3, tiny_model
@@ -80,3 +83,51 @@ def test_recipes_a_model_cannot_hold_are_refused_in_one_line():
         RecipeCache(model.config, EngineRecipe.uniform(3, F.FP8))
     with pytest.raises(RecipeError, match="invalid fp8_scale 'max'"):
         RecipeCache(model.config, EngineRecipe.uniform(2, F.FP8), fp8_scale="max")  # type: ignore[arg-type]
+
+
+def test_engine_recipe_peers_are_named_on_the_command_line():
+    from pnmix.tuner.errors import EvalError
+    from pnmix.tuner.scoring.peers import RecipePeer, is_peer, peer
+
+    p = peer("engine:fp8+bf16@29.0")
+    assert isinstance(p, RecipePeer) and (p.key, p.value, p.bf16_layers) == (F.FP8, F.FP8, (0, 29))
+    assert p.recipe(30) == EngineRecipe.uniform(30, F.FP8).with_layers({0: F.BF16, 29: F.BF16})
+    assert p.kv_bits(LayerPlanOf(30)) == pytest.approx((28 * 8 + 2 * 16) / 30)
+    assert peer("engine:fp8/nvfp4").key_bits(64, LayerPlanOf(30)) == 8.0
+    assert peer("engine:fp8/nvfp4").kv_bits(LayerPlanOf(30)) == pytest.approx(6.25)
+    assert is_peer("engine:q4_0") and not is_peer("kivi2")
+    for bad, needle in (("engine:fp9", "formats are among bf16, fp8, nvfp4, q8_0, q4_0"),
+                        ("engine:fp8+bf16@", "expected engine:KEY[/VALUE][+bf16@L.L...]")):
+        with pytest.raises(EvalError, match=re.escape(needle)):
+            peer(bad)
+    with pytest.raises(EvalError, match="the model has layers 0-29"):
+        peer("engine:fp8+bf16@30").recipe(30)
+
+
+def LayerPlanOf(n):  # noqa: N802  (a plan of n full-attention layers)
+    from pnmix.bits import LayerPlan
+
+    return LayerPlan.full(n)
+
+
+@pytest.mark.slow
+def test_engine_recipes_are_scored_by_real_inference_like_peers(tmp_path, embedded):
+    """On a tiny checkpoint with the embedded model's tokenizer (fp32 on the CPU, smoke profile):
+    bf16 storage barely moves the fp32 model's distributions, q4_0 moves them more, and the bytes
+    follow the formats' effective bits."""
+    from tiny import save_tiny_llama
+    from transformers import AutoTokenizer
+
+    from pnmix import models
+    from pnmix.tuner.scoring import peers
+    from pnmix.tuner.scoring.evaluate import Evaluator
+    from pnmix.tuner.scoring.profiles import profile
+
+    tok = AutoTokenizer.from_pretrained(models._converted_dir(models.resolve("smollm2-135m")))
+    ev = Evaluator(save_tiny_llama(tmp_path, tok), profile("smoke"), tasks=("fidelity",))
+    bf16, q4 = (peers.score(ev, peers.peer(name)) for name in ("engine:bf16", "engine:q4_0"))
+    assert bf16.fidelity_kl < 1e-3 and bf16.fidelity_agreement >= 0.95
+    assert q4.fidelity_kl > 10 * bf16.fidelity_kl
+    assert bf16.kv_bytes / q4.kv_bytes == pytest.approx(16 / 4.5)
+    assert math.isnan(q4.decode_tokens_per_s) and (bf16.key_bits, q4.key_bits) == (16.0, 4.5)
+    assert set(q4.parts) == {"fidelity"} and q4.config["key"] == "q4_0"

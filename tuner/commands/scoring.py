@@ -68,8 +68,9 @@ def eval_config(
     text_tokens: TextTokensOpt = None,
     tasks: TaskListOpt = None,
     compare: Annotated[str | None, typer.Option(help="comma-separated presets or peers (hf-quanto-2, hf-quanto-4, "
-                                                "hf-hqq-2, hf-hqq-4) to score side by side",
-                                                parser=Names(compare_names))] = None,
+                                                "hf-hqq-2, hf-hqq-4; engine recipes engine:KEY[/VALUE][+bf16@L.L], "
+                                                "e.g. engine:fp8+bf16@0.29) to score side by side",
+                                                parser=Names(compare_names, with_arguments=("engine",)))] = None,
     lm_eval_task: LmEvalTaskOpt = None,
     lm_eval_limit: LmEvalLimitOpt = None,
     config_file: Annotated[str | None, typer.Option(
@@ -113,10 +114,10 @@ def eval_config(
 def _compared(compare: str) -> dict[str, Any]:
     """--compare's presets and peers (transformers' quantized caches, tuner/scoring/peers.py), by name."""
     from pnmix.config import preset
-    from pnmix.tuner.scoring.peers import PEERS, peer
+    from pnmix.tuner.scoring.peers import is_peer, peer
 
     names = [name.strip() for name in compare.split(",") if name.strip()]
-    return {name: peer(name) if name in PEERS else preset(name) for name in names}
+    return {name: peer(name) if is_peer(name) else preset(name) for name in names}
 
 
 def _score_configs(configs: dict[str, Any], quiet: bool, model: str, prof: Any, seed: int, items: str | None,
@@ -141,7 +142,7 @@ def _score_configs(configs: dict[str, Any], quiet: bool, model: str, prof: Any, 
         scores = {}
         for name, cfg in configs.items():
             say(f"{name}: scoring")
-            if isinstance(cfg, peers.Peer):
+            if isinstance(cfg, peers.Peer | peers.RecipePeer):
                 scores[name] = peers.score(evaluator, cfg)
                 scores[name].parts["proxy_kl"] = float("nan")  # the proxy models PN-Mix's quantizer only
                 continue
@@ -170,7 +171,10 @@ def _print_scores(model: str, profile_name: str, seed: int, evaluator: Any, conf
     console.print("items: " + ", ".join(f"{k} {v}" for k, v in scores[names[0]].items.items())
                   + (f" (lm_eval: {evaluator.harness.task})" if evaluator.harness is not None else ""))
     for name, cfg in configs.items():
-        if isinstance(cfg, peers.Peer):
+        if isinstance(cfg, peers.RecipePeer):
+            console.print(f"{name}: {cfg.label}, {cfg.kv_bits(evaluator.plan):.3f} effective KV bits; scored item "
+                          "by item through generate; no tokens/s (the emulation's speed is not the engine's)")
+        elif isinstance(cfg, peers.Peer):
             console.print(f"{name}: {cfg.label}; scored item by item through generate, tokens/s from its dynamic "
                           "decode" + ("; key bits n/a (its groups are not per token)"
                                       if math.isnan(scores[name].key_bits) else ""))

@@ -31,13 +31,17 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pnmix.tuner.errors import PeerMissing
+from pnmix.inputs import shorten
+from pnmix.kv_formats import EFFECTIVE_BITS, KVFormat
+from pnmix.recipes import EngineRecipe
+from pnmix.tuner.errors import EvalError, PeerMissing
 
 if TYPE_CHECKING:
     from pnmix.tuner.scoring.evaluate import Evaluator
@@ -80,7 +84,17 @@ class Peer:
         return QuantizedCache(self.backend, model.config, nbits=self.nbits, axis_key=self.axis,
                               axis_value=self.axis, q_group_size=GROUP_SIZE, residual_length=RESIDUAL_LENGTH)
 
-    def key_bits(self, head_dim: int) -> float:
+    @property
+    def backend_label(self) -> str:
+        return f"transformers QuantizedCache ({self.backend})"
+
+    def held_bytes(self, cache: Any) -> int:
+        return cache_bytes(cache)
+
+    def versions(self) -> dict[str, str]:
+        return package_versions(self.pip_name)
+
+    def key_bits(self, head_dim: int, plan: Any = None) -> float:
         """Key bits by the PN-Mix formula where its groups are per token (quanto), else NaN (n/a)."""
         if self.backend != "quanto" or head_dim % GROUP_SIZE:
             return float("nan")
@@ -92,6 +106,85 @@ class Peer:
                 "axis_key": self.axis, "axis_value": self.axis}
 
 
+@dataclass(frozen=True)
+class RecipePeer:
+    """A serving engine's per-layer KV formats (`pnmix.recipes`), scored like a peer through its
+    `RecipeCache`. Named `engine:KEY[/VALUE][+bf16@L.L...]`: every layer's keys in KEY and values in
+    VALUE (default KEY), the listed layers in bf16; e.g. `engine:fp8`, `engine:fp8/nvfp4`,
+    `engine:fp8+bf16@0.29`."""
+
+    name: str
+    key: KVFormat
+    value: KVFormat
+    bf16_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, name: str) -> RecipePeer:
+        m = re.fullmatch(r"engine:([\w]+)(?:/([\w]+))?(?:\+bf16@(\d+(?:\.\d+)*))?", name)
+        formats = ", ".join(KVFormat)
+        if m is None:
+            raise EvalError(f"invalid engine recipe {shorten(name)}: expected engine:KEY[/VALUE][+bf16@L.L...] "
+                            f"with formats among {formats}")
+        try:
+            key = KVFormat(m[1])
+            value = KVFormat(m[2] or m[1])
+        except ValueError:
+            raise EvalError(f"invalid engine recipe {shorten(name)}: formats are among {formats}") from None
+        layers = tuple(sorted({int(x) for x in m[3].split(".")})) if m[3] else ()
+        return cls(name, key, value, layers)
+
+    def recipe(self, num_layers: int) -> EngineRecipe:
+        if any(i >= num_layers for i in self.bf16_layers):
+            raise EvalError(f"engine recipe {self.name}: the model has layers 0-{num_layers - 1}")
+        return EngineRecipe.uniform(num_layers, self.key, self.value).with_layers(
+            {i: KVFormat.BF16 for i in self.bf16_layers})
+
+    @property
+    def label(self) -> str:
+        kept = f", layers {', '.join(map(str, self.bf16_layers))} in bf16" if self.bf16_layers else ""
+        return f"engine formats emulated in torch: {self.key} keys, {self.value} values{kept}"
+
+    backend_label = "engine formats emulated (pnmix.recipe_cache)"
+
+    def check(self) -> None:
+        pass
+
+    def new_cache(self, model: Any) -> Any:
+        from pnmix.recipe_cache import RecipeCache
+
+        return RecipeCache(model.config, self.recipe(model.config.get_text_config(decoder=True).num_hidden_layers))
+
+    def held_bytes(self, cache: Any) -> int:
+        """What the engine stores for what the cache holds: each layer's elements at its formats'
+        effective bits (the per-tensor scales left out)."""
+        return int(sum(layer.keys.numel() * EFFECTIVE_BITS[layer.formats.key]
+                       + layer.values.numel() * EFFECTIVE_BITS[layer.formats.value] for layer in cache.layers) / 8)
+
+    def versions(self) -> dict[str, str]:
+        return {}
+
+    def key_bits(self, head_dim: int, plan: Any = None) -> float:
+        """The keys' effective bits per element, weighted by what each layer holds on a hybrid model."""
+        num_layers = len(plan.kinds) if plan is not None else 1
+        keys_only = EngineRecipe.of([(f.key, f.key) for f in self.recipe(num_layers).layers])
+        return keys_only.effective_bits(plan)
+
+    def kv_bits(self, plan: Any = None) -> float:
+        num_layers = len(plan.kinds) if plan is not None else 1
+        return self.recipe(num_layers).effective_bits(plan)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peer": self.name, "cache": "pnmix.recipe_cache.RecipeCache", "key": str(self.key),
+                "value": str(self.value), "bf16_layers": list(self.bf16_layers)}
+
+
+AnyPeer = Peer | RecipePeer
+
+
+def is_peer(name: str) -> bool:
+    return name in PEERS or name.startswith("engine:")
+
+
 PEERS = {
     "hf-quanto-2": Peer("hf-quanto-2", "quanto", 2, "optimum.quanto", "optimum-quanto"),
     "hf-quanto-4": Peer("hf-quanto-4", "quanto", 4, "optimum.quanto", "optimum-quanto"),
@@ -100,8 +193,8 @@ PEERS = {
 }
 
 
-def peer(name: str) -> Peer:
-    found = PEERS[name]
+def peer(name: str) -> AnyPeer:
+    found: AnyPeer = RecipePeer.parse(name) if name.startswith("engine:") else PEERS[name]
     found.check()
     return found
 
@@ -129,7 +222,7 @@ def cache_bytes(cache: Any) -> int:
 
 
 @torch.inference_mode()
-def answer(model: Any, tokenizer: Any, p: Peer, prompt: str, max_new_tokens: int) -> str:
+def answer(model: Any, tokenizer: Any, p: AnyPeer, prompt: str, max_new_tokens: int) -> str:
     """Greedy answer to a chat prompt through `model.generate` with a fresh peer cache."""
     from pnmix.generation import cache_kwargs
     from pnmix.models import chat_ids
@@ -143,7 +236,7 @@ def answer(model: Any, tokenizer: Any, p: Peer, prompt: str, max_new_tokens: int
 
 
 @torch.inference_mode()
-def replay(model: Any, p: Peer, prompt_ids: list[int], tokens: torch.Tensor,
+def replay(model: Any, p: AnyPeer, prompt_ids: list[int], tokens: torch.Tensor,
            ref_logp: torch.Tensor) -> tuple[float, float]:
     """(top-1 agreement, mean KL(p_fp16 || p_peer)) along an fp16 trajectory, one token a step."""
     from pnmix.generation import cache_kwargs
@@ -161,16 +254,18 @@ def replay(model: Any, p: Peer, prompt_ids: list[int], tokens: torch.Tensor,
     return float(agree.mean()), float(kl.mean())
 
 
-def measure_cost(model: Any, p: Peer, seed: int = 0) -> tuple[int, float, int | None]:
+def measure_cost(model: Any, p: AnyPeer, seed: int = 0) -> tuple[int, float, int | None]:
     """(bytes held, decode tokens/s, peak device bytes) of a peer's cache on the engine's cost
-    workload (`tuner.scoring.cost.live_cost`): bytes are what the QuantizedCache holds (`cache_bytes`)
-    once COST_NEW_TOKENS - 1 new tokens went in."""
+    workload (`tuner.scoring.cost.live_cost`): bytes are what the cache holds (`held_bytes`) once
+    COST_NEW_TOKENS - 1 new tokens went in. An emulated engine recipe has no tokens/s of its own
+    (the emulation's speed is not the engine's): NaN."""
     from pnmix.tuner.scoring.cost import live_cost
 
-    return live_cost(model, lambda: p.new_cache(model), cache_bytes, seed)
+    kv_bytes, tok_s, peak = live_cost(model, lambda: p.new_cache(model), p.held_bytes, seed)
+    return kv_bytes, (math.nan if isinstance(p, RecipePeer) else tok_s), peak
 
 
-def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
+def score(evaluator: Evaluator, p: AnyPeer, measure: bool = True) -> Score:
     """A peer's Score on the evaluator's items, trajectories and lm-eval documents (see the module docstring)."""
     from pnmix.tuner.scoring.score import Score, versions
 
@@ -213,19 +308,19 @@ def score(evaluator: Evaluator, p: Peer, measure: bool = True) -> Score:
     return Score.from_units(
         units, agreements, timings, cost,
         config=p.to_dict(),
-        key_bits=p.key_bits(evaluator.head_dim),
-        backend=f"transformers QuantizedCache ({p.backend})",
+        key_bits=p.key_bits(evaluator.head_dim, evaluator.plan),
+        backend=p.backend_label,
         device=evaluator.device_name(),
-        versions={**versions(), **package_versions(p)},
+        versions={**versions(), **p.versions()},
         seconds=time.perf_counter() - start,
         profile=evaluator.profile.name,
     )
 
 
-def package_versions(p: Peer) -> dict[str, str]:
+def package_versions(pip_name: str) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return {p.pip_name: version(p.pip_name)}
+        return {pip_name: version(pip_name)}
     except PackageNotFoundError:
         return {}
