@@ -1,4 +1,5 @@
-"""Peers: transformers' own quantized KV caches, scored on the same items as PN-Mix configs.
+"""Peers: transformers' own quantized KV caches and the serving engines' KV formats, scored on the
+same items as PN-Mix configs.
 
 `pnmix eval --compare fp16,pnmix-paper,hf-quanto-2,...` accepts these names beside the presets:
 
@@ -8,7 +9,10 @@
 | `hf-hqq-2`, `hf-hqq-4` | `transformers.QuantizedCache("hqq")`: HQQ, 2 or 4 bits, keys and values |
 
 Both with residual 128 and groups of 64, and transformers' default axes (0 for keys and values).
-They quantize the whole prompt at prefill, keep up to `residual_length` new tokens in full
+Engine recipes (`RecipePeer`, named `engine:KEY[/VALUE][+bf16@L.L...]`) store each layer in the
+formats a serving engine would (`pnmix.recipe_cache.RecipeCache`; docs/engines.md).
+
+The QuantizedCache peers quantize the whole prompt at prefill, keep up to `residual_length` new tokens in full
 precision, and then dequantize the whole cache and quantize it again. With axis 0, quanto's groups
 are 64 consecutive channels of one token (per-token groups), so their key bits follow the same
 formula as PN-Mix's (`pnmix.bits`): b + 2 x 16 / 64 (an fp16 scale and offset per group; no sinks,
