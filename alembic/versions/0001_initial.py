@@ -22,6 +22,12 @@ def _now() -> sa.DateTime:
 
 
 def upgrade() -> None:
+    _models()
+    _campaigns()
+    _front_points()
+
+
+def _models() -> None:
     op.create_table(
         "pnmix_models",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -43,6 +49,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_pnmix_models")),
         sa.UniqueConstraint("name", name=op.f("uq_pnmix_models_name")),
     )
+
+
+def _campaigns() -> None:
     op.create_table(
         "pnmix_campaigns",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -75,6 +84,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_pnmix_campaigns")),
     )
     op.create_index(op.f("ix_pnmix_campaigns_model_id"), "pnmix_campaigns", ["model_id"])
+
+
+def _front_points() -> None:
     op.create_table(
         "pnmix_front_points",
         sa.Column("id", sa.Integer(), nullable=False),

@@ -47,6 +47,12 @@ from pnmix.tuner.commands.options import (
 from pnmix.tuner.commands.render import num, pm, signed
 from pnmix.tuner.errors import EvalError
 
+CompareOpt = Annotated[str | None, typer.Option(
+    help="comma-separated presets or peers (hf-quanto-2, hf-quanto-4, hf-hqq-2, hf-hqq-4; engine recipes "
+         "engine:KEY or engine:KEY/VALUE, with +bf16@L.L for bf16 layers, e.g. engine:fp8+bf16@0.29) to score "
+         "side by side",
+    parser=Names(compare_names, with_arguments=("engine",)))]
+
 
 def eval_config(
     model: ModelOpt = "smollm2-135m",
@@ -67,10 +73,7 @@ def eval_config(
     text_prefix: TextPrefixOpt = None,
     text_tokens: TextTokensOpt = None,
     tasks: TaskListOpt = None,
-    compare: Annotated[str | None, typer.Option(help="comma-separated presets or peers (hf-quanto-2, hf-quanto-4, "
-                                                "hf-hqq-2, hf-hqq-4; engine recipes engine:KEY[/VALUE][+bf16@L.L], "
-                                                "e.g. engine:fp8+bf16@0.29) to score side by side",
-                                                parser=Names(compare_names, with_arguments=("engine",)))] = None,
+    compare: CompareOpt = None,
     lm_eval_task: LmEvalTaskOpt = None,
     lm_eval_limit: LmEvalLimitOpt = None,
     config_file: Annotated[str | None, typer.Option(
