@@ -36,24 +36,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command("bits", help=help_of(method_cli.bits))(method_cli.bits)
-app.command("models", help=help_of(method_cli.list_models))(method_cli.list_models)
-app.command("generate", help=help_of(method_cli.generate))(method_cli.generate)
-app.command("analyze", help=help_of(method_cli.analyze))(method_cli.analyze)
-app.command("run", help=help_of(campaigns.run_main_job))(campaigns.run_main_job)
-app.command("serve", help=help_of(service_cli.serve))(service_cli.serve)
-app.add_typer(service_cli.db_app, name="db")
-app.command("eval", help=help_of(scoring.eval_config))(scoring.eval_config)
-app.command("validate", help=help_of(scoring.validate))(scoring.validate)
-app.command("layers", help=help_of(scoring.layers))(scoring.layers)
-app.command("sweep", help=help_of(campaigns.sweep))(campaigns.sweep)
-app.command("tune", help=help_of(campaigns.tune))(campaigns.tune)
-app.command("worker", help=help_of(campaigns.worker))(campaigns.worker)
-app.command("fronts", help=help_of(results.fronts))(results.fronts)
-app.command("recommend", help=help_of(results.recommend))(results.recommend)
-app.command("export", help=help_of(results.export))(results.export)
-app.command("dashboard", help=help_of(results.dashboard))(results.dashboard)
-
+# The commands in the order `pnmix --help` lists them; `db` is a group of its own.
+COMMANDS: list[tuple[str, Any]] = [
+    ("bits", method_cli.bits), ("models", method_cli.list_models), ("generate", method_cli.generate),
+    ("analyze", method_cli.analyze), ("run", campaigns.run_main_job), ("serve", service_cli.serve),
+    ("db", service_cli.db_app), ("eval", scoring.eval_config), ("validate", scoring.validate),
+    ("layers", scoring.layers), ("sweep", campaigns.sweep), ("tune", campaigns.tune), ("worker", campaigns.worker),
+    ("fronts", results.fronts), ("recommend", results.recommend), ("export", results.export),
+    ("dashboard", results.dashboard),
+]
+for name, command in COMMANDS:
+    if isinstance(command, typer.Typer):
+        app.add_typer(command, name=name)
+    else:
+        app.command(name, help=help_of(command))(command)
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point, and the one place where the command line's errors are turned into messages.
