@@ -267,12 +267,11 @@ def _parse_sglang(text: str, num_layers: int) -> EngineRecipe:
 LLAMACPP = {KVFormat.BF16: "bf16", KVFormat.Q8_0: "q8_0", KVFormat.Q4_0: "q4_0"}
 
 
-def _ends(names: list[str], side: str, engine: str = "llamacpp") -> tuple[str, tuple[str, int] | None,
-                                                                          tuple[str, int] | None]:
+def _ends(names: list[str], side: str) -> tuple[str, tuple[str, int] | None, tuple[str, int] | None]:
     """(middle type, (first type, N) or None, (last type, M) or None) of one side's per-layer types."""
     runs = _runs(names)
     if len(runs) > 3:
-        raise RecipeError(f"{engine} gives the {side} cache a middle type and at most one type for the first "
+        raise RecipeError(f"llamacpp gives the {side} cache a middle type and at most one type for the first "
                           f"and one for the last layers; this recipe's {side} types change {len(runs) - 1} times")
     if len(runs) == 1:
         return runs[0][2], None, None

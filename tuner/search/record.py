@@ -5,8 +5,8 @@ reads them through the shared database). Which kind of trial it is follows from 
 carries and its Optuna state. This module is the only code that names those attributes, or touches
 `user_attrs`, `set_user_attr` and `system_attrs` of a trial or a study (tests/test_record.py keeps it
 so): `read` decodes a trial into a typed `TrialRecord` (campaigns stored before this module read the
-same way: the names are unchanged), decisions are made on its fields, and the `write_*` / `mark_*`
-functions set them.
+same way: the names are unchanged), `campaign_view` reads a starting trial's campaign once,
+decisions are made on the records' fields, and a `RunningTrial`'s methods write them.
 
 Kinds:
   scored   its config was evaluated by real inference in its own study

@@ -70,14 +70,15 @@ class Objective:
     def run(self, trial: optuna.Trial, budget: float) -> tuple[float, ...]:
         running = record.RunningTrial(trial)
         # The campaign as this trial starts: its study's trials and the scores of every study, read once.
-        view = record.campaign_view(self.studies.of_campaign(trial.study))
+        studies = self.studies.of_campaign(trial.study)
+        view = record.campaign_view(studies)
         if self._cap_reached(trial.number, view):
             # Another worker started the last trial at the same moment: record this one as surplus
             # (no inference, excluded from the count) rather than run past the requested count.
             running.mark_surplus()
             trial.study.stop()
             raise optuna.TrialPruned("trial cap reached by other workers")
-        config, bits = self._propose(trial, running, budget)
+        config, bits = self._propose(trial, running, budget, studies)
         if bits > budget:
             running.mark_skipped()
             return self._values(0.0, bits, None)
@@ -102,11 +103,13 @@ class Objective:
         self.compile_seconds += score.timings.get("kernel_compile", 0.0)
         return self._values(score.accuracy, bits, score)
 
-    def _propose(self, trial: optuna.Trial, running: record.RunningTrial, budget: float) -> tuple[AnyConfig, float]:
-        """The trial's config and its budget figure, written on the trial with the constraint."""
+    def _propose(self, trial: optuna.Trial, running: record.RunningTrial, budget: float,
+                 studies: list[optuna.Study]) -> tuple[AnyConfig, float]:
+        """The trial's config and its budget figure, written on the trial with the constraint;
+        `studies`: the campaign's, the trial's own first."""
         origin = None
         if self.allocator is not None:
-            config, origin = self.allocator.config(trial, running, budget, self.studies.of_campaign(trial.study))
+            config, origin = self.allocator.config(trial, running, budget, studies)
         else:
             config = self.space.suggest(trial, self.studies.pairs(budget, self.head_dim), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
