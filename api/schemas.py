@@ -20,6 +20,7 @@ from pydantic import (
 from pnmix.inputs import BUDGET
 from pnmix.models import SHAPE_MODELS
 from pnmix.names import BACKENDS
+from pnmix.recipes import ENGINES
 from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint
 from pnmix.storage.read import OPTIMIZE, ModelSummary
 from pnmix.storage.vocabulary import BUDGET_ON, DEFAULT_METHOD, LAYER_GROUPS, METHODS, TRIALS
@@ -50,6 +51,7 @@ WholeNumber = Annotated[int, BeforeValidator(_whole)]
 REQUESTED_OBJECTIVES = tuple(o for o in OBJECTIVES if o != "kv_bits")
 Status = Literal[CAMPAIGN_STATUSES]  # type: ignore[valid-type]
 Optimize = Literal[OPTIMIZE]  # type: ignore[valid-type]
+Engine = Literal[ENGINES]  # type: ignore[valid-type]
 
 
 class Health(BaseModel):
@@ -132,10 +134,14 @@ class PointPublic(BaseModel):
     campaign_id: int
     budget: float
     trial_number: int
-    config: ConfigPublic
+    config: ConfigPublic | None = Field(description="the PN-Mix config (of a layer-wise one, the default); null "
+                                        "for an engine recipe")
     layers: dict[str, dict[str, int | float | str]] | None = Field(
         default=None, description='a layer-wise config\'s ranges over `config`, {"A-B": {field: value}} '
         '(LayerwiseConfig JSON "layers"); null: every layer has `config`')
+    recipe: list[list[str]] | None = Field(
+        default=None, description="the engine method's answer: each layer's [key format, value format] among bf16, "
+        "fp8, nvfp4, q8_0, q4_0 (pnmix.recipes.EngineRecipe); null for a PN-Mix config")
     accuracy: float
     accuracy_se: float | None = Field(default=None, description="standard error of accuracy; null where the point "
                                       "was stored without one")
@@ -160,7 +166,8 @@ class PointPublic(BaseModel):
     def of(cls, p: FrontPoint) -> PointPublic:
         return cls(
             id=p.id, campaign_id=p.campaign_id, budget=p.budget, trial_number=p.trial_number,
-            config=ConfigPublic(**_default(p.config).to_dict()), layers=p.layers or None, accuracy=p.accuracy,
+            config=None if p.recipe is not None else ConfigPublic(**_default(p.config).to_dict()),
+            layers=p.layers or None, recipe=p.recipe["layers"] if p.recipe is not None else None, accuracy=p.accuracy,
             accuracy_se=p.accuracy_se if p.accuracy_se is not None and _finite(p.accuracy_se) else None,
             accuracy_parts={k: float(v) for k, v in p.accuracy_parts.items() if _finite(v)},
             key_bits=p.key_bits, kv_bits=p.kv_bits, budget_on=p.budget_on,  # type: ignore[arg-type]
@@ -178,7 +185,11 @@ class Recommendation(BaseModel):
     min_accuracy: float
     point: PointPublic
     pnmix_config: str = Field(description="the config as JSON, a PNMixConfig or a layer-wise one "
-                              "(pnmix.layerwise.load_config reads either)")
+                              "(pnmix.layerwise.load_config reads either), or an engine recipe")
+    format: Engine | None = Field(default=None, description="the engine asked for: only recipes it loads as they are")
+    engine_config: str | None = Field(default=None, description="with `format`: the recommendation as that engine "
+                                      "loads it (vLLM's flags, Model-Optimizer's JSON, TensorRT-LLM's dtype string, "
+                                      "SGLang's flags, ik_llama.cpp's flags)")
     ties: list[PointPublic] = Field(
         default_factory=list,
         description="optimize=accuracy: the points statistically tied with the most accurate one (accuracy "

@@ -68,3 +68,10 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, pnmix_attention)
     # A custom attention name needs a mask function too, or left-padded rows go wrong.
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_pnmix_attention(model: Any) -> None:
+    """Switches the model's attention to "pnmix" (SDPA when no PN-Mix cache is passed)."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)

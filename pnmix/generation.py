@@ -7,18 +7,12 @@ from typing import Any
 
 import torch
 
-from pnmix.attention import ATTENTION_NAME, register
+from pnmix.attention import use_pnmix_attention
 from pnmix.cache import PNMixCache
 from pnmix.config import PNMixConfig
 from pnmix.families import check_model
 from pnmix.layerwise import LayerwiseConfig
-
-
-def use_pnmix_attention(model: Any) -> None:
-    """Switches the model's attention to "pnmix" (SDPA when no PN-Mix cache is passed)."""
-    register()
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
+from pnmix.recipes import EngineRecipe
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
@@ -27,9 +21,14 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def new_cache(model: Any, config: PNMixConfig | LayerwiseConfig) -> PNMixCache:
-    """A fresh PN-Mix cache for one generation (one config for every layer, or layer-wise);
-    validates the (model, config) pair first."""
+def new_cache(model: Any, config: PNMixConfig | LayerwiseConfig | EngineRecipe) -> Any:
+    """A fresh cache for one generation: a PN-Mix cache (one config for every layer, or
+    layer-wise), or an engine recipe's `pnmix.recipe_cache.RecipeCache`; validates the (model,
+    config) pair first."""
+    if isinstance(config, EngineRecipe):
+        from pnmix.recipe_cache import RecipeCache
+
+        return RecipeCache(model.config, config)
     check_model(model.config, config)
     use_pnmix_attention(model)
     return PNMixCache(model.config, config)
@@ -39,12 +38,13 @@ def new_cache(model: Any, config: PNMixConfig | LayerwiseConfig) -> PNMixCache:
 def generate(
     model: Any,
     input_ids: torch.Tensor,
-    config: PNMixConfig | LayerwiseConfig,
+    config: PNMixConfig | LayerwiseConfig | EngineRecipe,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 32,
     **generate_kwargs: Any,
-) -> tuple[torch.Tensor, PNMixCache]:
-    """Greedy generation (unless told otherwise) with a PN-Mix cache; returns (new tokens, cache)."""
+) -> tuple[torch.Tensor, Any]:
+    """Greedy generation (unless told otherwise) with a PN-Mix cache (or an engine recipe's);
+    returns (new tokens, cache)."""
     cache = new_cache(model, config)
     input_ids = input_ids.to(model.device)  # callers tokenize on the CPU; the model may sit on a GPU
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(model.device)

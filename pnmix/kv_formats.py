@@ -56,7 +56,7 @@ def fp8_scale(x: torch.Tensor) -> float:
     return amax / FP8_MAX if amax > 0 else 1.0
 
 
-def fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """E4M3 with a per-tensor scale, saturating, round to nearest even; dequantized."""
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
@@ -88,7 +88,7 @@ def nvfp4_scale(x: torch.Tensor) -> float:
     return amax / (E2M1_MAX * FP8_MAX) if amax > 0 else 1.0
 
 
-def nvfp4(x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+def nvfp4(x: torch.Tensor, tensor_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """NVFP4 (blocks of 16, E4M3 block scales, fp32 tensor scale: `x`'s own, `nvfp4_scale`, unless
     given); dequantized. Given a smaller tensor scale than `x` needs, block scales saturate at 448."""
     blocks = _blocks(x, NVFP4_BLOCK)
@@ -131,7 +131,7 @@ def calibrate(fmt: KVFormat | str, x: torch.Tensor) -> float | None:
     return fp8_scale(x) if fmt == KVFormat.FP8 else nvfp4_scale(x) if fmt == KVFormat.NVFP4 else None
 
 
-def round_trip(fmt: KVFormat | str, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def round_trip(fmt: KVFormat | str, x: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """`x` stored in `fmt` and read back; `scale`: FP8's per-tensor scale (default 1.0) or NVFP4's
     (default `x`'s own)."""
     fmt = KVFormat(fmt)

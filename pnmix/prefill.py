@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache
 
+if TYPE_CHECKING:
+    from pnmix.recipe_cache import RecipeBatchCache
+
 from pnmix.cache import BatchWindowLayer, LayerStep, PNMixCache, PNMixLayer, SeenTokensLayer
-from pnmix.config import PNMixConfig
-from pnmix.families import check_model, rope_pairing
+from pnmix.config import PRESETS, PNMixConfig
+from pnmix.families import FULL, check_model, rope_pairing
 from pnmix.generation import cache_kwargs, use_pnmix_attention
 from pnmix.layerwise import AnyConfig
+from pnmix.recipes import EngineRecipe
 from pnmix.saliency import Pairing, saliency_scores
 
 # Criteria whose scores depend on the prefill: recorded once per sequence.
@@ -46,6 +50,9 @@ class PrefillState:
     # criterion needs no record: its scores come from its seed)
     scores: dict[str, list[torch.Tensor]]
     logits: torch.Tensor  # [V] float32: the prediction of the first new token
+    # [T] the prompt's ids: an engine recipe's cache prefills the prompt again, since its prefill
+    # attends over the stored (quantized) keys and values (pnmix.recipe_cache)
+    ids: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -57,7 +64,8 @@ class PrefillState:
 
     def to(self, device: torch.device | str) -> PrefillState:
         return PrefillState([k.to(device) for k in self.keys], [v.to(device) for v in self.values],
-                            {c: [t.to(device) for t in ts] for c, ts in self.scores.items()}, self.logits.to(device))
+                            {c: [t.to(device) for t in ts] for c, ts in self.scores.items()}, self.logits.to(device),
+                            self.ids)
 
 
 class _RecordingLayer(SeenTokensLayer):
@@ -156,7 +164,7 @@ def _record_batch(model: Any, prompts: list[torch.Tensor]) -> list[PrefillState]
         states.append(PrefillState([la.recorded[0][b, :, :n].clone() for la in layers],
                                    [la.recorded[1][b, :, :n].clone() for la in layers],
                                    {c: [la.scores[c][b] for la in layers] for c in RECORDED_CRITERIA},
-                                   out.logits[b, column[b]].float()))
+                                   out.logits[b, column[b]].float(), prompts[b].detach().cpu().clone()))
     return states
 
 
@@ -179,6 +187,52 @@ def build_cache(model: Any, config: AnyConfig, states: list[PrefillState], multi
         else:
             cache.layers[li] = BatchWindowLayer(window, [s.keys[li] for s in states], [s.values[li] for s in states])
     return cache
+
+
+def build_recipe_cache(model: Any, recipe: EngineRecipe, states: list[PrefillState],
+                       multi_token: bool = False) -> RecipeBatchCache:
+    """An engine recipe's cache of a batch of prompts (`pnmix.recipe_cache`), sequence b's next
+    token at position states[b].length, as in `build_cache`. An engine's prefill attends over
+    what it stores, so each prompt (`PrefillState.ids`) is prefilled again, alone, into the
+    recipe's `RecipeCache`; what that stored, and its scales, fill the batch's layers, and its
+    last logits predict the first new token (`RecipeBatchCache.first_logits`)."""
+    from pnmix.recipe_cache import BatchFormatLayer, BatchFormatWindowLayer, RecipeBatchCache, RecipeCache
+
+    if not states:
+        raise ValueError("build_recipe_cache needs at least one prefill state")
+    pairing, head_dim = check_model(model.config, PRESETS["fp16"])
+    recipe.check_head_dim(head_dim)
+    alone, logits = [], []
+    for s in states:
+        if s.ids is None:
+            raise ValueError("an engine recipe's batch prefills each prompt again: its state needs the prompt's ids")
+        cache = RecipeCache(model.config, recipe)
+        with torch.no_grad():  # not inference mode: the batch's tensors are used as `build_cache`'s are
+            out = model(input_ids=s.ids[None].to(model.device), use_cache=True, **cache_kwargs(model, cache))
+        alone.append(cache)
+        logits.append(out.logits[0, -1].float())
+    use_pnmix_attention(model)  # the batch attends through the "pnmix" attention function
+    layers: list[Any] = []
+    for li, (formats, kind) in enumerate(zip(recipe.layers, cache.plan.kinds, strict=True)):
+        held = [c.layers[li] for c in alone]
+        scales = [h.scales for h in held]
+        keys, values = [h.keys[0] for h in held], [h.values[0] for h in held]
+        if kind == FULL:
+            layer: Any = BatchFormatLayer(formats, pairing, li, keys, values, scales)
+            layer.multi_token = multi_token
+        else:  # the window's stored tokens at their positions, the dropped ones (never attended) as zeros
+            keys = [_at_positions(k, s.length) for k, s in zip(keys, states, strict=True)]
+            values = [_at_positions(v, s.length) for v, s in zip(values, states, strict=True)]
+            layer = BatchFormatWindowLayer(formats, cache.plan.window or 0, keys, values, scales)
+        layers.append(layer)
+    return RecipeBatchCache(layers, recipe, torch.stack(logits))
+
+
+def _at_positions(held: torch.Tensor, length: int) -> torch.Tensor:
+    """[H, kept, d] of a window's last `kept` positions as [H, length, d], zeros before them."""
+    out = held.new_zeros((held.shape[0], length, held.shape[2]))
+    out[:, length - held.shape[1]:] = held
+    return out
 
 
 def build_layer(model: Any, config: PNMixConfig, states: list[PrefillState], layer_idx: int = 0) -> PNMixLayer:

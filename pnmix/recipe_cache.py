@@ -9,6 +9,13 @@ calibrated on the prompt, each layer's keys and values apart, and kept for every
 (which saturates where a later token exceeds them); `fp8_scale="one"` keeps FP8 at vLLM's default
 scale of 1.0 instead. A sliding-window layer keeps its window as transformers' own does.
 
+The scoring engine answers many prompts in one batch (`pnmix.prefill.build_recipe_cache`): each
+prompt is prefilled alone into a `RecipeCache` (its prefill attends over what the recipe stores,
+so the recorded exact prefill does not serve), and what each stored, with its scales, goes into
+the PN-Mix cache's unpadded batch layers (`BatchFormatLayer`: `pnmix.cache.PNMixLayer` with the
+fp16 config; `BatchFormatWindowLayer` for windows); every decoded token then enters
+round-tripped with its sequence's scales.
+
     from pnmix.recipe_cache import RecipeCache
 
     cache = RecipeCache(model.config, recipe)
@@ -22,6 +29,8 @@ from typing import Any, Literal
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from pnmix.cache import BatchWindowLayer, PNMixLayer
+from pnmix.config import preset
 from pnmix.families import FULL, plan_of_config
 from pnmix.kv_formats import KVFormat, calibrate, round_trip
 from pnmix.recipes import EngineRecipe, LayerFormats, RecipeError
@@ -78,14 +87,74 @@ class RecipeCache(Cache):
         if len(recipe.layers) != len(plan.kinds):
             raise RecipeError(f"the recipe has {len(recipe.layers)} layers, the model {len(plan.kinds)}")
         head_dim = int(getattr(model_config.get_text_config(decoder=True), "head_dim", 0) or 0)
-        for formats in recipe.layers:
-            for fmt in (formats.key, formats.value):
-                block = {KVFormat.NVFP4: 16, KVFormat.Q8_0: 32, KVFormat.Q4_0: 32}.get(fmt)
-                if block and head_dim and head_dim % block:
-                    raise RecipeError(f"{fmt} stores blocks of {block} along head_dim; this model's head_dim is "
-                                      f"{head_dim}")
+        if head_dim:
+            recipe.check_head_dim(head_dim)
         self.recipe, self.plan = recipe, plan
         layers: list[Any] = [FormatLayer(f, fp8_scale) if kind == FULL else FormatWindowLayer(f, plan.window or 0,
                                                                                              fp8_scale)
                              for f, kind in zip(recipe.layers, plan.kinds, strict=True)]
+        super().__init__(layers=layers)
+
+
+class _RowScales:
+    """What a batched layer stores: each sequence's new tokens round-tripped with that sequence's scales."""
+
+    def _setup_rows(self, formats: LayerFormats, scales: list[tuple[float | None, float | None]],
+                    device: torch.device) -> None:
+        self.formats = formats
+        self.row_scales = tuple(_column([s[side] for s in scales], device) for side in (0, 1))
+
+    def rows(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value [B, H_kv, n, d]: every sequence's new tokens round-tripped with its own scales."""
+        return (_round_rows(self.formats.key, key, self.row_scales[0]),
+                _round_rows(self.formats.value, value, self.row_scales[1]))
+
+
+def _column(scales: list[float | None], device: torch.device) -> torch.Tensor | None:
+    # float32, as a Python float scale is cast when it divides a float32 tensor: the same figures
+    return None if scales[0] is None else torch.tensor(scales, dtype=torch.float32, device=device)
+
+
+def _round_rows(fmt: KVFormat, x: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    if scales is None:
+        return round_trip(fmt, x)
+    # FP8 divides the elements by the scale; NVFP4 its blocks (one more dimension)
+    extra = 1 if fmt == KVFormat.NVFP4 else 0
+    return round_trip(fmt, x, scales.view(-1, *[1] * (x.dim() - 1 + extra)))
+
+
+class BatchFormatLayer(_RowScales, PNMixLayer):
+    """A full-attention layer of the scoring engine's batch: the fp16 PN-Mix layer (sequences of
+    different lengths unpadded) holding each sequence's prompt as its `RecipeCache` stored it
+    (`keys`, `values`, `scales`), fed every later token round-tripped through the layer's formats."""
+
+    def __init__(self, formats: LayerFormats, pairing: Any, layer_idx: int, keys: list[torch.Tensor],
+                 values: list[torch.Tensor], scales: list[tuple[float | None, float | None]]) -> None:
+        PNMixLayer.__init__(self, preset("fp16"), pairing, layer_idx)
+        self._setup_rows(formats, scales, keys[0].device)
+        self.load_prefill(keys, values, None)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        super().append(*self.rows(key, value))
+
+
+class BatchFormatWindowLayer(_RowScales, BatchWindowLayer):
+    """A sliding-window layer of the scoring engine's batch, its windows stored in the layer's formats
+    (`keys`, `values`: each sequence's positions, of which the window's last are the stored ones)."""
+
+    def __init__(self, formats: LayerFormats, window: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 scales: list[tuple[float | None, float | None]]) -> None:
+        self._setup_rows(formats, scales, keys[0].device)
+        BatchWindowLayer.__init__(self, window, keys, values)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        super().append(*self.rows(key, value))
+
+
+class RecipeBatchCache(Cache):
+    """An engine recipe's cache of a batch of prompts (`pnmix.prefill.build_recipe_cache`), with the
+    first new token's logits of each prompt's own prefill through the recipe's cache."""
+
+    def __init__(self, layers: list[Any], recipe: EngineRecipe, first_logits: torch.Tensor) -> None:
+        self.recipe, self.first_logits = recipe, first_logits
         super().__init__(layers=layers)

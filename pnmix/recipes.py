@@ -38,10 +38,11 @@ from typing import Any
 
 from pnmix.bits import LayerPlan
 from pnmix.errors import PNMixError
-from pnmix.kv_formats import EFFECTIVE_BITS, KVFormat
+from pnmix.kv_formats import EFFECTIVE_BITS, GGML_BLOCK, NVFP4_BLOCK, KVFormat
 
 ENGINES = ("vllm", "modelopt", "trtllm", "sglang", "llamacpp")
 DEFAULT_TOKENS = 32768  # the context the weighted figure is taken at, as PN-Mix's (`pnmix.bits`)
+BLOCKS = {KVFormat.NVFP4: NVFP4_BLOCK, KVFormat.Q8_0: GGML_BLOCK, KVFormat.Q4_0: GGML_BLOCK}  # along head_dim
 
 
 class RecipeError(PNMixError, ValueError):
@@ -80,6 +81,35 @@ class EngineRecipe:
         if len(held) != len(self.layers):
             raise RecipeError(f"the recipe has {len(self.layers)} layers, the model {len(held)}")
         return sum(h * fmt.bits() for h, fmt in zip(held, self.layers, strict=True)) / sum(held)
+
+    def key_bits(self, plan: LayerPlan | None = None, tokens: int = DEFAULT_TOKENS) -> float:
+        """The keys' effective bits per key element, weighted as `effective_bits`."""
+        return EngineRecipe.of([(f.key, f.key) for f in self.layers]).effective_bits(plan, tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def label(self) -> str:
+        """Each run of layers with one (key, value) format in one short line: "fp8 L0-1 bf16" (the
+        most common format first, then the layers that differ), "fp8/nvfp4" for fp8 keys and nvfp4 values."""
+        def name(f: LayerFormats) -> str:
+            return str(f.key) if f.key == f.value else f"{f.key}/{f.value}"
+
+        common = max(dict.fromkeys(self.layers), key=list(self.layers).count)
+        rest = [f"L{a}" + (f"-{b}" if b != a else "") + f" {name(f)}" for a, b, f in _runs(self.layers) if f != common]
+        return " ".join([name(common), *rest])
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Checks what depends on the model: a head_dim that every block format's block divides."""
+        for fmt in dict.fromkeys(f for layer in self.layers for f in (layer.key, layer.value)):
+            block = BLOCKS.get(fmt)
+            if block and head_dim % block:
+                raise RecipeError(f"{fmt} stores blocks of {block} along head_dim; this model's head_dim is {head_dim}")
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     def with_layers(self, changes: dict[int, KVFormat | tuple[KVFormat, KVFormat]]) -> EngineRecipe:
         """The recipe with the layers of `changes` replaced (a format for keys and values, or a pair)."""

@@ -8,7 +8,9 @@ Table names carry a `pnmix_` prefix because the same database also holds Optuna'
 - `pnmix_campaigns`: one tuning campaign over several bit budgets; workers claim queued ones.
 - `pnmix_front_points`: the feasible Pareto front of one (campaign, budget); every `PNMixConfig`
   field as its own column, so queries can filter on them. A layer-wise config stores its default
-  in those columns and its per-layer ranges in `layers` (NULL: every layer the same). Each point
+  in those columns and its per-layer ranges in `layers` (NULL: every layer the same). An engine
+  recipe (the engine method's answer) stores its per-layer formats in `recipe`, its config
+  columns NULL. Each point
   carries both bit figures, key bits and KV bits, so a recommendation answers for either.
 """
 
@@ -39,6 +41,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
 from pnmix.layerwise import LayerwiseConfig
+from pnmix.recipes import EngineRecipe
 from pnmix.storage.vocabulary import TIE_Z, BudgetOn
 
 CAMPAIGN_STATUSES = ("queued", "running", "done", "failed")
@@ -173,6 +176,7 @@ class FrontPoint(Base):
                         "budget_on = 'kv' AND kv_bits <= budget + 1e-9)", name="within_budget"),
         CheckConstraint("accuracy >= 0 AND accuracy <= 1", name="accuracy_range"),
         CheckConstraint("b_low <= b_high", name="bits_order"),
+        CheckConstraint("(recipe IS NULL) = (b_high IS NOT NULL)", name="config_or_recipe"),
         CheckConstraint("kv_bytes >= 0 AND throughput >= 0", name="measurements"),
         # recommend(): a model's points under a bit budget
         Index("ix_pnmix_front_points_model_bits", "model_id", "key_bits"),
@@ -188,19 +192,21 @@ class FrontPoint(Base):
     budget: Mapped[float] = mapped_column(Double)
     budget_on: Mapped[str] = mapped_column(String(8), default="key", server_default="key")  # the campaign's
     trial_number: Mapped[int] = mapped_column(Integer)
-    # every PNMixConfig field
-    b_high: Mapped[int] = mapped_column(Integer)
-    b_low: Mapped[int] = mapped_column(Integer)
-    group_size: Mapped[int] = mapped_column(Integer)
-    salient_ratio: Mapped[float] = mapped_column(Double)
-    n_sink: Mapped[int] = mapped_column(Integer)
-    residual_len: Mapped[int] = mapped_column(Integer)
-    value_bits: Mapped[int] = mapped_column(Integer)
-    value_group_size: Mapped[int] = mapped_column(Integer)
-    criterion: Mapped[str] = mapped_column(String(32))
-    seed: Mapped[int] = mapped_column(Integer)
+    # every PNMixConfig field; NULL for an engine recipe's point (`recipe` set)
+    b_high: Mapped[int | None] = mapped_column(Integer)
+    b_low: Mapped[int | None] = mapped_column(Integer)
+    group_size: Mapped[int | None] = mapped_column(Integer)
+    salient_ratio: Mapped[float | None] = mapped_column(Double)
+    n_sink: Mapped[int | None] = mapped_column(Integer)
+    residual_len: Mapped[int | None] = mapped_column(Integer)
+    value_bits: Mapped[int | None] = mapped_column(Integer)
+    value_group_size: Mapped[int | None] = mapped_column(Integer)
+    criterion: Mapped[str | None] = mapped_column(String(32))
+    seed: Mapped[int | None] = mapped_column(Integer)
     # a layer-wise config's ranges, {"A-B": {field: value}} (LayerwiseConfig.to_dict()["layers"]); NULL: none
     layers: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # an engine recipe, {"layers": [[key format, value format], ...]} (EngineRecipe.to_dict()); NULL: a PN-Mix config
+    recipe: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # metrics
     accuracy: Mapped[float] = mapped_column(Double)  # aggregate score in [0, 1]
     accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True)  # its standard error; None: unknown
@@ -225,7 +231,9 @@ class FrontPoint(Base):
     campaign: Mapped[Campaign] = relationship(back_populates="points")
 
     @property
-    def config(self) -> PNMixConfig | LayerwiseConfig:
+    def config(self) -> PNMixConfig | LayerwiseConfig | EngineRecipe:
+        if self.recipe is not None:
+            return EngineRecipe.from_dict(self.recipe)
         default = PNMixConfig(**{name: getattr(self, name) for name in CONFIG_FIELDS})
         if not self.layers:
             return default

@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, joinedload
 
+from pnmix.recipes import ENGINES, expresses
 from pnmix.storage.errors import InvalidValueError, NoFeasiblePointError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, Campaign, FrontPoint, Model
 from pnmix.storage.vocabulary import BUDGET_ON, TIE_Z, BudgetOn  # TIE_Z: also importable from here
@@ -185,9 +186,11 @@ def recommend(
     min_accuracy: float | None = None,
     campaign_id: int | None = None,
     bits_of: str = "key",
+    engine: str | None = None,
 ) -> FrontPoint:
     """The recommended point: `recommend_with_ties(...).point`."""
-    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of).point
+    return recommend_with_ties(session, model, target_bits, optimize, min_accuracy, campaign_id, bits_of,
+                               engine).point
 
 
 def recommend_with_ties(
@@ -198,6 +201,7 @@ def recommend_with_ties(
     min_accuracy: float | None = None,
     campaign_id: int | None = None,
     bits_of: str = "key",
+    engine: str | None = None,
 ) -> Recommendation:
     """The recommended stored point of `model` with key bits (`bits_of="key"`) or KV bits (`"kv"`)
     <= `target_bits` and accuracy >= `min_accuracy`, and the points tied with the most accurate one
@@ -211,6 +215,8 @@ def recommend_with_ties(
     - "throughput" (highest decode tokens/s) or "memory" (fewest measured KV bytes): that point,
       no ties. Without `min_accuracy`, only points with at least RELATIVE_FLOOR of the best accuracy
       within the budget count (`applied_floor`).
+    `engine` (one of `pnmix.recipes.ENGINES`): only the engine recipes that engine loads as they
+    are (`pnmix.recipes.expresses`), e.g. vLLM's one quantized dtype with bf16 skip layers.
     Raises NotFoundError for an unknown model, NoFeasiblePointError (with the smallest bits that
     would fit) when nothing satisfies the constraints.
     """
@@ -226,13 +232,25 @@ def recommend_with_ties(
         conditions.append(FrontPoint.campaign_id == campaign_id)
     feasible_of_model = (select(FrontPoint).join(Model, FrontPoint.model_id == Model.id)
                          .where(Model.name == model, bits <= target_bits + BITS_EPS, *conditions))
-    best = session.scalars(feasible_of_model.order_by(*_ORDER[optimize], FrontPoint.id).limit(1)).first()
+    loaded: list[FrontPoint] | None = None
+    if engine is None:
+        best = session.scalars(feasible_of_model.order_by(*_ORDER[optimize], FrontPoint.id).limit(1)).first()
+    else:
+        if engine not in ENGINES:
+            raise InvalidValueError(f"invalid engine {engine!r}: allowed {', '.join(ENGINES)}")
+        conditions.append(FrontPoint.recipe.is_not(None))
+        loaded = [p for p in session.scalars(feasible_of_model.where(FrontPoint.recipe.is_not(None))
+                                             .order_by(*_ORDER[optimize], FrontPoint.id))
+                  if expresses(p.config, engine)]  # type: ignore[arg-type]
+        best = loaded[0] if loaded else None
     if best is not None:
         if optimize != "accuracy":
             return Recommendation(best, [], best, floor, {}, {}, optimize, bits_of)
-        if best.accuracy_se is None:  # only equal accuracy ties with it
-            feasible_of_model = feasible_of_model.where(FrontPoint.accuracy == best.accuracy)
-        ties = _tie_order(best, list(session.scalars(feasible_of_model)), bits_of)
+        if loaded is None:
+            if best.accuracy_se is None:  # only equal accuracy ties with it
+                feasible_of_model = feasible_of_model.where(FrontPoint.accuracy == best.accuracy)
+            loaded = list(session.scalars(feasible_of_model))
+        ties = _tie_order(best, loaded, bits_of)
         tie_se = {p.id: _diff_se(best, p) for p in ties}
         paired = {p.id: paired_se(best, p) is not None for p in ties}
         return Recommendation(ties[0], ties, best, floor, tie_se, paired, optimize, bits_of)

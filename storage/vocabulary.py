@@ -19,14 +19,16 @@ from typing import Any
 
 from pnmix.inputs import INT32_MAX, MAX_PATH, InputError, Int, Number, Parser, Range
 
-METHODS = ("pnmix-alloc", "pnmix", "kivi", "kitty", "pnmix-layers")
+METHODS = ("pnmix-alloc", "pnmix", "kivi", "kitty", "pnmix-layers", "engine")
 """The methods a campaign tunes and compares on one model, each a restriction of the config's knobs
 (`pnmix.tuner.search.space` gives each its search space): PN-Mix itself, KIVI (uniform key bits, no
 salient channels, no sinks) and a Kitty-like method (4/2 bits on high-magnitude channels), plus the
 layer-wise ones: `pnmix-alloc` (the default), where every layer takes its own b_high, b_low and
 salient ratio from the allocator (`pnmix.tuner.search.layers`: per-layer sensitivity and a knapsack under
 the budget, then local moves scored by real accuracy), and `pnmix-layers`: groups of layers (formed
-by layer sensitivity) that each take their own pair and ratio as sampled trial parameters."""
+by layer sensitivity) that each take their own pair and ratio as sampled trial parameters; and
+`engine`, whose answers are serving engines' per-layer KV formats (FP8, NVFP4, llama.cpp's types)
+set by the same kind of allocator under an effective-KV-bits budget (`pnmix.tuner.search.methods`)."""
 DEFAULT_METHOD = "pnmix-alloc"
 
 

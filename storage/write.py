@@ -26,11 +26,13 @@ from typing import Any, Literal
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from pnmix.bits import LayerPlan, weighted_key_bits, weighted_kv_bits
+from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
+from pnmix.configs import Answer, key_bits, kv_bits
 from pnmix.inputs import BUDGET
 from pnmix.layerwise import LayerwiseConfig, simplest
 from pnmix.names import BACKENDS
+from pnmix.recipes import EngineRecipe
 from pnmix.storage.errors import InvalidValueError, NotFoundError
 from pnmix.storage.orm import CAMPAIGN_STATUSES, CONFIG_FIELDS, TERMINAL_STATUSES, Campaign, FrontPoint, Model, utcnow
 from pnmix.storage.vocabulary import BUDGET_ON, METHODS, TRIALS, BudgetOn
@@ -94,7 +96,7 @@ class FrontPointIn:
     key bits (`pnmix.bits.weighted_key_bits`) and KV bits (`weighted_kv_bits`) from `config` and the
     model's shape and layer kinds.
 
-    config:         a `PNMixConfig` or a `LayerwiseConfig`
+    config:         a `PNMixConfig`, a `LayerwiseConfig` or an `EngineRecipe` (the engine method's)
     accuracy:       aggregate score in [0, 1] (what the front maximizes)
     accuracy_se:    its standard error (tuner/scoring/stats.py), None where not measured
     accuracy_parts: the score's parts by name, e.g. {"passkey": 0.8, "top1_agreement": 0.93, "kl": 0.04}
@@ -109,7 +111,7 @@ class FrontPointIn:
                     two points of one campaign, scored on the same units, then compare paired
     """
 
-    config: PNMixConfig | LayerwiseConfig
+    config: Answer
     accuracy: float
     kv_bytes: int
     throughput: float
@@ -122,8 +124,8 @@ class FrontPointIn:
     unit_influence: Mapping[str, Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.config, PNMixConfig | LayerwiseConfig):
-            raise InvalidValueError(f"config must be a PNMixConfig or LayerwiseConfig, "
+        if not isinstance(self.config, PNMixConfig | LayerwiseConfig | EngineRecipe):
+            raise InvalidValueError(f"config must be a PNMixConfig, LayerwiseConfig or EngineRecipe, "
                                     f"got {type(self.config).__name__}")
         _check_number("accuracy", self.accuracy, low=0.0, high=1.0)
         _check_number("throughput", self.throughput, low=0.0)
@@ -486,13 +488,13 @@ def replace_front(
     return rows
 
 
-def _point_bits(campaign: Campaign, budget: float, trial_number: int, config: PNMixConfig | LayerwiseConfig,
+def _point_bits(campaign: Campaign, budget: float, trial_number: int, config: Answer,
                 head_dim: int, plan: LayerPlan) -> tuple[float, float]:
-    """A front point's (key bits, KV bits) on the campaign's model; the figure the campaign's
-    `budget_on` names must be within `budget`."""
+    """A front point's (key bits, KV bits) on the campaign's model (`pnmix.configs`); the figure the
+    campaign's `budget_on` names must be within `budget`."""
     try:
-        key = weighted_key_bits(config, plan, head_dim)
-        kv = weighted_kv_bits(config, plan, head_dim)
+        key = key_bits(config, plan, head_dim)
+        kv = kv_bits(config, plan, head_dim)
     except ValueError as exc:  # ConfigError: config does not fit the model (value_group_size, layers)
         raise InvalidValueError(f"trial {trial_number}: {exc}") from None
     bits = kv if campaign.budget_on == BudgetOn.KV else key
@@ -507,7 +509,7 @@ def _front_row(campaign: Campaign, budget: float, point: FrontPointIn, head_dim:
                plan: LayerPlan) -> FrontPoint:
     """The row that stores `point` in the front of (campaign, budget): its config compact, its bits
     computed and checked against the budget (`_point_bits`)."""
-    config = simplest(point.config)
+    config = point.config if isinstance(point.config, EngineRecipe) else simplest(point.config)
     key, kv = _point_bits(campaign, budget, point.trial_number, config, head_dim, plan)
     default = config.default if isinstance(config, LayerwiseConfig) else config
     return FrontPoint(
@@ -516,8 +518,9 @@ def _front_row(campaign: Campaign, budget: float, point: FrontPointIn, head_dim:
         budget=budget,
         budget_on=campaign.budget_on,
         trial_number=point.trial_number,
-        **{name: getattr(default, name) for name in CONFIG_FIELDS},
+        **{name: getattr(default, name, None) for name in CONFIG_FIELDS},
         layers=config.to_dict()["layers"] if isinstance(config, LayerwiseConfig) else None,
+        recipe=config.to_dict() if isinstance(config, EngineRecipe) else None,
         accuracy=float(point.accuracy),
         accuracy_se=None if point.accuracy_se is None else float(point.accuracy_se),
         accuracy_parts={str(k): float(v) for k, v in point.accuracy_parts.items()},

@@ -6,12 +6,13 @@ import math
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import tiny_gemma3, tiny_model
 
 from pnmix.cache import PNMixLayer
 from pnmix.config import PNMixConfig, preset
 from pnmix.generation import cache_kwargs, generate, new_cache
 from pnmix.prefill import RECORDED_CRITERIA, build_cache, record_prefill, record_prefills
+from pnmix.recipes import EngineRecipe
 from pnmix.static import StaticGenerator
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import stats, tasks
@@ -274,3 +275,46 @@ def test_combined_and_paired_standard_errors():
     with pytest.raises(ValueError, match="not the same items"):
         stats.paired({"passkey": [1.0]}, {"passkey": [1.0, 0.0]})
 
+
+
+RECIPES = {
+    "fp8/nvfp4": [("fp8", "nvfp4"), ("bf16", "bf16")],
+    "q8_0/q4_0": [("q4_0", "q8_0"), ("q8_0", "q4_0")],
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_batched_recipe_answers_equal_per_item_generate_with_its_recipe_cache(name):
+    # An engine recipe's batch (pnmix.recipe_cache.build_recipe_cache): each prompt stored as the
+    # recipe's cache stores it alone, every decoded token round-tripped with that prompt's scales.
+    model = tiny_model("llama", seed=1, dtype=torch.float64, head_dim=32)
+    model.config.eos_token_id = 7
+    recipe = EngineRecipe.of(RECIPES[name])
+    prompts = _prompts((37, 70, 12, 64), seed=2)
+    engine = ScoringEngine(model, tokenizer=None)
+    tokens = engine.greedy(recipe, [record_prefill(model, p) for p in prompts], 30)
+    plain = engine.greedy(preset("fp16"), [record_prefill(model, p) for p in prompts], 30)
+    assert not torch.equal(tokens, plain)  # the formats change the answers of a random model
+    for row, p in enumerate(prompts):
+        want = generate(model, p, recipe, max_new_tokens=30)[0][0].tolist()
+        assert tokens[row].tolist()[: len(want)] == want, row
+
+
+def test_batched_recipe_replay_and_bytes_on_a_hybrid_model():
+    model = tiny_gemma3(dtype=torch.float64, window=8, head_dim=32)
+    recipe = EngineRecipe.uniform(model.config.num_hidden_layers, "fp8", "nvfp4")
+    prompts = [torch.randint(1, 120, (1, n), generator=torch.Generator().manual_seed(n)) for n in (20, 31)]
+    trajs = []
+    for p in prompts:
+        cont = trajectory(model, p, 24)
+        trajs.append(Trajectory(p[0].tolist(), cont, reference_logits(model, p, cont)))
+    engine = ScoringEngine(model, tokenizer=None)
+    engine.add_trajectories(trajs)
+    for (agree, kl), traj in zip(engine.fidelity(recipe), trajs, strict=True):
+        ref = replay(model, torch.tensor([traj.prompt_ids]), traj.tokens, recipe, traj.reference_logits)
+        assert agree == ref.agreement
+        assert kl == pytest.approx(ref.mean_kl, rel=1e-6, abs=1e-12) and kl > 0
+    kv_bytes, tok_s, peak = engine.measure_cost(recipe, seed=3)
+    held = engine.plan.held(512 + 31)  # the cost workload: a 512-token prompt, 31 tokens fed back
+    h, d = model.config.num_key_value_heads, 32
+    assert kv_bytes == sum(n * h * d * (8 + 4.5) for n in held) // 8 and tok_s == 0.0

@@ -12,13 +12,14 @@ from pnmix import inputs
 from pnmix.config import PRESETS
 from pnmix.inputs import Choice, InputFile, Int, ModelName, Names, Number, OutputFile
 from pnmix.names import BACKENDS
+from pnmix.recipes import ENGINES
 from pnmix.storage import vocabulary
 from pnmix.storage.vocabulary import BUDGET_ON, METHODS, DatabaseUrl
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import parts
 from pnmix.tuner.scoring.holdout import HOLDOUT
 from pnmix.tuner.scoring.profiles import PROFILES
-from pnmix.tuner.search.space import ALLOCATED, LAYERED
+from pnmix.tuner.search.methods import METHODS as KINDS
 
 # Every option parses through a checker of pnmix.inputs or storage.vocabulary (refused before any work;
 # api/cli.py prints it).
@@ -26,7 +27,9 @@ ProfileOpt = Annotated[str, typer.Option("--profile", help=", ".join(PROFILES), 
 BackendOpt = Annotated[str, typer.Option(help=", ".join(BACKENDS), parser=Choice(BACKENDS))]
 MethodOpt = Annotated[str, typer.Option(help=f"{', '.join(METHODS)}: pnmix-alloc gives each layer its bits by the "
                                         "allocator (per-layer sensitivity, knapsack, local moves scored for real); "
-                                        "the others search uniform configs of each method's knobs, or layer groups",
+                                        "engine gives each layer serving-engine KV formats (FP8, NVFP4, llama.cpp "
+                                        "types) the same way, under a KV budget (--budget-on kv); the others search "
+                                        "uniform configs of each method's knobs, or layer groups",
                                         parser=Choice(METHODS))]
 SeedOpt = Annotated[int, typer.Option(help="task (and sampler) seed", parser=Int(inputs.SEED))]
 TrialsOpt = Annotated[int, typer.Option(help="trials per budget", parser=Int(vocabulary.TRIALS))]
@@ -34,6 +37,9 @@ BitsOpt = Annotated[float, typer.Option(help="bit budget (key bits, or KV bits w
                                         parser=Number(inputs.BUDGET))]
 BitsOfOpt = Annotated[str, typer.Option(help="what --bits bounds: key bits per key element, or kv: key and value "
                                         "bits per cached element", parser=Choice(BUDGET_ON))]
+EngineOpt = Annotated[str | None, typer.Option(
+    "--format", help="a serving engine (vllm, modelopt, trtllm, sglang, llamacpp): the best engine recipe it loads "
+    "as it is, printed in its syntax", parser=Choice(ENGINES))]
 DbModelOpt = Annotated[str, typer.Option(help="model name", parser=ModelName())]
 CampaignOpt = Annotated[int | None, typer.Option(help="campaign id", parser=Int(vocabulary.CAMPAIGN_ID))]
 LmEvalTaskOpt = Annotated[str | None, typer.Option("--lm-eval-task", help="an lm-evaluation-harness generation task "
@@ -71,7 +77,7 @@ ReadStorageOpt = Annotated[str | None, typer.Option("--storage", help=_STORAGE_H
                                                     parser=DatabaseUrl(must_exist=True))]
 
 
-SWEPT = tuple(m for m in METHODS if m not in (LAYERED, ALLOCATED))  # a sweep covers a uniform space
+SWEPT = tuple(m for m, kind in KINDS.items() if not kind.layered)  # a sweep covers a uniform space
 
 
 def texts_task(texts: str | None, prefix: int | None, tokens: int | None) -> Any:

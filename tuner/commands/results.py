@@ -11,12 +11,15 @@ from pnmix.cli import (
     console,
 )
 from pnmix.inputs import Choice, Int, Number, OutputFile
+from pnmix.recipes import EngineRecipe
+from pnmix.recipes import export as export_recipe
 from pnmix.storage import vocabulary
 from pnmix.storage.vocabulary import Host
 from pnmix.tuner.commands.options import (
     BitsOfOpt,
     BitsOpt,
     DbModelOpt,
+    EngineOpt,
     ReadStorageOpt,
     optimize_names,
     write_regular_file,
@@ -46,6 +49,7 @@ def recommend(
              "90% of the best accuracy within the budget)", parser=Number(vocabulary.ACCURACY))] = None,
     storage: ReadStorageOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    engine: EngineOpt = None,
 ) -> None:
     """Recommend the best stored config within a bit budget, with the points statistically tied with it.
 
@@ -57,6 +61,10 @@ def recommend(
     bits, then the highest measured throughput. optimize=throughput or memory: the fastest or
     smallest point whose accuracy is at least --min-accuracy, by default 90% of the best accuracy
     within the budget (a cache that saves memory by losing the answers is no recommendation).
+
+    --format ENGINE: only the engine recipes that engine loads as they are (vLLM: one quantized
+    dtype and bf16 skip layers; ik_llama.cpp: other types for the first and last layers only),
+    and the answer in its syntax.
     """
     import json
 
@@ -65,7 +73,7 @@ def recommend(
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
-        rec = recommend_with_ties(s, model, bits, optimize, min_accuracy, bits_of=bits_of)
+        rec = recommend_with_ties(s, model, bits, optimize, min_accuracy, bits_of=bits_of, engine=engine)
         p, config = rec.point, rec.point.config
 
         def row_of(q: Any) -> dict[str, Any]:
@@ -73,8 +81,10 @@ def recommend(
                     "accuracy_se": q.accuracy_se, "accuracy_parts": q.accuracy_parts, "kv_bytes": q.kv_bytes,
                     "throughput": q.throughput, "campaign": q.campaign_id, "trial": q.trial_number}
 
+        served = export_recipe(config, engine) if isinstance(config, EngineRecipe) and engine else None
         row = {"model": model, "budget": bits, "bits_of": bits_of, "min_accuracy": rec.floor, **row_of(p),
-               "holdout": p.holdout_summary(), "ties": [row_of(q) for q in rec.ties]}
+               "holdout": p.holdout_summary(), "ties": [row_of(q) for q in rec.ties], "format": engine,
+               "engine_config": served}
         held = holdout_line(p)
         if as_json:
             print(json.dumps(row))
@@ -87,27 +97,43 @@ def recommend(
         console.print(held)
         print_ties(rec)
     console.print(config.to_json())
+    if served is not None:
+        print(served)
 
 
 def export(
     model: DbModelOpt = "smollm2-135m",
     bits: BitsOpt = 2.25,
     bits_of: BitsOfOpt = "key",
-    output: Annotated[str, typer.Option("-o", "--output", help="JSON file to write (a regular file)",
-                                        parser=OutputFile())] = "pnmix-config.json",
+    output: Annotated[str | None, typer.Option("-o", "--output", help="file to write (a regular file); default "
+                                               "pnmix-config.json, or, with --format, standard output only",
+                                               parser=OutputFile())] = None,
     storage: ReadStorageOpt = None,
+    engine: EngineOpt = None,
 ) -> None:
-    """Write the recommended config as JSON.
+    """Write the recommended config as JSON, or as a serving engine loads it.
 
-    Write the recommended config as JSON: a PNMixConfig, or a layer-wise config where the best point
-    is one (`pnmix.layerwise.load_config`, `pnmix eval --config` and `pnmix bits --config` read either)."""
+    Write the recommended config as JSON: a PNMixConfig, a layer-wise config where the best point
+    is one (`pnmix.layerwise.load_config`, `pnmix eval --config` and `pnmix bits --config` read
+    either), or an engine recipe. With --format ENGINE, the best engine recipe that engine loads as
+    it is, in its syntax: vllm (--kv-cache-dtype with --kv-cache-dtype-skip-layers), modelopt (the
+    mixed-precision KV JSON), trtllm (KvCacheConfig.dtype), sglang (--kv-cache-per-layer-dtype),
+    llamacpp (ik_llama.cpp's --cache-type-k-first/-last flags)."""
 
     from pnmix.storage import recommend as best_point
     from pnmix.tuner.search.session import open_db
 
     db = open_db(storage)
     with db.session(readonly=True) as s:
-        config = best_point(s, model, bits, bits_of=bits_of).config
+        config = best_point(s, model, bits, bits_of=bits_of, engine=engine).config
+    if engine is not None and isinstance(config, EngineRecipe):
+        text = export_recipe(config, engine)
+        print(text)
+        if output is not None:
+            write_regular_file(Path(output), text + "\n")
+            console.print(f"wrote {output}")
+        return
+    output = output or "pnmix-config.json"
     write_regular_file(Path(output), config.to_json() + "\n")
     console.print(f"wrote {output}: {config.to_json()}")
 

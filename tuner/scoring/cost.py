@@ -17,9 +17,12 @@ from typing import Any
 import torch
 
 from pnmix.bits import LayerPlan
+from pnmix.configs import Answer
 from pnmix.generation import cache_kwargs
+from pnmix.kv_formats import EFFECTIVE_BITS
 from pnmix.layerwise import AnyConfig, as_layerwise
 from pnmix.prefill import PrefillState, build_cache, build_layer
+from pnmix.recipes import EngineRecipe
 from pnmix.static import StaticGenerator, static_method
 
 COST_PROMPT_TOKENS = 512  # the fixed workload of measured bytes and decode throughput
@@ -144,12 +147,24 @@ def measure(model: Any, plan: LayerPlan, config: AnyConfig, state: PrefillState,
     return kv_bytes, 1.0 / step_seconds, peak
 
 
-def static_path_of(model: Any, plan: LayerPlan, config: AnyConfig, head_dim: int) -> str | AnyConfig | None:
-    """What the static path runs for `config` (`pnmix.static.static_method`); None on the CPU and
-    for a model with sliding-window layers, which decode on the batched dynamic cache."""
-    if model.device.type != "cuda" or plan.hybrid:
+def static_path_of(model: Any, plan: LayerPlan, config: Answer, head_dim: int) -> str | AnyConfig | None:
+    """What the static path runs for `config` (`pnmix.static.static_method`); None on the CPU, for
+    a model with sliding-window layers and for an engine recipe, which decode on the batched
+    dynamic cache."""
+    if model.device.type != "cuda" or plan.hybrid or isinstance(config, EngineRecipe):
         return None
     return static_method(config, model.device, head_dim)
+
+
+def recipe_bytes(recipe: EngineRecipe, plan: LayerPlan, kv_heads: int, head_dim: int) -> int:
+    """What an engine stores of the cost workload under `recipe`: each layer's keys and values at
+    their formats' effective bits (the per-tensor scales left out), a sliding-window layer its last
+    window - 1 tokens. An emulated recipe's decode speed is not the engine's: it is not measured
+    (throughput 0 in its score)."""
+    held = plan.held(COST_PROMPT_TOKENS + COST_NEW_TOKENS - 1)
+    bits = sum(n * kv_heads * head_dim * (EFFECTIVE_BITS[f.key] + EFFECTIVE_BITS[f.value])
+               for n, f in zip(held, recipe.layers, strict=True))
+    return int(bits // 8)
 
 
 def held_bytes(model: Any, plan: LayerPlan, config: AnyConfig, state: PrefillState) -> int:

@@ -37,10 +37,12 @@ from typing import Any
 import torch
 
 from pnmix.bits import LayerPlan
-from pnmix.families import plan_of_config
+from pnmix.configs import Answer, batch_cache
+from pnmix.families import plan_of_config, shape_of_config
 from pnmix.generation import cache_kwargs
-from pnmix.layerwise import AnyConfig
-from pnmix.prefill import PrefillState, build_cache, record_prefill, record_prefills
+from pnmix.prefill import PrefillState, record_prefill, record_prefills
+from pnmix.recipe_cache import RecipeBatchCache
+from pnmix.recipes import EngineRecipe
 from pnmix.static import StaticGenerator
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import cost
@@ -244,15 +246,15 @@ class ScoringEngine:
     # -- item tasks ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def answers(self, config: AnyConfig, task: str, start: int = 0) -> list[str]:
+    def answers(self, config: Answer, task: str, start: int = 0) -> list[str]:
         """The greedy answer under `config` of every item of `task` from index `start` on, decoded."""
         return self._answers(config, {task: range(start, len(self.items[task]))})[task]
 
-    def outcomes(self, config: AnyConfig, task: str, start: int = 0) -> list[float]:
+    def outcomes(self, config: Answer, task: str, start: int = 0) -> list[float]:
         """1.0 for every item (from index `start` on) answered correctly under `config`, else 0.0."""
         return self.all_outcomes(config, {task: range(start, len(self.items[task]))})[task]
 
-    def all_outcomes(self, config: AnyConfig, spans: Mapping[str, Sequence[int]]) -> dict[str, list[float]]:
+    def all_outcomes(self, config: Answer, spans: Mapping[str, Sequence[int]]) -> dict[str, list[float]]:
         """`outcomes` of several tasks (task -> the item indices to answer), all those items in one
         batch: one cache build and one captured decode graph for the lot."""
         answers = self._answers(config, spans)
@@ -261,7 +263,7 @@ class ScoringEngine:
                 for task, span in spans.items()}
 
     @torch.inference_mode()
-    def _answers(self, config: AnyConfig, spans: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
+    def _answers(self, config: Answer, spans: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
         items = [self.items[task][i] for task, span in spans.items() for i in span]
         states = [self.states[task][i] for task, span in spans.items() for i in span]
         texts: list[str] = []
@@ -283,7 +285,7 @@ class ScoringEngine:
                 return seq[: j + 1]
         return seq
 
-    def greedy(self, config: AnyConfig, states: list[PrefillState], new_tokens: int,
+    def greedy(self, config: Answer, states: list[PrefillState], new_tokens: int,
                 stop: bool = True) -> torch.Tensor:
         """Greedy tokens [B, new_tokens] after each state's prompt (the first from its logits).
 
@@ -292,12 +294,12 @@ class ScoringEngine:
         """
         head_dim = states[0].keys[0].shape[-1]
         eos = torch.tensor(self.eos, dtype=torch.long, device=self.device)
-        logits0 = torch.stack([s.logits for s in states])
+        method = cost.static_path_of(self.model, self.plan, config, head_dim)
+        cache = batch_cache(self.model, config, states)
+        logits0 = _first_logits(cache, states)
         if not stop:
             logits0[:, eos] = float("-inf")
         first = logits0.argmax(-1)
-        method = cost.static_path_of(self.model, self.plan, config, head_dim)
-        cache = build_cache(self.model, config, states)
         if method is not None:
             # Graphs without torch.compile: a trial decodes a few dozen steps per batch, and compiling the
             # step costs 20-30 s for each new batch size class, far more than it would save here.
@@ -341,7 +343,7 @@ class ScoringEngine:
     # -- fidelity --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def fidelity(self, config: AnyConfig, chunk: int | None = None, rows: Sequence[int] | None = None,
+    def fidelity(self, config: Answer, chunk: int | None = None, rows: Sequence[int] | None = None,
                  part: str = "fidelity") -> list[tuple[float, float]]:
         """(top-1 agreement, mean KL(p_fp16 || p_quant)) of every sequence of `part` (or those of
         `rows`) under `config`.
@@ -356,11 +358,11 @@ class ScoringEngine:
         for rows in self._batches([t.state for t in trajs], n):
             batch = [trajs[i] for i in rows]
             states = self._on_device([t.state for t in batch])
-            cache = build_cache(self.model, config, states, multi_token=True)
+            cache = batch_cache(self.model, config, states, multi_token=True)
             kw = cache_kwargs(self.model, cache)
             lengths = torch.tensor([s.length for s in states], device=self.device)
             tokens = torch.stack([t.tokens for t in batch]).to(self.device)  # [B, n]
-            pieces = [torch.stack([s.logits for s in states])[:, None]]  # [B, 1, V]: predicts token 0
+            pieces = [_first_logits(cache, states)[:, None]]  # [B, 1, V]: predicts token 0
             step = chunk or self.replay_chunk(len(batch), n)
             for start in range(0, n - 1, step):
                 ids = tokens[:, start : min(start + step, n - 1)]
@@ -384,10 +386,21 @@ class ScoringEngine:
 
     # -- cost ------------------------------------------------------------------------------------
 
-    def measure_cost(self, config: AnyConfig, seed: int = 0) -> tuple[int, float, int | None]:
+    def measure_cost(self, config: Answer, seed: int = 0) -> tuple[int, float, int | None]:
         """(bytes the cache holds, decode tokens/s, peak device bytes) on the fixed cost workload
         (tuner/scoring/cost.py), from its prompt's prefill, recorded once."""
+        if isinstance(config, EngineRecipe):
+            shape = shape_of_config(self.model.config)
+            return cost.recipe_bytes(config, self.plan, shape.num_kv_heads, shape.head_dim), 0.0, None
         if self._cost_state is None:
             self._cost_state = record_prefill(self.model, cost.prompt_ids(seed))
         state = self._on_device([self._cost_state])[0]
         return cost.measure(self.model, self.plan, config, state, self._last_only)
+
+
+def _first_logits(cache: Any, states: list[PrefillState]) -> torch.Tensor:
+    """[B, V]: each prompt's prediction of its first new token; an engine recipe's prefill attends
+    over its stored formats, so its own (`RecipeBatchCache.first_logits`), else the recorded ones."""
+    if isinstance(cache, RecipeBatchCache):
+        return cache.first_logits.clone()
+    return torch.stack([s.logits for s in states])

@@ -25,10 +25,12 @@ from typing import Any
 import torch
 
 from pnmix import models
-from pnmix.bits import weighted_key_bits
 from pnmix.config import PNMixConfig
+from pnmix.configs import Answer, key_bits
 from pnmix.families import rope_pairing
+from pnmix.kv_formats import KVFormat
 from pnmix.layerwise import AnyConfig
+from pnmix.recipes import EngineRecipe
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import fidelity, harness
 from pnmix.tuner.scoring import tasks as tasks_module
@@ -140,6 +142,10 @@ class Evaluator:
                           shared: PNMixConfig) -> dict[tuple[int, int], list[float]]:
         return self.tables.value_sensitivity(formats, shared)
 
+    def format_sensitivity(self, formats: list[KVFormat]) -> tuple[dict[KVFormat, list[float]],
+                                                                    dict[KVFormat, list[float]]]:
+        return self.tables.format_sensitivity(formats)
+
     # -- scoring ----------------------------------------------------------------------------------
 
     def _all_counts(self) -> dict[str, int]:
@@ -169,7 +175,7 @@ class Evaluator:
         counts = {name: len(self.indices(name, which)) for name in self._split}
         return {name: n for name, n in counts.items() if n}
 
-    def _units(self, config: AnyConfig, reference: bool = False, have: Rung | None = None,
+    def _units(self, config: Answer, reference: bool = False, have: Rung | None = None,
                upto: dict[str, int] | None = None, which: Split = Split.SEARCH) -> tuple[Rung, dict[str, float]]:
         """Per-unit outcomes of every part that runs (with the trajectories' agreements and the
         documents' KLs, as a Rung without seconds), and seconds by part.
@@ -194,7 +200,7 @@ class Evaluator:
             timings["items"] = time.perf_counter() - t0
         if "lm_eval" in chosen and self.harness is not None:  # through the harness (tuner/scoring/harness.py)
             t0 = time.perf_counter()
-            got.units["lm_eval"] = got.units.get("lm_eval", []) + self.harness.outcomes(config, chosen["lm_eval"])
+            got.units["lm_eval"] = got.units.get("lm_eval", []) + self._lm_eval(config, chosen["lm_eval"])
             timings["lm_eval"] = time.perf_counter() - t0
         for part in REPLAYED:
             if part in chosen:
@@ -203,7 +209,15 @@ class Evaluator:
                 timings[part] = time.perf_counter() - t0
         return got, timings
 
-    def _answered(self, config: AnyConfig, spans: dict[str, list[int]], reference: bool) -> dict[str, list[float]]:
+    def _lm_eval(self, config: Answer, rows: list[int]) -> list[float]:
+        assert self.harness is not None
+        if isinstance(config, EngineRecipe):  # the harness's model runs with the recipe's cache
+            from pnmix.generation import new_cache
+
+            return self.harness.outcomes(None, rows, make_cache=lambda: new_cache(self.model, config))
+        return self.harness.outcomes(config, rows)
+
+    def _answered(self, config: Answer, spans: dict[str, list[int]], reference: bool) -> dict[str, list[float]]:
         """Each item's 1/0 of the answered parts' `spans`: every task's items in one batch through
         the engine, or (reference) one at a time through `generate`."""
         if not reference:
@@ -213,7 +227,7 @@ class Evaluator:
             tasks_module.answer(self.model, self.tokenizer, config, items[name][i]))) for i in rows]
             for name, rows in spans.items()}
 
-    def _replayed(self, config: AnyConfig, part: str, rows: list[int], reference: bool, got: Rung) -> None:
+    def _replayed(self, config: Answer, part: str, rows: list[int], reference: bool, got: Rung) -> None:
         """A teacher-forced part's `rows` added to `got`: a trajectory's unit is its mean KL (its
         agreement kept beside it), a document's its top-1 agreement (its KL kept beside it)."""
         self.progress(f"{part}: {len(rows)} teacher-forced sequences")
@@ -231,7 +245,7 @@ class Evaluator:
             got.text_kls += [kl for _, kl in pairs]
             got.units[part] = got.units.get(part, []) + [a for a, _ in pairs]
 
-    def rung(self, config: AnyConfig, upto: dict[str, int], have: Rung | None = None) -> Rung:
+    def rung(self, config: Answer, upto: dict[str, int], have: Rung | None = None) -> Rung:
         """A race's next rung: `have` extended to the first `upto[part]` search units of every part."""
         config.check_head_dim(self.head_dim)
         start = time.perf_counter()
@@ -239,7 +253,7 @@ class Evaluator:
         got.seconds = (have.seconds if have else 0.0) + time.perf_counter() - start
         return got
 
-    def evaluate(self, config: AnyConfig, reference: bool = False, measure: bool = True,
+    def evaluate(self, config: Answer, reference: bool = False, measure: bool = True,
                  have: Rung | None = None, which: Split = Split.SEARCH) -> Score:
         """Scores `config` on the units of `which` through the engine (reference=True: item by item
         through `generate`, sequence by sequence through `model(...)`).
@@ -268,7 +282,7 @@ class Evaluator:
         return Score.from_units(
             got.units, got.agreements, timings, cost, text_kls=got.text_kls,
             config=config.to_dict(),
-            key_bits=weighted_key_bits(config, self.plan, self.head_dim),
+            key_bits=key_bits(config, self.plan, self.head_dim),
             backend=self.backend,
             device=self.device_name(),
             versions=versions(),
@@ -276,7 +290,7 @@ class Evaluator:
             profile=self.profile.name,
         )
 
-    def measure_cost(self, config: AnyConfig) -> tuple[int, float, int | None]:
+    def measure_cost(self, config: Answer) -> tuple[int, float, int | None]:
         """(bytes held, decode tokens/s, peak device bytes) on the fixed cost workload (tuner/scoring/engine.py)."""
         return self.engine.measure_cost(config, self.seed)
 

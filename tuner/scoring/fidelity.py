@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from pnmix.configs import Answer
 from pnmix.generation import cache_kwargs, new_cache
-from pnmix.layerwise import AnyConfig
 
 REPLAY_CHUNK = 16  # tokens fed per forward of the one-trajectory reference replay (any size is exact)
 
@@ -72,7 +72,7 @@ def reference_logits(model: Any, prompt_ids: torch.Tensor, continuation: list[in
 
 
 @torch.inference_mode()
-def replay(model: Any, prompt_ids: torch.Tensor, continuation: list[int], config: AnyConfig,
+def replay(model: Any, prompt_ids: torch.Tensor, continuation: list[int], config: Answer,
            reference: torch.Tensor, chunk: int = REPLAY_CHUNK) -> Fidelity:
     """Teacher-forces `continuation` through a PN-Mix cache; compares with `reference` logits."""
     cache = new_cache(model, config)

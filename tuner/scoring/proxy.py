@@ -11,7 +11,8 @@ KL sees keys only. To weigh keys against values (a KV budget whose layers each c
 format), both are measured in one unit instead: the relative attention-output error
 sum ||o - o_hat||^2 / sum ||o||^2 over the same queries, with o = softmax(q k^T) v, once with the
 keys quantized and the values exact (`proxy_kl_table(..., measure=ProxyMeasure.OUTPUT)`) and once the other
-way round (`proxy_value_table`). The two errors are nearly independent and add.
+way round (`proxy_value_table`). The two errors are nearly independent and add. The serving
+engines' formats are weighed in the same unit, keys and values apart (`proxy_format_table`).
 
 Which tokens are quantized follows the cache exactly (`quantized_tokens`): sinks stay exact,
 prefill tokens past the sinks go into whole groups, the remainder and the generated tokens fill
@@ -21,6 +22,7 @@ decode queries lean on most are therefore exact, as in real generation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -28,7 +30,9 @@ import torch
 
 from pnmix import packing
 from pnmix.analysis import Trace, masked_kl, quantize_pnmix
+from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
+from pnmix.kv_formats import KVFormat, calibrate, round_trip
 from pnmix.layerwise import LayerwiseConfig, as_layerwise
 from pnmix.saliency import Pairing, saliency_scores, select_salient_pairs
 
@@ -103,6 +107,46 @@ def proxy_value_table(trace: Trace, formats: list[tuple[int, int]], shared: PNMi
             delta = (p * at.use_packed) @ (v_hat - v).repeat_interleave(group, 0)  # only packed tokens change
             out[f].append(_relative(delta, o))
     return out
+
+
+def proxy_format_table(trace: Trace, formats: Sequence[KVFormat], plan: LayerPlan | None = None,
+                       n_queries: int = 64) -> list[list[float]]:
+    """The serving engines' formats on every layer (`pnmix.kv_formats`): rows `[side][format]` of
+    the relative attention-output error per layer, side 0 the keys stored in the format (values
+    exact), side 1 the values (keys exact). Every token is stored so, the prompt's included (an
+    engine writes its cache before it attends), with the per-tensor scales calibrated on the
+    prompt, as `pnmix.recipe_cache.RecipeCache` stores them. A sliding-window layer (`plan`)
+    attends over its window only. The engine method's allocator adds a layer's two sides: the
+    error of a (key, value) pair."""
+    values = _values(trace)
+    p = trace.prefill_len
+    t = trace.keys[0].shape[1]
+    stride = max(1, (t - p) // n_queries)
+    dev = trace.keys[0].device
+    positions = torch.arange(p, t, stride, device=dev)
+    s_idx = torch.arange(t, device=dev)
+    causal = s_idx[None, :] <= positions[:, None]
+    kinds = plan.kinds if plan is not None else ("full",) * len(trace.keys)
+    window = plan.window if plan is not None else None
+    rows: list[list[list[float]]] = [[[] for _ in formats] for _ in range(2)]
+    for li, (q, k, v) in enumerate(zip(trace.queries, trace.keys, values, strict=True)):
+        qs = q[:, positions]
+        seen = causal & (s_idx[None, :] > positions[:, None] - window) if kinds[li] != "full" and window else causal
+
+        o = _attend(qs, k, v, seen, trace.scaling)
+        for f, fmt in enumerate(formats):
+            k_hat = round_trip(fmt, k, calibrate(fmt, k[:, :p]))
+            v_hat = round_trip(fmt, v, calibrate(fmt, v[:, :p]))
+            rows[0][f].append(_relative(_attend(qs, k_hat, v, seen, trace.scaling) - o, o))
+            rows[1][f].append(_relative(_attend(qs, k, v_hat, seen, trace.scaling) - o, o))
+    return [row for side in rows for row in side]
+
+
+def _attend(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention output of queries [Hq, Q, d] over keys and values [Hkv, T, d] where `seen` [Q, T]."""
+    group = qs.shape[0] // k.shape[0]
+    logits = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * scaling
+    return logits.masked_fill(~seen, float("-inf")).softmax(-1) @ v.repeat_interleave(group, 0)
 
 
 def _values(trace: Trace) -> list[torch.Tensor]:

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
+from pnmix.configs import Answer
+from pnmix.kv_formats import KVFormat
 from pnmix.layerwise import AnyConfig
 from pnmix.tuner.scoring.profiles import Profile
 from pnmix.tuner.scoring.proxy import ProxyMeasure
@@ -34,10 +36,10 @@ class Scorer(Protocol):
 
     def unit_counts(self, which: Split = Split.SEARCH) -> dict[str, int]: ...
 
-    def evaluate(self, config: AnyConfig, reference: bool = False, measure: bool = True,
+    def evaluate(self, config: Answer, reference: bool = False, measure: bool = True,
                  have: Rung | None = None, which: Split = Split.SEARCH) -> Score: ...
 
-    def rung(self, config: AnyConfig, upto: dict[str, int], have: Rung | None = None) -> Rung: ...
+    def rung(self, config: Answer, upto: dict[str, int], have: Rung | None = None) -> Rung: ...
 
     def proxy(self, config: AnyConfig) -> float: ...
 
@@ -48,3 +50,6 @@ class Scorer(Protocol):
 
     def value_sensitivity(self, formats: list[tuple[int, int]],
                           shared: PNMixConfig) -> dict[tuple[int, int], list[float]]: ...
+
+    def format_sensitivity(self, formats: list[KVFormat]) -> tuple[dict[KVFormat, list[float]],
+                                                                    dict[KVFormat, list[float]]]: ...

@@ -21,6 +21,7 @@ import torch
 from pnmix.analysis import record_trace
 from pnmix.bits import LayerPlan
 from pnmix.config import PNMixConfig
+from pnmix.kv_formats import KVFormat
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.models import chat_ids
 from pnmix.saliency import Pairing
@@ -28,6 +29,7 @@ from pnmix.tuner.scoring import fidelity
 from pnmix.tuner.scoring.preparation import Preparation
 from pnmix.tuner.scoring.proxy import (
     ProxyMeasure,
+    proxy_format_table,
     proxy_kl,
     proxy_kl_by_layer,
     proxy_kl_table,
@@ -108,6 +110,16 @@ class ProxyTables:
         rows = self._cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
                                   lambda: proxy_value_table(self.trace(), formats, shared))
         return dict(zip(formats, rows, strict=True))
+
+    def format_sensitivity(self, formats: list[KVFormat]) -> tuple[dict[KVFormat, list[float]],
+                                                                    dict[KVFormat, list[float]]]:
+        """The engine formats' relative attention-output error per layer, every layer (sliding ones
+        over their windows), keys and values apart (`tuner.scoring.proxy.proxy_format_table`),
+        cached like `sensitivity`."""
+        rows = self._cached_table(["formats", [str(f) for f in formats]], 2 * len(formats),
+                                  lambda: proxy_format_table(self.trace(), formats, self.plan))
+        return dict(zip(formats, rows[:len(formats)], strict=True)), dict(zip(formats, rows[len(formats):],
+                                                                              strict=True))
 
     def _cached_table(self, what: Any, n_rows: int, compute: Any) -> list[list[float]]:
         """A proxy table (`n_rows` rows of one figure per layer) read from the disk cache under the

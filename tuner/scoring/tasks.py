@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pnmix.config import PNMixConfig
-from pnmix.layerwise import AnyConfig
+from pnmix.configs import Answer
 from pnmix.models import chat_ids
 from pnmix.tuner.errors import EvalError, MissingFile
 
@@ -261,7 +261,7 @@ def _same_number(a: str, b: str) -> bool:
         return False
 
 
-def answer(model: Any, tokenizer: Any, config: AnyConfig, item: Item) -> str:
+def answer(model: Any, tokenizer: Any, config: Answer, item: Item) -> str:
     """Greedy answer of the model with a PN-Mix cache of `config`."""
     from pnmix.generation import generate
 

@@ -53,6 +53,7 @@ from pnmix.tuner.search import record
 from pnmix.tuner.search.allocation import AllocatorLoop
 from pnmix.tuner.search.fronts import front_points
 from pnmix.tuner.search.holdout_score import score_holdout
+from pnmix.tuner.search.recipe_alloc import RecipeLoop
 from pnmix.tuner.search.record import running_trials
 from pnmix.tuner.search.sharing import Sharing
 from pnmix.tuner.search.space import SearchSpace
@@ -200,8 +201,9 @@ class CampaignRunner:
         return self.trials.space
 
     @property
-    def allocator(self) -> AllocatorLoop | None:
-        """pnmix-alloc's allocator, once the space has one group per layer."""
+    def allocator(self) -> AllocatorLoop | RecipeLoop | None:
+        """pnmix-alloc's allocator (the engine method's recipe allocator), once the space has one
+        group per layer."""
         return self.trials.allocator
 
     @property

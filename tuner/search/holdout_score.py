@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pnmix.config import preset
-from pnmix.layerwise import AnyConfig, config_key
+from pnmix.configs import Answer
+from pnmix.layerwise import config_key
 from pnmix.storage import HoldoutIn, recommend, set_holdout
 from pnmix.storage.errors import NoFeasiblePointError, NotFoundError
 from pnmix.tuner.scoring.score import Split
@@ -30,7 +31,7 @@ def score_holdout(db: Any, campaign_id: int, spec: Any, space: Any, evaluator: S
     paper = space.recast(preset("pnmix-paper"))
     scored: dict[str, Any] = {}  # config key -> held-out Score, shared by budgets that pick the same config
 
-    def held_out(config: AnyConfig) -> Any:
+    def held_out(config: Answer) -> Any:
         key = config_key(config)
         if key not in scored:
             progress(f"held-out units: scoring {config.label}")
@@ -45,7 +46,7 @@ def score_holdout(db: Any, campaign_id: int, spec: Any, space: Any, evaluator: S
 
 
 def _score_budget(db: Any, campaign_id: int, model: str, bits_of: str, budget: float, fits: bool,
-                  held_out: Callable[[Any], Any], paper: AnyConfig) -> bool:
+                  held_out: Callable[[Any], Any], paper: Answer) -> bool:
     """One budget's held-out score; False when the front changed under it (the caller retries)."""
     with db.session(readonly=True) as s:
         try:

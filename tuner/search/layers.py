@@ -201,11 +201,13 @@ def _step_apart(a: Candidate, b: Candidate) -> bool:
 
 
 def moves(choice: Sequence[Any], kl: Mapping[Any, Sequence[float]], budget: float,
-          cost: Callable[[Any], float]) -> list[list[Any]]:
+          cost: Callable[[Any], float], apart: Callable[[Any, Any], bool] | None = None) -> list[list[Any]]:
     """Local moves from an allocation that keep its mean cost within `budget`: one layer one step up
-    (a bit or a ratio step, `_step_apart`) and another one step down, or one layer one step up where
-    the slack allows it. Ranked by the proxy's change in summed KL, least harm first: the moves the
-    proxy can least tell from the allocation itself, which real scores then decide between."""
+    (`apart`; by default a bit or a ratio step, `_step_apart`) and another one step down, or one
+    layer one step up where the slack allows it. Ranked by the proxy's change in summed KL, least
+    harm first: the moves the proxy can least tell from the allocation itself, which real scores
+    then decide between."""
+    apart = apart or _step_apart
     n = len(choice)
     limit = budget * n + 1e-9
     spent = sum(cost(c) for c in choice)
@@ -214,7 +216,7 @@ def moves(choice: Sequence[Any], kl: Mapping[Any, Sequence[float]], budget: floa
     downs: list[tuple[float, float, int, Any]] = []
     for i, cur in enumerate(choice):
         for c in cands:
-            if c == cur or not _step_apart(cur, c):
+            if c == cur or not apart(cur, c):
                 continue
             extra = cost(c) - cost(cur)
             delta = kl[c][i] - kl[cur][i]

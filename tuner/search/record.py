@@ -29,7 +29,8 @@ from typing import Any
 
 import optuna
 
-from pnmix.layerwise import AnyConfig, config_from_dict, config_key
+from pnmix.configs import Answer, answer_from_dict
+from pnmix.layerwise import config_key
 
 # What a full evaluation leaves on its trial, and what a copy of its score carries along.
 # "units" (each item's 1/0, each trajectory's KL) make scores comparable item by item across trials.
@@ -109,8 +110,8 @@ class TrialRecord:
     warm_start: bool
 
     @property
-    def config(self) -> AnyConfig | None:
-        return config_from_dict(self.config_dict) if self.config_dict is not None else None
+    def config(self) -> Answer | None:
+        return answer_from_dict(self.config_dict) if self.config_dict is not None else None
 
     @property
     def has_score(self) -> bool:
@@ -252,9 +253,9 @@ class RunningTrial:
         self.warm_start = bool(attrs.get("warm_start"))  # queued as a warm start
         self.saved_rung: dict[str, Any] | None = attrs.get("rung")  # racing: inherited by a retry
         proposal = attrs.get("proposal")  # pnmix-alloc warm start: the config queued with it
-        self.proposal: AnyConfig | None = config_from_dict(proposal) if proposal is not None else None
+        self.proposal: Answer | None = answer_from_dict(proposal) if proposal is not None else None
 
-    def write_config(self, config: AnyConfig, bits: float, key_bits: float, kv_bits: float,
+    def write_config(self, config: Answer, bits: float, key_bits: float, kv_bits: float,
                      origin: Origin | None = None) -> None:
         """What the trial is about to score: its config (and label, for the dashboard) and its bit figures."""
         self._set(config=config.to_dict(), label=config.label, bits=bits, key_bits=key_bits, kv_bits=kv_bits)
@@ -309,7 +310,7 @@ def shared_attrs(trial: optuna.trial.FrozenTrial, source: str) -> dict[str, Any]
     return {**attrs, "score_from": f"{source}#{trial.number}", "shared": True}
 
 
-def enqueue_warm_start(study: optuna.Study, params: dict[str, Any], proposal: AnyConfig | None = None) -> None:
+def enqueue_warm_start(study: optuna.Study, params: dict[str, Any], proposal: Answer | None = None) -> None:
     """Queues a warm start (pnmix-alloc: with the config it proposes, which the trial takes)."""
     attrs: dict[str, Any] = {"warm_start": True}
     if proposal is not None:
@@ -317,7 +318,7 @@ def enqueue_warm_start(study: optuna.Study, params: dict[str, Any], proposal: An
     study.enqueue_trial(params, user_attrs=attrs)
 
 
-def enqueue_neighbour(study: optuna.Study, params: dict[str, Any], of: AnyConfig) -> None:
+def enqueue_neighbour(study: optuna.Study, params: dict[str, Any], of: Answer) -> None:
     """Queues a trial of a neighbour of config `of` (it carries `of`'s label)."""
     study.enqueue_trial(params, user_attrs={"neighbour_of": of.label})
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import optuna
 
-from pnmix.layerwise import AnyConfig, config_key
+from pnmix.configs import Answer
+from pnmix.layerwise import config_key
 from pnmix.tuner.search import record
 from pnmix.tuner.search.record import scored_configs
 from pnmix.tuner.search.studies import Studies, study_name
@@ -31,7 +32,7 @@ class Sharing:
         self.studies, self.head_dim = studies, head_dim
 
     @staticmethod
-    def twin(view: record.CampaignView, config: AnyConfig) -> record.Scored | None:
+    def twin(view: record.CampaignView, config: Answer) -> record.Scored | None:
         """An earlier full evaluation of `config` in this campaign (`view`): in this budget's study
         first (a score shared into it included), then in the other budgets'."""
         wanted = config.to_dict()

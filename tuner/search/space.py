@@ -4,8 +4,9 @@ config costs against a budget.
 Searched: the (b_high, b_low) pair, token group G, salient ratio r, sink count; with
 `search_values`, the value bits and value group size too. Fixed per campaign: residual length,
 value bits and group (unless searched), saliency criterion. `--method` restricts the space to one
-method's own knobs (the paper's Figure 3 protocol), so tuned fronts of PN-Mix, KIVI and a
-Kitty-like method compare on one model:
+method's own knobs (the paper's Figure 3 protocol; each method's are a typed `Method` in
+tuner/search/methods.py), so tuned fronts of PN-Mix, KIVI and a Kitty-like method compare on one
+model:
     pnmix:        any 1 <= b_low <= b_high <= 4, G, r in {0.1..0.9} (r = 0 when b_high == b_low), sinks
     kivi:         uniform 1 or 2 bits, G; no salient channels, no sinks
     kitty:        4/2 bits, k_magnitude saliency, G and r; 32 sinks
@@ -20,6 +21,10 @@ Kitty-like method compare on one model:
     pnmix-layers: PN-Mix with the model's layers in `layer_groups` groups (`groups`, formed by the
                   campaign from layer sensitivity), each group its own bit pair and r; G, sinks and
                   values shared by every layer (pnmix/layerwise.py says why)
+    engine:       serving engines' per-layer KV formats (`pnmix.recipes.EngineRecipe`), set by
+                  the recipe allocator (tuner/search/recipe_alloc.py) within a sampled pool
+                  (`pool`: the formats one family of engines loads, tuner/search/methods.py);
+                  under a KV budget only, its figure the effective bits
 
 A budget bounds `budget_on`'s figure (`cost`): the key bits per key element (a layer-wise
 config's mean over layers), or the KV bits, keys and values together per cached element
@@ -37,14 +42,19 @@ from typing import Any
 
 from pnmix.bits import LayerPlan
 from pnmix.config import GROUP_SIZES, PNMixConfig
+from pnmix.configs import Answer
+from pnmix.kv_formats import EFFECTIVE_BITS
 from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
-from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, METHODS, BudgetOn
+from pnmix.recipes import EngineRecipe
+from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, BudgetOn
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.search import steps
 from pnmix.tuner.search.axes import RATIOS, SINKS, VALUE_BITS, VALUE_GROUPS
+from pnmix.tuner.search.methods import METHODS, POOLS, Method, pool_of
 
 LAYERED = "pnmix-layers"
 ALLOCATED = "pnmix-alloc"
+ENGINE = "engine"
 DEFAULT_LAYER_GROUPS = 4
 
 AnyConfig = PNMixConfig | LayerwiseConfig
@@ -73,6 +83,11 @@ class SearchSpace:
         if self.budget_on not in BUDGET_ON:
             raise EvalError(f"invalid budget_on {self.budget_on!r}: allowed {', '.join(BUDGET_ON)}")
         object.__setattr__(self, "budget_on", BudgetOn(self.budget_on))
+        if self.budget_on not in self.kind.budgets:
+            raise EvalError(f"the {self.method} method's budgets are on {', '.join(self.kind.budgets)} bits "
+                            f"(--budget-on {self.kind.budgets[0]}): its answers' figure is the effective KV bits")
+        if self.search_values and self.kind.recipes:
+            raise EvalError("the engine method sets every layer's value format already: leave --search-values off")
         if self.search_values and self.budget_on != BudgetOn.KV:
             raise EvalError("searching values needs a KV budget (--budget-on kv): under a key budget values "
                             "cost nothing and the most value bits would always win")
@@ -80,17 +95,27 @@ class SearchSpace:
             raise EvalError(f"invalid layer_groups={self.layer_groups!r}: {LAYER_GROUPS.allowed}")
         object.__setattr__(self, "groups", tuple(tuple(int(i) for i in g) for g in self.groups))
 
+    @property
+    def kind(self) -> Method:
+        """The method's knobs and shape (tuner/search/methods.py)."""
+        return METHODS[self.method]
+
     # -- the model's layers in groups (pnmix-layers) ------------------------------------------------
 
     @property
     def layered(self) -> bool:
         """Whether the space's configs are layer-wise (its `groups` say which layers go together)."""
-        return self.method in (LAYERED, ALLOCATED)
+        return self.kind.layered
 
     @property
     def allocated(self) -> bool:
-        """Whether each layer's pair and ratio come from the allocator, not from trial parameters."""
-        return self.method == ALLOCATED
+        """Whether each layer's formats come from an allocator, not from trial parameters."""
+        return self.kind.allocated
+
+    @property
+    def recipes(self) -> bool:
+        """Whether the space's answers are engine recipes (the engine method)."""
+        return self.kind.recipes
 
     @property
     def values_per_layer(self) -> bool:
@@ -124,11 +149,14 @@ class SearchSpace:
 
     # -- what a config costs -------------------------------------------------------------------------
 
-    def cost(self, config: AnyConfig, head_dim: int) -> float:
+    def cost(self, config: Answer, head_dim: int) -> float:
         """The figure a budget bounds: key bits (layers' mean) or KV bits, metadata included; on a
-        hybrid model (`plan`), weighted by the elements each layer holds, windows at 16 bits."""
+        hybrid model (`plan`), weighted by the elements each layer holds, windows at 16 bits. An
+        engine recipe's: its effective KV bits, weighted alike (its windows in their formats)."""
         from pnmix.bits import kv_bits, mean_key_bits, weighted_key_bits, weighted_kv_bits
 
+        if isinstance(config, EngineRecipe):
+            return config.effective_bits(self.plan)
         if self.plan is not None:
             weighted = weighted_kv_bits if self.budget_on == BudgetOn.KV else weighted_key_bits
             return weighted(config, self.plan, head_dim)
@@ -140,17 +168,17 @@ class SearchSpace:
     # -- the knobs ---------------------------------------------------------------------------------
 
     def bit_pairs(self) -> list[str]:
-        if self.method == "kivi":
-            return ["1/1", "2/2"]
-        if self.method == "kitty":
-            return ["4/2"]
-        return [f"{hi}/{lo}" for lo in range(1, 5) for hi in range(lo, 5)]
+        return list(self.kind.pairs)
 
     def sinks(self) -> list[int]:
-        return [0] if self.method == "kivi" else [32] if self.method == "kitty" else list(SINKS)
+        return list(self.kind.sinks)
 
     def ratios(self, hi: int, lo: int) -> list[float]:
-        return [0.0] if self.method == "kivi" or hi == lo else list(RATIOS)
+        return list(RATIOS) if self.kind.ratios and hi > lo else [0.0]
+
+    def pools(self) -> list[str]:
+        """The engine method: the pools a trial samples (tuner/search/methods.py)."""
+        return list(POOLS) if self.recipes else []
 
     def value_choices(self, head_dim: int) -> list[tuple[int, int]]:
         """(value bits, value group size) pairs the space may take on a model of `head_dim`."""
@@ -238,16 +266,19 @@ class SearchSpace:
 
     def config(self, b_high: int, b_low: int, group: int, ratio: float, sinks: int,
                value_bits: int | None = None, value_group_size: int | None = None) -> PNMixConfig:
-        criterion = "k_magnitude" if self.method == "kitty" else self.criterion
+        criterion = self.kind.criterion or self.criterion
         return PNMixConfig(b_high=b_high, b_low=b_low, group_size=group, salient_ratio=ratio, n_sink=sinks,
                            residual_len=self.residual(group),
                            value_bits=self.value_bits if value_bits is None else value_bits,
                            value_group_size=self.value_group_size if value_group_size is None else value_group_size,
                            criterion=criterion)
 
-    def recast(self, config: AnyConfig) -> AnyConfig:
+    def recast(self, config: Answer) -> Answer:
         """`config`'s searched knobs in this space's fixed fields (residual, criterion, values unless
-        searched): how a preset or another campaign's point enters this space."""
+        searched): how a preset or another campaign's point enters this space (a recipe as it is)."""
+        if isinstance(config, EngineRecipe):
+            return config
+
         def one(c: PNMixConfig) -> PNMixConfig:
             values = {"value_bits": c.value_bits, "value_group_size": c.value_group_size} if self.search_values else {}
             return self.config(c.b_high, c.b_low, c.group_size, c.salient_ratio, c.n_sink, **values)
@@ -256,8 +287,11 @@ class SearchSpace:
             return one(config)
         return simplest(LayerwiseConfig.from_layers([one(c) for c in config.per_layer(self.num_layers)]))
 
-    def params_of(self, config: AnyConfig) -> dict[str, Any]:
+    def params_of(self, config: Answer) -> dict[str, Any]:
         """The trial parameters that reproduce `config` (for enqueueing warm starts and neighbours)."""
+        if isinstance(config, EngineRecipe):
+            pool = pool_of(config)
+            return {"pool": pool.name if pool is not None else next(iter(POOLS))}
         first = as_layerwise(config).default
         params: dict[str, Any] = {"group_size": first.group_size}
         if len(self.sinks()) > 1:
@@ -279,13 +313,19 @@ class SearchSpace:
 
     def fullest_within(self, budget: float, head_dim: int) -> list[PNMixConfig]:
         """Per bit pair, the config that spends the budget on what buys accuracy (tuner/search/steps.py)."""
-        return steps.fullest_within(self, budget, head_dim)
+        return steps.fullest_within(self, budget, head_dim) if self.bit_pairs() else []
 
-    def neighbours(self, config: AnyConfig, head_dim: int | None = None) -> list[AnyConfig]:
-        """The configs of the space one step from `config` on one searched knob (tuner/search/steps.py)."""
+    def neighbours(self, config: Answer, head_dim: int | None = None) -> list[AnyConfig]:
+        """The configs of the space one step from `config` on one searched knob (tuner/search/steps.py);
+        none of a recipe (the recipe allocator makes its own moves)."""
+        if isinstance(config, EngineRecipe):
+            return []
         return steps.neighbours(self, config, head_dim)
 
-    def contains(self, config: AnyConfig) -> bool:
+    def contains(self, config: Answer) -> bool:
+        if isinstance(config, EngineRecipe) or self.recipes:
+            return (isinstance(config, EngineRecipe) and self.recipes and config.num_layers == self.num_layers
+                    and pool_of(config) is not None)
         if isinstance(config, LayerwiseConfig) and not self.layered:
             return False
         per_group = self.per_group(config) if self.layered else [config]
@@ -307,6 +347,8 @@ class SearchSpace:
 
     def min_bits(self, head_dim: int) -> float:
         """The budget figure of the cheapest config in the space (below it no budget is feasible)."""
+        if self.recipes:
+            return min(p.bits() for pool in POOLS.values() for p in pool.pairs)
         return min(self._pair_floor(pair, head_dim) for pair in self.bit_pairs())
 
     def pairs_within(self, budget: float, head_dim: int) -> list[str]:
@@ -334,12 +376,16 @@ class SearchSpace:
         return {k: v for k, v in asdict(self).items() if k not in ("groups", "plan")}
 
     def to_dict(self) -> dict[str, Any]:
+        if self.recipes:
+            return {"method": self.method, "pools": {name: [f"{p.key}/{p.value}" for p in pool.pairs]
+                                                     for name, pool in POOLS.items()},
+                    "effective_bits": {str(f): b for f, b in EFFECTIVE_BITS.items()}, "budget_on": str(self.budget_on)}
         out: dict[str, Any] = {"method": self.method, "bits": self.bit_pairs(), "group_size": list(GROUP_SIZES),
-               "salient_ratio": [] if self.method == "kivi" else list(RATIOS), "n_sink": self.sinks(),
+               "salient_ratio": list(RATIOS) if self.kind.ratios else [], "n_sink": self.sinks(),
                "residual_len": self.residual_len,
                "value_bits": list(VALUE_BITS) if self.search_values else self.value_bits,
                "value_group_size": list(VALUE_GROUPS) if self.search_values else self.value_group_size,
-               "criterion": "k_magnitude" if self.method == "kitty" else self.criterion}
+               "criterion": self.kind.criterion or self.criterion}
         if self.budget_on != BudgetOn.KEY:  # only where it differs: a sweep file's header holds this dict
             out["budget_on"] = str(self.budget_on)
         if self.method == LAYERED:

@@ -85,8 +85,8 @@ def _fullest(space: SearchSpace, pairs: list[str], budget: float, head_dim: int,
     out: list[PNMixConfig] = []
     for pair in pairs:
         hi, lo = (int(x) for x in pair.split("/"))
-        if hi > lo and space.method != "kivi":
-            tries = [(max(GROUP_SIZES), r, s) for r in sorted(RATIOS, reverse=True) for s in sinks]
+        if len(space.ratios(hi, lo)) > 1:
+            tries = [(max(GROUP_SIZES), r, s) for r in sorted(space.ratios(hi, lo), reverse=True) for s in sinks]
         else:
             tries = [(g, 0.0, s) for g in sorted(GROUP_SIZES) for s in sinks]
         configs = (space.config(hi, lo, g, r, s, *values) for g, r, s in tries)

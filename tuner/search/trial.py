@@ -24,13 +24,14 @@ from typing import Any
 
 import optuna
 
-from pnmix.bits import weighted_key_bits, weighted_kv_bits
-from pnmix.layerwise import AnyConfig, config_key
+from pnmix.configs import Answer, key_bits, kv_bits
+from pnmix.layerwise import config_key
 from pnmix.storage.errors import StorageError
 from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
 from pnmix.tuner.search.allocation import AllocatorLoop
 from pnmix.tuner.search.fronts import front_trials
+from pnmix.tuner.search.recipe_alloc import RecipeLoop
 from pnmix.tuner.search.record import FINISHED_STATES
 from pnmix.tuner.search.sharing import Sharing
 from pnmix.tuner.search.studies import Studies
@@ -62,7 +63,7 @@ class Objective:
         # The runner sets the grouped space (and the allocator) before any trial; on a hybrid model the
         # space weighs the layers by what they hold.
         self.space = spec.space.with_plan(evaluator.plan)
-        self.allocator: AllocatorLoop | None = None
+        self.allocator: AllocatorLoop | RecipeLoop | None = None
         # Kernel specialisations its trials compiled (CUDA), and the compiler's seconds on them.
         self.kernels_compiled = 0
         self.compile_seconds = 0.0
@@ -90,7 +91,9 @@ class Objective:
             self._enqueue_neighbour(trial.study, view, config, budget, trial.number)
             return tuple(twin.trial.values)
         warm = running.warm_start
-        if self.spec.multi_fidelity:  # warm starts get a proxy value too: they anchor the pruning rule
+        # warm starts get a proxy value too: they anchor the pruning rule. An engine recipe has no
+        # proxy figure of its own (its allocator weighs the formats by the proxy already).
+        if self.spec.multi_fidelity and not self.space.recipes:
             proxy = self.evaluator.proxy(config)
             running.write_proxy(proxy)
             if not warm and self._dominated(view, bits, proxy):
@@ -104,7 +107,7 @@ class Objective:
         return self._values(score.accuracy, bits, score)
 
     def _propose(self, trial: optuna.Trial, running: record.RunningTrial, budget: float,
-                 studies: list[optuna.Study]) -> tuple[AnyConfig, float]:
+                 studies: list[optuna.Study]) -> tuple[Answer, float]:
         """The trial's config and its budget figure, written on the trial with the constraint;
         `studies`: the campaign's, the trial's own first."""
         origin = None
@@ -114,12 +117,12 @@ class Objective:
             config = self.space.suggest(trial, self.studies.pairs(budget, self.head_dim), head_dim=self.head_dim)
         bits = self.space.cost(config, self.head_dim)
         plan = self.evaluator.plan
-        running.write_config(config, bits, weighted_key_bits(config, plan, self.head_dim),
-                             weighted_kv_bits(config, plan, self.head_dim), origin)
+        running.write_config(config, bits, key_bits(config, plan, self.head_dim),
+                             kv_bits(config, plan, self.head_dim), origin)
         trial.set_constraint(f"{self.space.budget_on}_bits", bits - budget)
         return config, bits
 
-    def _evaluate(self, running: record.RunningTrial, config: AnyConfig, bits: float, budget: float,
+    def _evaluate(self, running: record.RunningTrial, config: Answer, bits: float, budget: float,
                   race: bool) -> Any:
         trial = running.trial
         try:
@@ -133,7 +136,7 @@ class Objective:
             running.mark_failed(reason)
             raise
 
-    def _race(self, running: record.RunningTrial, config: AnyConfig, bits: float) -> Any:
+    def _race(self, running: record.RunningTrial, config: Answer, bits: float) -> Any:
         """Scores `config` rung by rung (tuner/search/racing.py) against this study's front of no more bits;
         raises TrialPruned (partial score kept) once a front point beats it with confidence, else
         returns what the rungs scored for the full evaluation to complete.
@@ -162,7 +165,7 @@ class Objective:
                                          f"(z {verdict.z:.2f}) on {share:g} of the items")
         return have
 
-    def _enqueue_neighbour(self, study: optuna.Study, view: record.CampaignView, config: AnyConfig, budget: float,
+    def _enqueue_neighbour(self, study: optuna.Study, view: record.CampaignView, config: Answer, budget: float,
                            number: int) -> None:
         """A sampler that proposes a config already scored has converged around it: the slot it
         spent buys nothing, so the next trial of the budget scores a neighbour of that config (one

@@ -6,8 +6,10 @@
   alone seldom reaches it), in that order; pnmix-layers first enqueues, for each of those uniform
   configs, the layer-wise one that the proxy's per-layer KL says spends the same budget best across
   the groups (`tuner.search.layers.grouped_for_budget`); pnmix-alloc queues the allocator's warm starts
-  (`AllocatorLoop.warm_starts`). At most half the budget's trials (queued trials run first: a dead
-  worker's retried trial queues behind them); new studies only.
+  (`AllocatorLoop.warm_starts`); the engine method each pool's allocation and the fullest uniform
+  recipe (`RecipeLoop.warm_starts`, all trials but one). Otherwise at most half the budget's
+  trials (queued trials run first: a dead worker's retried trial queues behind them); new
+  studies only.
 - Layer groups (`WarmStarts.layered_space`): pnmix-layers groups the model's layers by sensitivity
   (each layer's proxy KL under pnmix-paper, `tuner.search.layers.group_layers`); the first worker stores
   them on the campaign row (`search_space["groups"]`), every later one, and a resumed run, reads
@@ -28,6 +30,7 @@ from pnmix.layerwise import AnyConfig
 from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
 from pnmix.tuner.search.allocation import AllocatorLoop
+from pnmix.tuner.search.recipe_alloc import RecipeLoop
 from pnmix.tuner.search.space import SearchSpace
 
 
@@ -38,9 +41,15 @@ class WarmStarts:
         self.head_dim, self.num_layers = evaluator.head_dim, evaluator.num_layers
         self._layer_kl_cache: dict[PNMixConfig, list[float]] = {}
 
-    def seed(self, study: optuna.Study, budget: float, space: SearchSpace, allocator: AllocatorLoop | None) -> None:
+    def seed(self, study: optuna.Study, budget: float, space: SearchSpace,
+             allocator: AllocatorLoop | RecipeLoop | None) -> None:
         """Enqueues the warm starts of a new study (the module's docstring says which)."""
         limit = max(1, self.spec.n_trials // 2)  # the sampler keeps at least half the slots
+        if isinstance(allocator, RecipeLoop):  # each pool's allocation: the sampler keeps one slot
+            stored = self._stored_fronts(budget, space)
+            for params, proposal in allocator.warm_starts(budget, stored, max(1, self.spec.n_trials - 1)):
+                record.enqueue_warm_start(study, params, proposal)
+            return
         candidates: list[AnyConfig] = [preset("pnmix-paper"), preset("kivi2"), preset("kivi1"), preset("kitty")]
         candidates += self._stored_fronts(budget, space)
         candidates += space.fullest_within(budget, self.head_dim)
@@ -63,7 +72,7 @@ class WarmStarts:
             if len(seen) >= limit:
                 return
 
-    def _stored_fronts(self, budget: float, space: SearchSpace) -> list[PNMixConfig]:
+    def _stored_fronts(self, budget: float, space: SearchSpace) -> list[Any]:
         """The best stored front points of this model from earlier campaigns that fit `budget` (this
         campaign's own scores reach every budget they fit by sharing: tuner/search/sharing.py)."""
         from sqlalchemy import select
@@ -100,11 +109,14 @@ class WarmStarts:
             self._layer_kl_cache[config] = self.evaluator.proxy_by_layer(config)
         return self._layer_kl_cache[config]
 
-    def layered_space(self, space: SearchSpace) -> tuple[SearchSpace, AllocatorLoop | None]:
+    def layered_space(self, space: SearchSpace) -> tuple[SearchSpace, AllocatorLoop | RecipeLoop | None]:
         """The space with the model's layer groups (unchanged for a uniform space or one that has
-        them), and pnmix-alloc's allocator."""
+        them), and pnmix-alloc's allocator (the engine method's: the recipe allocator)."""
         if not space.layered or space.groups:
             return space, None
+        if space.recipes:
+            space = space.with_layers(self.num_layers)
+            return space, RecipeLoop(space, self.evaluator, self.num_layers, self.progress)
         if space.allocated:  # one layer a group: nothing to form or store
             space = space.with_layers(self.num_layers)
             return space, AllocatorLoop(space, self.evaluator, self.head_dim, self.num_layers, self.progress)
