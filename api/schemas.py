@@ -267,9 +267,13 @@ class CampaignCreate(BaseModel):
 
     # search_values needs budget_on=kv: said in the schema too, so that a client generating requests
     # from it never sends a schema-valid body the service refuses.
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "if": {"properties": {"search_values": {"const": True}}, "required": ["search_values"]},
-        "then": {"properties": {"budget_on": {"const": "kv"}}, "required": ["budget_on"]}})
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"allOf": [
+        {"if": {"properties": {"search_values": {"const": True}}, "required": ["search_values"]},
+         "then": {"properties": {"budget_on": {"const": "kv"}}, "required": ["budget_on"]}},
+        # the engine method's budgets are effective KV bits, and it sets every layer's values itself
+        {"if": {"properties": {"method": {"const": "engine"}}, "required": ["method"]},
+         "then": {"properties": {"budget_on": {"const": "kv"}, "search_values": {"const": False}},
+                  "required": ["budget_on"]}}]})
 
     # The shape models are excluded in the schema too, so that a client generating requests from it
     # never sends a schema-valid body the service refuses (422).
@@ -283,7 +287,7 @@ class CampaignCreate(BaseModel):
     method: Literal[METHODS] = Field(  # type: ignore[valid-type]
         default=DEFAULT_METHOD, description="pnmix-alloc (default): each layer's bits from the allocator, local "
         "moves scored by real accuracy; pnmix, kivi, kitty: uniform configs of each method's knobs; "
-        "pnmix-layers: sampled layer groups")
+        "pnmix-layers: sampled layer groups; engine: serving engines' per-layer KV formats (budget_on=kv)")
     profile: Literal[tuple(PROFILES)] = "quick"  # type: ignore[valid-type]
     objectives: list[Literal[REQUESTED_OBJECTIVES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(REQUIRED_OBJECTIVES), min_length=2, max_length=len(REQUESTED_OBJECTIVES),

@@ -14,11 +14,12 @@ figures, and its caches.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pnmix.bits import LayerPlan, weighted_key_bits, weighted_kv_bits
 from pnmix.config import PNMixConfig
-from pnmix.layerwise import LayerwiseConfig, config_from_dict
+from pnmix.layerwise import LayerwiseConfig, config_from_dict, load_config
 from pnmix.recipes import EngineRecipe
 
 Answer = PNMixConfig | LayerwiseConfig | EngineRecipe
@@ -32,6 +33,16 @@ def is_recipe_dict(data: Any) -> bool:
 def answer_from_dict(data: Any) -> Answer:
     """Any answer from its `to_dict()`: an engine recipe, a layer-wise config or a single one."""
     return EngineRecipe.from_dict(data) if is_recipe_dict(data) else config_from_dict(data)
+
+
+def load_answer(text: str | bytes) -> Answer:
+    """Any answer from JSON: an engine recipe ({"layers": [[KEY, VALUE], ...]}), else a PN-Mix config
+    (`pnmix.layerwise.load_config`, whose one-line errors a malformed file gets)."""
+    try:
+        data = json.loads(text)
+    except (RecursionError, ValueError, TypeError):
+        return load_config(text)
+    return EngineRecipe.from_dict(data) if is_recipe_dict(data) else load_config(text)
 
 
 def key_bits(config: Answer, plan: LayerPlan, head_dim: int) -> float:

@@ -23,13 +23,18 @@ or FlashAttention 3's FP8 path) is not modelled.
 `EFFECTIVE_BITS` is each format's bits per element with its scales, Model-Optimizer's
 `kv_effective_bits` for the formats it names (bf16 16, FP8 8, NVFP4 4.5) and the block layout's for
 llama.cpp's (q8_0: 34 bytes per 32 values, 8.5; q4_0: 18 bytes, 4.5).
+
+torch is imported where the arithmetic runs, so that the formats' names and bits load without it
+(the command line reads them at start-up).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class KVFormat(StrEnum):
@@ -58,11 +63,14 @@ def fp8_scale(x: torch.Tensor) -> float:
 
 def fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """E4M3 with a per-tensor scale, saturating, round to nearest even; dequantized."""
+    import torch
+
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
+
     if x.shape[-1] % size:
         raise ValueError(f"head_dim {x.shape[-1]} is not a multiple of the format's block of {size}")
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)
@@ -71,6 +79,8 @@ def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
 def e2m1(x: torch.Tensor) -> torch.Tensor:
     """The nearest E2M1 value of each element of `x` (|x| <= 6 expected, larger saturate), ties to the
     value whose code is even."""
+    import torch
+
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
     mag = x.abs().clamp(max=E2M1_MAX)
     dist = (mag[..., None] - values).abs()
@@ -91,6 +101,8 @@ def nvfp4_scale(x: torch.Tensor) -> float:
 def nvfp4(x: torch.Tensor, tensor_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """NVFP4 (blocks of 16, E4M3 block scales, fp32 tensor scale: `x`'s own, `nvfp4_scale`, unless
     given); dequantized. Given a smaller tensor scale than `x` needs, block scales saturate at 448."""
+    import torch
+
     blocks = _blocks(x, NVFP4_BLOCK)
     scale = nvfp4_scale(blocks) if tensor_scale is None else tensor_scale
     block_amax = blocks.abs().amax(-1, keepdim=True)
@@ -102,6 +114,8 @@ def nvfp4(x: torch.Tensor, tensor_scale: float | torch.Tensor | None = None) -> 
 
 def q8_0(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp's q8_0; dequantized."""
+    import torch
+
     blocks = _blocks(x, GGML_BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
@@ -112,6 +126,8 @@ def q8_0(x: torch.Tensor) -> torch.Tensor:
 
 def q4_0(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp's q4_0; dequantized."""
+    import torch
+
     blocks = _blocks(x, GGML_BLOCK)
     where = blocks.abs().argmax(-1, keepdim=True)  # the first element of largest magnitude, as ggml's loop
     d = blocks.gather(-1, where) / -8.0
@@ -121,6 +137,8 @@ def q4_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return x.to(torch.bfloat16).to(x.dtype)
 
 

@@ -206,7 +206,8 @@ class FrontPoint(Base):
     # a layer-wise config's ranges, {"A-B": {field: value}} (LayerwiseConfig.to_dict()["layers"]); NULL: none
     layers: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # an engine recipe, {"layers": [[key format, value format], ...]} (EngineRecipe.to_dict()); NULL: a PN-Mix config
-    recipe: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # (SQL NULL, not JSON null: the config_or_recipe check reads it)
+    recipe: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
     # metrics
     accuracy: Mapped[float] = mapped_column(Double)  # aggregate score in [0, 1]
     accuracy_se: Mapped[float | None] = mapped_column(Double, nullable=True)  # its standard error; None: unknown

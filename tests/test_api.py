@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
@@ -13,6 +15,7 @@ from pnmix.bits import key_bits
 from pnmix.config import PNMixConfig
 from pnmix.storage import (
     Database,
+    FrontPointIn,
     ModelIn,
     SchemaError,
     claim_next_queued_campaign,
@@ -457,3 +460,35 @@ def test_a_campaign_names_its_files_and_hold_out_share_checked_at_enqueue(env, t
         r = client.post("/v1/campaigns", json={"model": "smollm2-135m", "budgets": [2.5], **bad}, headers=AUTH)
         assert r.status_code == status and needle in r.text, (bad, r.text)
     assert campaigns_dump(db) == before
+
+
+def test_recommend_in_an_engines_syntax_answers_with_the_best_recipe_it_loads(env):
+    from pnmix.recipes import EngineRecipe, parse
+
+    client, db, _ = env
+    bf16_ends = EngineRecipe.uniform(30, "fp8").with_layers({0: "bf16", 29: "bf16"})  # 8.53 bits, two-level
+    mixed = EngineRecipe.uniform(30, "fp8", "nvfp4").with_layers({0: "bf16"})  # FP8 keys + NVFP4 values
+    with db.session() as s:
+        engine = create_campaign(s, "smollm2-135m", [9.0], n_trials=2, method="engine", budget_on="kv",
+                                 objectives=["accuracy", "kv_bits"], status="running")
+        replace_front(s, engine.id, 9.0, [
+            FrontPointIn(mixed, accuracy=0.99, kv_bytes=900, throughput=0.0, trial_number=0, backend="torch",
+                         device="cpu", accuracy_se=0.005),
+            FrontPointIn(bf16_ends, accuracy=0.97, kv_bytes=1200, throughput=0.0, trial_number=1, backend="torch",
+                         device="cpu", accuracy_se=0.005)])
+    params = {"model": "smollm2-135m", "target_bits": 9.0, "bits_of": "kv"}
+    best = client.get("/v1/recommend", params=params).json()
+    # Without a format: the most accurate point of any method (the recipe with NVFP4 values).
+    assert best["point"]["recipe"] == mixed.to_dict()["layers"] and best["point"]["config"] is None
+    assert best["engine_config"] is None and EngineRecipe.from_dict(json.loads(best["pnmix_config"])) == mixed
+    # vLLM cannot load FP8 keys with NVFP4 values: its answer is the two-level recipe, in its flags.
+    vllm = client.get("/v1/recommend", params={**params, "format": "vllm"}).json()
+    assert vllm["format"] == "vllm" and vllm["engine_config"] == "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 29"
+    assert parse(vllm["engine_config"], "vllm", 30) == bf16_ends
+    modelopt = client.get("/v1/recommend", params={**params, "format": "modelopt"}).json()
+    assert parse(modelopt["engine_config"], "modelopt", 30) == mixed
+    # PN-Mix points still answer without a format, unchanged.
+    assert client.get("/v1/recommend", params={"model": "smollm2-135m", "target_bits": 2.6}).json()["point"][
+        "recipe"] is None
+    body = assert_problem(client.get("/v1/recommend", params={**params, "format": "tensorrt"}), 422)
+    assert "format" in json.dumps(body)

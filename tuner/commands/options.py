@@ -102,19 +102,20 @@ def task_list(tasks: str | None, items: str | None, texts: Any) -> tuple[str, ..
 
 
 def load_config_file(path: str) -> Any:
-    """A PNMixConfig (what `pnmix export` writes) or a layer-wise config (docs/layerwise.md) from a
-    JSON file; bad files end in one line."""
+    """A PNMixConfig (what `pnmix export` writes), a layer-wise config (docs/layerwise.md) or an
+    engine recipe (docs/engines.md) from a JSON file; bad files end in one line."""
     from pathlib import Path
 
-    from pnmix.layerwise import load_config
+    from pnmix.configs import load_answer
+    from pnmix.recipes import RecipeError
 
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise EvalError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        return load_config(text)
-    except TypeError as exc:  # e.g. a field given twice through an odd mapping
+        return load_answer(text)
+    except (TypeError, RecipeError) as exc:  # e.g. a field given twice through an odd mapping
         raise EvalError(f"config file {path}: {exc}") from None
 
 

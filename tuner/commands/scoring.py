@@ -191,8 +191,8 @@ def _print_scores(model: str, profile_name: str, seed: int, evaluator: Any, conf
 
 
 def validate(
-    config_file: Annotated[str, typer.Option("--config", help="the config to check: a PNMixConfig or layer-wise "
-                                             "JSON file, e.g. from `pnmix export`", parser=InputFile())],
+    config_file: Annotated[str, typer.Option("--config", help="the config to check: a PNMixConfig, layer-wise or "
+                                             "engine recipe JSON file, e.g. from `pnmix export`", parser=InputFile())],
     against: Annotated[str, typer.Option(help="comma-separated presets to compare with, paired on the same units",
                                          parser=Names(tuple(PRESETS)))] = "fp16,pnmix-paper",
     texts: TextsOpt = None,
