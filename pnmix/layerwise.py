@@ -263,7 +263,7 @@ def load_config(text: str | bytes) -> PNMixConfig | LayerwiseConfig:
     return config_from_dict(data)
 
 
-def config_key(config: AnyConfig | dict[str, Any]) -> str:
-    """A config (or its dict) as one comparable string: what identifies a config across trials,
-    studies and sweep files."""
+def config_key(config: Any) -> str:
+    """A config (a PN-Mix config, an engine recipe, or its dict) as one comparable string: what
+    identifies a config across trials, studies and sweep files."""
     return json.dumps(config if isinstance(config, dict) else config.to_dict(), sort_keys=True)

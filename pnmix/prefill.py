@@ -214,7 +214,7 @@ def build_recipe_cache(model: Any, recipe: EngineRecipe, states: list[PrefillSta
     use_pnmix_attention(model)  # the batch attends through the "pnmix" attention function
     layers: list[Any] = []
     for li, (formats, kind) in enumerate(zip(recipe.layers, cache.plan.kinds, strict=True)):
-        held = [c.layers[li] for c in alone]
+        held: list[Any] = [c.layers[li] for c in alone]  # FormatLayer or FormatWindowLayer
         scales = [h.scales for h in held]
         keys, values = [h.keys[0] for h in held], [h.values[0] for h in held]
         if kind == FULL:

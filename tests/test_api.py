@@ -483,7 +483,8 @@ def test_recommend_in_an_engines_syntax_answers_with_the_best_recipe_it_loads(en
     assert best["engine_config"] is None and EngineRecipe.from_dict(json.loads(best["pnmix_config"])) == mixed
     # vLLM cannot load FP8 keys with NVFP4 values: its answer is the two-level recipe, in its flags.
     vllm = client.get("/v1/recommend", params={**params, "format": "vllm"}).json()
-    assert vllm["format"] == "vllm" and vllm["engine_config"] == "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 29"
+    assert vllm["format"] == "vllm"
+    assert vllm["engine_config"] == "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 29"
     assert parse(vllm["engine_config"], "vllm", 30) == bf16_ends
     modelopt = client.get("/v1/recommend", params={**params, "format": "modelopt"}).json()
     assert parse(modelopt["engine_config"], "modelopt", 30) == mixed

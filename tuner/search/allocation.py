@@ -33,6 +33,7 @@ import optuna
 from pnmix.bits import LayerPlan, mean_key_bits, value_bits_total
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_key, simplest
+from pnmix.recipes import EngineRecipe
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring.proxy import ProxyMeasure
 from pnmix.tuner.scoring.scorer import Scorer
@@ -129,6 +130,8 @@ class AllocatorLoop:
         fits: list[AnyConfig] = []
         for c in uniform:
             cfg = space.recast(c)
+            if isinstance(cfg, EngineRecipe):
+                continue  # another method's answer
             if space.contains(cfg) and self.cost(cfg) <= budget and cfg not in fits:
                 fits.append(cfg)
         paper = space.shared_base(space.recast(preset("pnmix-paper")))
@@ -162,7 +165,8 @@ class AllocatorLoop:
         space = self.space
         base = space.suggest_shared(trial)
         cfg = running.proposal
-        if cfg is not None and space.contains(cfg) and space.shared_base(cfg) == base:
+        if cfg is not None and not isinstance(cfg, EngineRecipe) and space.contains(cfg) and \
+                space.shared_base(cfg) == base:
             return cfg, Origin.PROPOSAL
         allocations = self.allocations(base, budget, running)
         if not allocations:  # not even the cheapest candidate fits: it is proposed, and skipped as over budget
@@ -256,7 +260,9 @@ class AllocatorLoop:
             if not r.has_score or r.bits is None or r.bits > budget or r.accuracy is None:
                 continue
             cfg = r.config
-            if cfg is not None and self.space.contains(cfg) and self.space.shared_base(cfg) == base:
+            if isinstance(cfg, EngineRecipe) or cfg is None:
+                continue
+            if self.space.contains(cfg) and self.space.shared_base(cfg) == base:
                 if best is None or r.accuracy > best[0]:
                     best = (r.accuracy, cfg)
         return best[1] if best is not None else None

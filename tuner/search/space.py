@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 from pnmix.bits import LayerPlan
 from pnmix.config import GROUP_SIZES, PNMixConfig
@@ -272,6 +272,12 @@ class SearchSpace:
                            value_bits=self.value_bits if value_bits is None else value_bits,
                            value_group_size=self.value_group_size if value_group_size is None else value_group_size,
                            criterion=criterion)
+
+    @overload
+    def recast(self, config: EngineRecipe) -> EngineRecipe: ...
+
+    @overload
+    def recast(self, config: AnyConfig) -> AnyConfig: ...
 
     def recast(self, config: Answer) -> Answer:
         """`config`'s searched knobs in this space's fixed fields (residual, criterion, values unless

@@ -26,6 +26,7 @@ import optuna
 
 from pnmix.configs import Answer, key_bits, kv_bits
 from pnmix.layerwise import config_key
+from pnmix.recipes import EngineRecipe
 from pnmix.storage.errors import StorageError
 from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
@@ -93,7 +94,7 @@ class Objective:
         warm = running.warm_start
         # warm starts get a proxy value too: they anchor the pruning rule. An engine recipe has no
         # proxy figure of its own (its allocator weighs the formats by the proxy already).
-        if self.spec.multi_fidelity and not self.space.recipes:
+        if self.spec.multi_fidelity and not isinstance(config, EngineRecipe):
             proxy = self.evaluator.proxy(config)
             running.write_proxy(proxy)
             if not warm and self._dominated(view, bits, proxy):

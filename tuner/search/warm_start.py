@@ -27,6 +27,7 @@ import optuna
 
 from pnmix.config import PNMixConfig, preset
 from pnmix.layerwise import AnyConfig
+from pnmix.recipes import EngineRecipe
 from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
 from pnmix.tuner.search.allocation import AllocatorLoop
@@ -57,7 +58,8 @@ class WarmStarts:
             for params, proposal in allocator.warm_starts(budget, candidates, limit):
                 record.enqueue_warm_start(study, params, proposal)
             return
-        candidates = [space.recast(c) for c in candidates if space.layered or isinstance(c, PNMixConfig)]
+        candidates = [c for c in map(space.recast, candidates) if not isinstance(c, EngineRecipe)
+                      and (space.layered or isinstance(c, PNMixConfig))]
         if space.layered:
             candidates = [*self._grouped(candidates, budget, space), *candidates]
         seen = set()
