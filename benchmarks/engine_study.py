@@ -51,7 +51,8 @@ def campaign(method: str, ev: Any, budgets: tuple[float, ...], trials: int, db: 
 
     space = SearchSpace(method=method, budget_on="kv", search_values=method != "engine")
     spec = CampaignSpec(model=ev.model_name, budgets=budgets, n_trials=trials, method=method, profile=ev.profile.name,
-                        seed=ev.seed, holdout=ev.holdout, space=space, objectives=("accuracy", "kv_bits"))
+                        seed=ev.seed, holdout=ev.holdout, space=space, objectives=("accuracy", "kv_bits"),
+                        tasks=ev.tasks)
     campaign_id = find_or_create_campaign(db, spec)
     started = time.perf_counter()
     studies = CampaignRunner(db, db.url, campaign_id, spec, ev, progress=log).run()
@@ -142,7 +143,7 @@ def kl_table(ev: Any) -> dict[str, list[float]]:
 
 
 def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials: int, budgets: tuple[float, ...],
-          out: Path) -> Path:
+          out: Path, tasks: tuple[str, ...] | None = None) -> Path:
     global CACHE
     import optuna
     import torch
@@ -157,17 +158,18 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     out.mkdir(parents=True, exist_ok=True)
-    CACHE = out / f"scores-{model}-{profile_name}.json"
+    name = Path(model).name  # a checkpoint directory's own name
+    CACHE = out / f"scores-{name}-{profile_name}.json"
     if CACHE.is_file():
         SCORES.update(json.loads(CACHE.read_text()))
     res: dict[str, Any] = {"model": model, "profile": profile_name, "trials": trials, "pnmix_trials": pnmix_trials,
                            "device": device, "budgets": list(budgets)}
     t0 = time.perf_counter()
-    ev = Evaluator(model, profile(profile_name), device=device, holdout=0.25, progress=log)
+    ev = Evaluator(model, profile(profile_name), device=device, holdout=0.25, progress=log, tasks=tasks)
     ev.prepare()
     res["preparation_s"] = time.perf_counter() - t0
     res["plan"] = {"kinds": list(ev.plan.kinds), "window": ev.plan.window}
-    db = Database(f"sqlite:///{out / f'engine-{model}.db'}")
+    db = Database(f"sqlite:///{out / f'engine-{name}.db'}")
     upgrade(db)
     runs = {m: campaign(m, ev, budgets, n, db) for m, n in (("engine", trials), ("pnmix-alloc", pnmix_trials))}
     res["campaign_s"] = {m: r["seconds"] for m, r in runs.items()}
@@ -214,7 +216,7 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
     res["env"] = {"torch": torch.__version__, "python": platform.python_version(),
                   "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
                   "date": datetime.date.today().isoformat()}
-    path = out / f"engine_study-{model}.json"
+    path = out / f"engine_study-{name}.json"
     path.write_text(json.dumps(res, indent=1, default=str))
     return path
 
@@ -293,6 +295,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5, help="the engine campaign's trials a budget")
     ap.add_argument("--pnmix-trials", type=int, default=3, help="the pnmix-alloc campaign's trials a budget")
     ap.add_argument("--budgets", default=BUDGETS, help="effective KV bits, comma-separated")
+    ap.add_argument("--tasks", help="comma-separated parts (default: the profile's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/engine_study"))
     ap.add_argument("--report", metavar="JSON")
     args = ap.parse_args()
@@ -300,7 +303,8 @@ def main() -> None:
         report(Path(args.report))
         return
     budgets = tuple(float(b) for b in args.budgets.split(","))
-    report(study(args.model, args.device, args.profile, args.trials, args.pnmix_trials, budgets, Path(args.out)))
+    tasks = tuple(args.tasks.split(",")) if args.tasks else None
+    report(study(args.model, args.device, args.profile, args.trials, args.pnmix_trials, budgets, Path(args.out), tasks))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Pareto fronts of a study: which trials are on it, their stored form, and the area they dominate.
 
 A budget's front is the study's feasible, fully evaluated, non-dominated trials (Optuna's
-`best_trials` honour constraints); `front_points` maps them to the storage's `FrontPointIn`, which
-`tuner.search.campaign` writes after every finished trial. `tuner.search.sweep` and the benchmarks use the same
+`best_trials` honour constraints). Engine recipes (the engine method) are compared only with the
+recipes the same engines load as they are (`families`): the front is the union of each family's
+front, so that the best recipe of every engine is stored, and `recommend --format vllm` finds
+vLLM's best two-level recipe even where a recipe vLLM cannot load is more accurate.
+`front_points` maps them to the storage's `FrontPointIn`, which `tuner.search.campaign` writes
+after every finished trial. `tuner.search.sweep` and the benchmarks use the same
 maths on the ground truth.
 """
 
@@ -29,11 +33,31 @@ def pareto_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     if not trials:
         return []
     sign = np.array([-1.0 if d == optuna.study.StudyDirection.MAXIMIZE else 1.0 for d in study.directions])
-    loss = np.array([t.values for t in trials], dtype=float) * sign  # lower is better in every column
-    no_worse = (loss[:, None, :] <= loss[None, :, :]).all(axis=2)  # [j, i]: j is nowhere worse than i
-    better = (loss[:, None, :] < loss[None, :, :]).any(axis=2)
-    dominated = (no_worse & better).any(axis=0)
-    return sorted((t for t, d in zip(trials, dominated, strict=True) if not d), key=lambda t: t.number)
+    out = []
+    for group in families(trials).values():
+        loss = np.array([t.values for t in group], dtype=float) * sign  # lower is better in every column
+        no_worse = (loss[:, None, :] <= loss[None, :, :]).all(axis=2)  # [j, i]: j is nowhere worse than i
+        better = (loss[:, None, :] < loss[None, :, :]).any(axis=2)
+        dominated = (no_worse & better).any(axis=0)
+        out += [t for t, d in zip(group, dominated, strict=True) if not d]
+    return sorted(out, key=lambda t: t.number)
+
+
+def families(trials: Sequence[optuna.trial.FrozenTrial]) -> dict[Any, list[optuna.trial.FrozenTrial]]:
+    """The trials by the engines that load their config as it is (`pnmix.recipes.expresses`): every
+    PN-Mix config in one family, engine recipes in one per set of engines."""
+    from pnmix.configs import is_recipe_dict
+    from pnmix.recipes import ENGINES, EngineRecipe, expresses
+
+    out: dict[Any, list[optuna.trial.FrozenTrial]] = {}
+    for t in trials:
+        data = record.read(t).config_dict
+        key = None
+        if is_recipe_dict(data):
+            recipe = EngineRecipe.from_dict(data)
+            key = tuple(expresses(recipe, engine) for engine in ENGINES)
+        out.setdefault(key, []).append(t)
+    return out
 
 
 def front_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
