@@ -4,8 +4,6 @@ real inference, stored on the fronts beside PN-Mix configs, recommended and expo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import optuna
 import pytest
@@ -26,7 +24,6 @@ from pnmix.tuner.search.space import SearchSpace
 from pnmix.tuner.search.spec import CampaignSpec
 from pnmix.tuner.search.studies import finished
 
-PNMIX = [sys.executable, "-P", "-m", "pnmix.api.cli"]
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
@@ -85,19 +82,36 @@ def test_an_engine_campaign_tunes_stores_recommends_and_exports(tmp_path, tiny_d
         stored = list_front_points(s, tiny_dir, campaign_id=campaign_id).items
         assert stored and all(isinstance(p.config, EngineRecipe) and p.b_high is None for p in stored)
         assert all(p.kv_bits == pytest.approx(p.config.effective_bits()) for p in stored)
-        best = recommend(s, tiny_dir, 6.25, bits_of="kv")
-        assert isinstance(best.config, EngineRecipe)
+        best = recommend(s, tiny_dir, 6.25, bits_of="kv").config
+        assert isinstance(best, EngineRecipe)
         vllm = recommend(s, tiny_dir, 6.25, bits_of="kv", engine="vllm").config
         assert expresses(vllm, "vllm")
-    out = subprocess.run([*PNMIX, "export", "--model", tiny_dir, "--bits", "6.25", "--bits-of", "kv", "--format",
-                          "vllm", "--storage", db.url], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    line = out.stdout.strip().splitlines()[0]
+    from typer.testing import CliRunner
+
+    from pnmix.api.cli import app
+
+    cli = CliRunner()
+    out = cli.invoke(app, ["export", "--model", tiny_dir, "--bits", "6.25", "--bits-of", "kv", "--format", "vllm",
+                           "--storage", db.url])
+    assert out.exit_code == 0, out.output
+    line = next(x for x in out.output.splitlines() if x.startswith("--kv-cache-dtype"))
     assert line.startswith("--kv-cache-dtype ") and parse(line, "vllm", n) == vllm
-    rec = subprocess.run([*PNMIX, "recommend", "--model", tiny_dir, "--bits", "6.25", "--bits-of", "kv", "--format",
-                          "modelopt", "--json", "--storage", db.url], capture_output=True, text=True, timeout=120)
-    assert rec.returncode == 0, rec.stderr
-    row = json.loads(rec.stdout)
+    rec = cli.invoke(app, ["recommend", "--model", tiny_dir, "--bits", "6.25", "--bits-of", "kv", "--format",
+                           "modelopt", "--json", "--storage", db.url])
+    assert rec.exit_code == 0, rec.output
+    row = json.loads(next(x for x in rec.output.splitlines() if x.startswith("{")))
     served = json.loads(row["engine_config"])
     assert served["kv_cache_quant_algo"] == "MIXED_PRECISION"
     assert parse(row["engine_config"], "modelopt", n) == EngineRecipe.from_dict(row["config"])
+    # Without --format, export writes the best point as JSON, here a recipe, which validate reads.
+    target = tmp_path / "recipe.json"
+    assert cli.invoke(app, ["export", "--model", tiny_dir, "--bits", "6.25", "--bits-of", "kv", "-o", str(target),
+                            "--storage", db.url]).exit_code == 0
+    assert EngineRecipe.from_dict(json.loads(target.read_text())) == best
+    checked = cli.invoke(app, ["validate", "--config", str(target), "--model", tiny_dir, "--profile", "smoke",
+                               "--tasks", "fidelity", "--json"])
+    assert checked.exit_code == 0, checked.output
+    text = checked.output
+    verdict = json.loads(text[text.index('{"model"'):].splitlines()[0])  # after the model loader's progress bar
+    assert verdict["config"] == best.to_dict()
+    assert verdict["scores"]["config"]["key_bits"] == pytest.approx(best.key_bits())
