@@ -9,8 +9,7 @@ Budgets are effective KV bits per element (Model-Optimizer's `kv_effective_bits`
 NVFP4 4.5, q8_0 8.5, q4_0 4.5; weighted by the tokens each layer holds on a hybrid model). One
 evaluator scores everything (the profile's items and trajectories, seed 0, a quarter of every
 part's units held out), so every difference is paired. Per budget:
-  tuned    the `engine` campaign's recommendation (`pnmix recommend --bits-of kv`: the fewest bits
-           among the points tied with the most accurate), with its held-out score
+  tuned    the `engine` campaign's most accurate recipe within the budget, with its held-out score
   vllm     the campaign's best recipe vLLM loads as it is (`--format vllm`: one quantized dtype and
            bf16 skip layers), its flag line and held-out score
   uniform  every uniform format that fits (all FP8, FP8 keys + NVFP4 values, all NVFP4, q8_0, q4_0):
@@ -29,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import time
@@ -150,7 +150,7 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
 
     from pnmix.config import preset
     from pnmix.recipes import EngineRecipe, export
-    from pnmix.storage import Database, recommend, upgrade
+    from pnmix.storage import Database, recommend, recommend_with_ties, upgrade
     from pnmix.tuner.scoring.evaluate import Evaluator
     from pnmix.tuner.scoring.profiles import profile
     from pnmix.tuner.scoring.stats import paired
@@ -186,9 +186,10 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
     for budget in budgets:
         row: dict[str, Any] = {"budget": budget}
         with db.session(readonly=True) as s:
-            tuned = recommend(s, model, budget, bits_of="kv", campaign_id=runs["engine"]["campaign_id"])
-            row["tuned"] = {**scored(ev, tuned.config, tuned.config.label), "holdout": tuned.holdout_summary(),
-                            "trial": tuned.trial_number}
+            # the campaign's most accurate recipe within the budget (`recommend` would take the fewest
+            # bits among those tied with it: the comparison with the uniform formats wants the best)
+            best = recommend_with_ties(s, model, budget, bits_of="kv", campaign_id=runs["engine"]["campaign_id"]).best
+            row["tuned"] = {**scored(ev, best.config, best.config.label, held=True), "trial": best.trial_number}
             try:
                 vllm = recommend(s, model, budget, bits_of="kv", campaign_id=runs["engine"]["campaign_id"],
                                  engine="vllm").config
@@ -240,9 +241,8 @@ def report(path: Path) -> None:
         h = x.get("holdout")
         if not h:
             return "-"
-        if "minus_in_search" in h:
-            return f"{h['minus_in_search']:+.3f} +- {h['minus_in_search_se']:.3f}"
-        return f"{h['accuracy'] - x['accuracy']:+.3f}"
+        se = math.hypot(h["accuracy_se"] or 0.0, x["accuracy_se"] or 0.0)  # disjoint units
+        return f"{h['accuracy'] - x['accuracy']:+.3f} +- {se:.3f}"
 
     lines = [f"{res['model']}, profile {res['profile']}, {res['trials']} trials a budget a campaign; "
              f"{res['env']['gpu']}, torch {res['env']['torch']}, {res['env']['date']}", "",

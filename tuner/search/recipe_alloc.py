@@ -87,7 +87,8 @@ class RecipeLoop:
         return sum(keys[f.key][i] + values[f.value][i] for i, f in enumerate(recipe.layers))
 
     def cost(self, recipe: EngineRecipe) -> float:
-        return self.space.cost(recipe, 0)
+        """A recipe's effective KV bits, weighted by what each layer holds (the budget's figure)."""
+        return recipe.effective_bits(self.space.plan)
 
     # -- allocations -----------------------------------------------------------------------------
 
