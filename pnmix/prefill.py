@@ -207,8 +207,9 @@ def build_recipe_cache(model: Any, recipe: EngineRecipe, states: list[PrefillSta
         if s.ids is None:
             raise ValueError("an engine recipe's batch prefills each prompt again: its state needs the prompt's ids")
         cache = RecipeCache(model.config, recipe)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with torch.no_grad():  # not inference mode: the batch's tensors are used as `build_cache`'s are
-            out = model(input_ids=s.ids[None].to(model.device), use_cache=True, **cache_kwargs(model, cache))
+            out = model(input_ids=s.ids[None].to(model.device), use_cache=True, **cache_kwargs(model, cache), **keep)
         alone.append(cache)
         logits.append(out.logits[0, -1].float())
     use_pnmix_attention(model)  # the batch attends through the "pnmix" attention function
