@@ -360,6 +360,18 @@ def part_layerwise(model: Any, res: dict) -> None:
                 RESULTS.write_text(json.dumps(res, indent=1))
 
 
+def sibling(name: str) -> Any:
+    """A module beside this script, loaded by its path: the GPU scripts run `python -P`, which puts
+    no script folder on sys.path, so a bare `import bench_decode` would not find it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def part_throughput(model: Any, res: dict) -> None:
     from pnmix.layerwise import as_layerwise
 
@@ -369,9 +381,7 @@ def part_throughput(model: Any, res: dict) -> None:
     fills = (PROMPT + 1, 384, 512, 640, 1024, 1152, 2048, 2176, 4096, 4224, PROMPT + 8192)
     res.setdefault("throughput", [])
     if "copy_gbps" not in res:  # the bytes bounds' memory speed, measured once per study
-        from bench_decode import copy_bandwidth
-
-        res["copy_gbps"] = copy_bandwidth()
+        res["copy_gbps"] = sibling("bench_decode").copy_bandwidth()
         free()
     fp16_top = res.get("max_batch", {}).get("fp16") or 20
     # --config ones where their largest batch is known (`--part maxbatch` in the same JSON)

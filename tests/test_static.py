@@ -275,3 +275,18 @@ def test_banned_tokens_are_never_picked_and_the_rest_is_unchanged():
         assert first <= 3
         assert got[row, :first].tolist() == free[row, :first].tolist()
         assert got[row, first] != free[row, first]
+
+
+def test_a_benchmark_finds_its_siblings_under_python_dash_p():
+    # The GPU scripts run the benchmarks with `python -P`, which puts no script folder on sys.path.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('static_study', "
+            "'benchmarks/static_study.py'); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(m.sibling('bench_decode').copy_bandwidth.__name__, 'bench_decode' in sys.modules)")
+    out = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["copy_bandwidth", "False"]
