@@ -174,7 +174,9 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
     runs = {m: campaign(m, ev, budgets, n, db) for m, n in (("engine", trials), ("pnmix-alloc", pnmix_trials))}
     res["campaign_s"] = {m: r["seconds"] for m, r in runs.items()}
     t0 = time.perf_counter()
-    tables = kl_table(ev)
+    kept = out / f"kl-{name}-{profile_name}.json"  # the rule's table, kept for a resumed run
+    tables = json.loads(kept.read_text()) if kept.is_file() else kl_table(ev)
+    kept.write_text(json.dumps(tables))
     res["kl_rule_s"] = time.perf_counter() - t0
     n = ev.num_layers
     refs: dict[str, Any] = {"fp16": scored(ev, preset("fp16"), "fp16"),
