@@ -10,8 +10,9 @@ NVFP4 4.5, q8_0 8.5, q4_0 4.5; weighted by the tokens each layer holds on a hybr
 evaluator scores everything (the profile's items and trajectories, seed 0, a quarter of every
 part's units held out), so every difference is paired. Per budget:
   tuned    the `engine` campaign's most accurate recipe within the budget, with its held-out score
-  vllm     the campaign's best recipe vLLM loads as it is (`--format vllm`: one quantized dtype and
-           bf16 skip layers), its flag line and held-out score
+  vllm     the campaign's most accurate recipe vLLM loads as it is (`--format vllm`: one quantized
+           dtype and bf16 skip layers), its flag line and held-out score, and what `pnmix export
+           --format vllm` prints (the fewest bits among the recipes tied with it)
   uniform  every uniform format that fits (all FP8, FP8 keys + NVFP4 values, all NVFP4, q8_0, q4_0):
            the most accurate of them
   kl-rule  Model-Optimizer's rule: each layer's forward KL on calibration text with that layer alone
@@ -192,10 +193,11 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
             # bits among those tied with it: the comparison with the uniform formats wants the best)
             best = recommend_with_ties(s, model, budget, bits_of="kv", campaign_id=runs["engine"]["campaign_id"]).best
             row["tuned"] = {**scored(ev, best.config, best.config.label, held=True), "trial": best.trial_number}
-            try:
-                vllm = recommend(s, model, budget, bits_of="kv", campaign_id=runs["engine"]["campaign_id"],
-                                 engine="vllm").config
-                row["vllm"] = {**scored(ev, vllm, vllm.label, held=True), "flags": export(vllm, "vllm")}
+            try:  # vLLM's most accurate two-level recipe, and what `pnmix export --format vllm` prints
+                rec = recommend_with_ties(s, model, budget, bits_of="kv", campaign_id=runs["engine"]["campaign_id"],
+                                          engine="vllm")
+                row["vllm"] = {**scored(ev, rec.best.config, rec.best.config.label, held=True),
+                               "flags": export(rec.best.config, "vllm"), "exported": export(rec.point.config, "vllm")}
             except LookupError:
                 pass
             best_pnmix = recommend(s, model, budget, bits_of="kv", campaign_id=runs["pnmix-alloc"]["campaign_id"])
@@ -237,7 +239,7 @@ def report(path: Path) -> None:
         if m.get(k) is None:
             return "-"
         d, s = m[k]
-        return f"**{d:+.3f} +- {s:.3f}**" if abs(d) > 2 * s else f"{d:+.3f} +- {s:.3f}"
+        return f"**{d:+.3f} +- {s:.3f}**" if s and abs(d) > 2 * s else f"{d:+.3f} +- {s:.3f}"
 
     def held(x: dict[str, Any]) -> str:
         h = x.get("holdout")
@@ -265,7 +267,9 @@ def report(path: Path) -> None:
         if "vllm" in row:
             v = row["vllm"]
             vllm_lines.append(f"- {row['budget']:g} bits: `{v['flags']}` ({v['kv_bits']:.2f} bits, "
-                              f"{v['accuracy']:.3f} +- {v['accuracy_se']:.3f}, held out {held(v)})")
+                              f"{v['accuracy']:.3f} +- {v['accuracy_se']:.3f}, held-out minus in-search {held(v)}); "
+                              f"`pnmix export --format vllm` prints `{v['exported']}` (the fewest bits among the "
+                              "recipes tied with it)")
     series = (("tuned", "tuned recipe", "D"), ("uniform", "best uniform format", "o"), ("vllm", "vLLM two-level", "s"),
               ("kl-rule", "Model-Optimizer's KL rule", "^"), ("pnmix", "PN-Mix (pnmix-alloc)", "v"))
     for key, label, marker in series:
@@ -282,7 +286,7 @@ def report(path: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
-    table = "\n".join(lines + ["", "vLLM's flags for the best two-level recipe:", *vllm_lines])
+    table = "\n".join(lines + ["", "vLLM's flags for its most accurate two-level recipe:", *vllm_lines])
     path.with_suffix(".md").write_text(table + "\n")
     print(table)
     print(f"preparation {res['preparation_s']:.0f} s, campaigns "
