@@ -50,7 +50,7 @@ from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, BudgetOn
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.search import steps
 from pnmix.tuner.search.axes import RATIOS, SINKS, VALUE_BITS, VALUE_GROUPS
-from pnmix.tuner.search.methods import METHODS, POOLS, Method, pool_of
+from pnmix.tuner.search.methods import METHODS, POOLS, Method, Shape, pool_of
 
 LAYERED = "pnmix-layers"
 ALLOCATED = "pnmix-alloc"
@@ -394,7 +394,7 @@ class SearchSpace:
                "criterion": self.kind.criterion or self.criterion}
         if self.budget_on != BudgetOn.KEY:  # only where it differs: a sweep file's header holds this dict
             out["budget_on"] = str(self.budget_on)
-        if self.method == LAYERED:
+        if self.kind.shape == Shape.GROUPED:
             out["layer_groups"] = self.layer_groups
             if self.groups:
                 out["groups"] = [list(g) for g in self.groups]
