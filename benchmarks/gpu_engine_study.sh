@@ -6,7 +6,8 @@
 #   STEP=study benchmarks/gpu_engine_study.sh   # carry: .pnw, .model/part.ab, .model/sha256: assemble, check,
 #                                               # run or resume the study; call again to continue
 #
-# .whl/ and .model/ come from ../shared/tools/gpu-prep.sh; .pnw/ holds the project's own wheel
+# .whl/ holds wheels of the packages the GPU image lacks, .model/ the embedded GGUF in two parts
+# (each under the 64 MiB a call carries); .pnw/ holds the project's own wheel
 # (`pip wheel --no-deps -w .pnw .`). What must survive between calls lives under /tmp/pnmix-engine
 # (wheels, model, cache, the campaigns' database, scores); OUT (default out/engine_study) gets the
 # study's JSON, table, plot and log at the end of every call. MODEL, PROFILE (full), TRIALS (5),
