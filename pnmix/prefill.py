@@ -214,7 +214,8 @@ def build_recipe_cache(model: Any, recipe: EngineRecipe, states: list[PrefillSta
         logits.append(out.logits[0, -1].float())
     use_pnmix_attention(model)  # the batch attends through the "pnmix" attention function
     layers: list[Any] = []
-    for li, (formats, kind) in enumerate(zip(recipe.layers, cache.plan.kinds, strict=True)):
+    plan = alone[0].plan  # what each layer holds, read once by every RecipeCache
+    for li, (formats, kind) in enumerate(zip(recipe.layers, plan.kinds, strict=True)):
         held: list[Any] = [c.layers[li] for c in alone]  # FormatLayer or FormatWindowLayer
         scales = [h.scales for h in held]
         keys, values = [h.keys[0] for h in held], [h.values[0] for h in held]
@@ -224,7 +225,7 @@ def build_recipe_cache(model: Any, recipe: EngineRecipe, states: list[PrefillSta
         else:  # the window's stored tokens at their positions, the dropped ones (never attended) as zeros
             keys = [_at_positions(k, s.length) for k, s in zip(keys, states, strict=True)]
             values = [_at_positions(v, s.length) for v, s in zip(values, states, strict=True)]
-            layer = BatchFormatWindowLayer(formats, cache.plan.window or 0, keys, values, scales)
+            layer = BatchFormatWindowLayer(formats, plan.window or 0, keys, values, scales)
         layers.append(layer)
     return RecipeBatchCache(layers, recipe, torch.stack(logits))
 
