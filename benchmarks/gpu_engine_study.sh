@@ -1,42 +1,75 @@
 #!/usr/bin/env bash
-# The engine study (benchmarks/engine_study.py) on one GPU machine without network, in calls of at
-# most 10 minutes that chain while the machine stays up (it goes back 30 s after a call):
+# The engine study (benchmarks/engine_study.py) of both embedded models on one GPU machine without
+# network. A call carries at most 64 MiB and runs at most 10 minutes; the machine goes back 30 s after
+# a call, so the calls chain, each carrying one part of a single stream of everything the study needs:
 #
-#   STEP=carry benchmarks/gpu_engine_study.sh   # carry: .whl, .model/part.aa: the wheels installed, part kept
-#   STEP=study benchmarks/gpu_engine_study.sh   # carry: .pnw, .model/part.ab, .model/sha256: assemble, check,
-#                                               # run or resume the study; call again to continue
+#   here:   STEP=pack benchmarks/gpu_engine_study.sh
+#           .carry/part.a, .b, ... (55 MiB each) of one tar stream: base/ (the wheels the GPU image lacks,
+#           from ../shared/tools/gpu-prep.sh's .whl/), the SmolLM2 GGUF, tf525/ (transformers 5.25 and the
+#           packages it needs newer: the image's 5.17 cuts Gemma 3's GGUF tokenizer into characters), the
+#           Gemma 3 GGUF; .carry/manifest holds every member's sha256. Add /.carry/ to .git/info/exclude.
+#   there:  PART=.carry/part.X MODEL=smollm2-135m benchmarks/gpu_engine_study.sh
+#           carry: .carry/part.X, .carry/manifest, .pnw (the project's wheel: `pip wheel --no-deps -w .pnw .`)
+#           keeps the part, unpacks whatever members the parts so far hold whole (checked against the
+#           manifest), and runs or resumes MODEL's study when its GGUF is whole (nothing when MODEL is empty)
 #
-# .whl/ holds wheels of the packages the GPU image lacks, .model/ the embedded GGUF in two parts
-# (each under the 64 MiB a call carries); .pnw/ holds the project's own wheel
-# (`pip wheel --no-deps -w .pnw .`). What must survive between calls lives under /tmp/pnmix-engine
-# (wheels, model, cache, the campaigns' database, scores); OUT (default out/engine_study) gets the
-# study's JSON, table, plot and log at the end of every call. MODEL, PROFILE (full), TRIALS (5),
+# SmolLM2 runs on the image's transformers (5.17), Gemma 3 on 5.25 (tf525/ before base/ on the path).
+# What must survive between calls lives under /tmp/pnmix-engine; OUT (default out/engine_study) gets
+# the study's JSON, table, plot and log at the end of every call. PROFILE (full), TRIALS (6),
 # PNMIX_TRIALS (3), BUDGETS and DEADLINE_S (540) as engine_study.py takes them.
 set -uo pipefail
 KEEP=/tmp/pnmix-engine
-mkdir -p "$KEEP/site" "$KEEP/out"
-for d in .whl .pnw; do
-  if ls $d/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" $d/*.whl
+case "${STEP:-run}" in
+pack)
+  [ -d .whl ] && [ -f .model/sha256 ] || { echo "run ../shared/tools/gpu-prep.sh first (.whl/ and .model/)"; exit 1; }
+  gemma=${GEMMA_GGUF:?GEMMA_GGUF=the Gemma 3 270M .gguf file}
+  stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
+  mkdir -p "$stage/base" "$stage/tf525"
+  cp .whl/*.whl "$stage/base/"
+  cat .model/part.* > "$stage/smollm2-135m.gguf"
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$stage/dl" transformers==5.25.0 huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
+    kernels==0.19.1 hf-xet==1.8.0 2>&1 | grep -v "is ignored" || true
+  # only what the image lacks or holds too old (its numpy, torch and the rest stay the ones imported)
+  for w in transformers huggingface_hub tokenizers safetensors kernels hf_xet httpx2 httpcore2 click tomlkit \
+    truststore regex; do mv "$stage"/dl/"$w"-*.whl "$stage/tf525/"; done
+  rm -rf "$stage/dl"
+  cp "$gemma" "$stage/gemma3-270m.gguf"
+  (cd "$stage" && sha256sum base/* smollm2-135m.gguf tf525/* gemma3-270m.gguf) > "$stage/manifest"
+  rm -rf .carry && mkdir -p .carry && mv "$stage/manifest" .carry/
+  (cd "$stage" && tar cf - base smollm2-135m.gguf tf525 gemma3-270m.gguf) | split -b 55M -a 1 - .carry/part.
+  ls -la .carry ;;
+run)
+  mkdir -p "$KEEP/parts" "$KEEP/files" "$KEEP/out"
+  manifest=$PWD/.carry/manifest
+  [ -n "${PART:-}" ] && cp "$PART" "$KEEP/parts/"
+  # the stream's prefix: members before the cut unpack whole, the cut one is caught by the manifest
+  cat "$KEEP"/parts/part.* | tar xf - -C "$KEEP/files" 2>/dev/null
+  whole() { (cd "$KEEP/files" && grep -E "  ($1)\$" "$manifest" | sha256sum -c --quiet >/dev/null 2>&1); }
+  for set in base tf525; do
+    if [ ! -e "$KEEP/site-$set/.done" ] && whole "$set/.*"; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$KEEP/site-$set" \
+        "$KEEP/files/$set"/*.whl && touch "$KEEP/site-$set/.done"
+    fi
+  done
+  if ls .pnw/*.whl >/dev/null 2>&1; then  # the project's code as this call carries it
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site-pnw" .pnw/*.whl
   fi
-done
-export PYTHONPATH=$KEEP/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-case "${STEP:-study}" in
-carry)
-  cp .model/part.aa "$KEEP/" && ls -la "$KEEP" ;;
-study)
-  gguf=$KEEP/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ ! -f "$gguf" ]; then
-    cat "$KEEP/part.aa" .model/part.ab > "$gguf"
-    [ "$(sha256sum "$gguf" | cut -c1-64)" = "$(cut -c1-64 .model/sha256)" ] || { echo "GGUF sha256 mismatch"; rm -f "$gguf"; exit 1; }
-  fi
-  export PNMIX_SMOLLM2_GGUF=$gguf PNMIX_CACHE_DIR=$KEEP/cache
+  ls "$KEEP/parts"; ls "$KEEP"/site-*/.done 2>/dev/null
+  MODEL=${MODEL:-}
+  [ -n "$MODEL" ] || exit 0
+  whole "$MODEL.gguf" || { echo "$MODEL.gguf is not whole yet"; exit 0; }
+  path=$KEEP/site-pnw:$KEEP/site-base
+  [ "$MODEL" = gemma3-270m ] && path=$KEEP/site-pnw:$KEEP/site-tf525:$KEEP/site-base
+  export PYTHONPATH=$path PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PNMIX_CACHE_DIR=$KEEP/cache
+  export PNMIX_SMOLLM2_GGUF=$KEEP/files/smollm2-135m.gguf PNMIX_GEMMA3_GGUF=$KEEP/files/gemma3-270m.gguf
   OUT=${OUT:-out/engine_study}
   mkdir -p "$OUT"
-  timeout "${DEADLINE_S:-540}" python3 -P benchmarks/engine_study.py --model "${MODEL:-smollm2-135m}" --device cuda \
-    --profile "${PROFILE:-full}" --trials "${TRIALS:-5}" --pnmix-trials "${PNMIX_TRIALS:-3}" \
+  timeout "${DEADLINE_S:-540}" python3 -P benchmarks/engine_study.py --model "$MODEL" --device cuda \
+    --profile "${PROFILE:-full}" --trials "${TRIALS:-6}" --pnmix-trials "${PNMIX_TRIALS:-3}" \
     ${BUDGETS:+--budgets "$BUDGETS"} --out "$KEEP/out" 2>&1 \
-    | grep -v -e Warning -e "warnings.warn" -e "it/s\]" | tee -a "$KEEP/out/study.log" | tail -40
-  cp "$KEEP"/out/*.json "$KEEP"/out/*.md "$KEEP"/out/*.png "$KEEP"/out/study.log "$OUT"/ 2>/dev/null
+    | grep -v -e Warning -e "warnings.warn" -e "it/s\]" | tee -a "$KEEP/out/study-$MODEL.log" | tail -30
+  cp "$KEEP/out/engine_study-$MODEL".* "$KEEP/out/study-$MODEL.log" "$OUT"/ 2>/dev/null
   ls "$OUT" ;;
 esac
