@@ -23,6 +23,7 @@ then trade a key step for a value step (`allocations` says why the KL allocation
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -31,7 +32,7 @@ from typing import Any
 import optuna
 
 from pnmix.bits import LayerPlan, mean_key_bits, value_bits_total
-from pnmix.config import PNMixConfig, preset
+from pnmix.config import GROUP_SIZES, PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_key, simplest
 from pnmix.recipes import EngineRecipe
 from pnmix.tuner.errors import EvalError
@@ -52,6 +53,7 @@ from pnmix.tuner.search.layers import (
 from pnmix.tuner.search.record import Origin, RunningTrial, running_trials, scored_configs
 from pnmix.tuner.search.space import SearchSpace
 
+SCREENED = 3  # a budget's first trials: the allocations at the shared fields the proxy rates best
 Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
 
 
@@ -121,11 +123,10 @@ class AllocatorLoop:
     def warm_starts(self, budget: float, uniform: Sequence[AnyConfig],
                     limit: int) -> list[tuple[dict, AnyConfig | None]]:
         """(parameters, proposal) of the trials to queue, at most `limit`: first the
-        allocator's config at the shared fields of the paper's config (G128, 32 sinks; it fills the
-        budget), then each uniform candidate that fits (the presets, the model's stored fronts,
-        `fullest_within`; each an allocation whose layers are all alike, so the front is never
-        worse than the uniform search's warm starts), then the allocation at 64 sinks. A trial's
-        parameters are the shared fields; a uniform candidate rides along as its `proposal`."""
+        allocations at the `SCREENED` shared-field settings the proxy rates best for the budget
+        (`screen`), then each uniform candidate that fits (the presets, the model's stored fronts,
+        `fullest_within`; each an allocation whose layers are all alike). A trial's parameters are
+        the shared fields; a uniform candidate rides along as its `proposal`."""
         space = self.space
         fits: list[AnyConfig] = []
         for c in uniform:
@@ -134,10 +135,8 @@ class AllocatorLoop:
                 continue  # another method's answer
             if space.contains(cfg) and self.cost(cfg) <= budget and cfg not in fits:
                 fits.append(cfg)
-        paper = space.shared_base(space.recast(preset("pnmix-paper")))
-        queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(paper, None)]
+        queue: list[tuple[PNMixConfig, AnyConfig | None]] = [(b, None) for b in self.screen(budget)[:SCREENED]]
         queue += [(space.shared_base(c), c) for c in fits]
-        queue.append((paper.with_(n_sink=64), None))
         out: list[tuple[dict, AnyConfig | None]] = []
         seen: set[str] = set()
         for base, proposal in queue:
@@ -150,6 +149,35 @@ class AllocatorLoop:
             if len(out) >= limit:
                 break
         return out
+
+    def screen(self, budget: float) -> list[PNMixConfig]:
+        """Shared-field settings (as base configs) ranked by how the proxy rates their allocation at
+        `budget`: the summed proxy KL over the allocated layers of the knapsack's choice, least
+        first (a setting where nothing fits last). Coordinate-wise, so that it costs a few tables,
+        not one per combination: every sink count at the paper's G (128), then every G at the sink
+        count that ranked first. Which of a budget's shared fields hold its best allocation is
+        what a short sampled search used to find or miss by chance (docs/search.md)."""
+        paper = self.space.shared_base(self.space.recast(preset("pnmix-paper")))
+        rated: dict[PNMixConfig, float] = {}
+        for n_sink in self.space.sinks():
+            base = paper.with_(n_sink=n_sink)
+            rated[base] = self._rating(base, budget)
+        first = min(rated, key=lambda b: (rated[b], -b.n_sink))
+        for group in GROUP_SIZES:
+            base = first.with_(group_size=group)
+            if base not in rated:
+                rated[base] = self._rating(base, budget)
+        return sorted(rated, key=lambda b: (rated[b], -b.group_size, -b.n_sink))
+
+    def _rating(self, base: PNMixConfig, budget: float) -> float:
+        """The proxy's figure for the keys' allocation at `base`'s shared fields: its summed KL."""
+        table = self.table(base)
+        try:
+            layers = allocate(table, self._budget(budget, base), self.head_dim,
+                              cost=lambda c: self._plain.cost(c, self.head_dim))
+        except EvalError:
+            return math.inf
+        return sum(table[c][i] for i, c in enumerate(layers))
 
     # -- a trial's config ------------------------------------------------------------------------
 
@@ -250,6 +278,26 @@ class AllocatorLoop:
             if running is not None:
                 running.add_sensitivity_seconds(seconds)
         return self.tables[key]
+
+    def next_move(self, study: optuna.Study, budget: float, latest: tuple[AnyConfig, float],
+                  n_trials: int) -> tuple[dict, AnyConfig] | None:
+        """After a scored trial, with nothing queued and a slot left: the parameters (shared fields)
+        of the budget's most accurate config so far (`latest`, the trial just scored, with it), so
+        that the next trial is a local move from it rather than an allocation at whatever fields
+        the sampler draws; with the config to name as its origin."""
+        trials = study.get_trials(deepcopy=False)
+        if any(t.state == optuna.trial.TrialState.WAITING for t in trials):
+            return None
+        if sum(1 for t in trials if record.takes_slot(t)) >= n_trials:
+            return None
+        best: tuple[float, AnyConfig] = (latest[1], latest[0])
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            r = record.read(t)
+            if (r.has_score and r.bits is not None and r.bits <= budget and r.accuracy is not None
+                    and isinstance(r.config, (PNMixConfig, LayerwiseConfig)) and self.space.contains(r.config)
+                    and r.accuracy > best[0]):
+                best = (r.accuracy, r.config)
+        return self.space.params_of(self.space.shared_base(best[1])), best[1]
 
     def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
         """The most accurate config scored in `study` (shared scores included) within `budget` whose

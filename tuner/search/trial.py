@@ -103,6 +103,10 @@ class Objective:
         self.progress(f"budget {budget:g}: trial {trial.number} {config.label}: evaluating")
         score = self._evaluate(running, config, bits, budget, race=self.spec.racing and not warm)
         running.write_score(score)
+        if isinstance(self.allocator, AllocatorLoop) and bits <= budget and not isinstance(config, EngineRecipe):
+            move = self.allocator.next_move(trial.study, budget, (config, score.accuracy), self.spec.n_trials)
+            if move is not None:  # the next trial moves from the budget's best (docs/search.md)
+                record.enqueue_neighbour(trial.study, *move)
         self.kernels_compiled += int(score.timings.get("kernels_compiled", 0))
         self.compile_seconds += score.timings.get("kernel_compile", 0.0)
         return self._values(score.accuracy, bits, score)

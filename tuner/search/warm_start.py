@@ -30,7 +30,7 @@ from pnmix.layerwise import AnyConfig
 from pnmix.recipes import EngineRecipe
 from pnmix.tuner.scoring.scorer import Scorer
 from pnmix.tuner.search import record
-from pnmix.tuner.search.allocation import AllocatorLoop
+from pnmix.tuner.search.allocation import SCREENED, AllocatorLoop
 from pnmix.tuner.search.recipe_alloc import RecipeLoop
 from pnmix.tuner.search.space import SearchSpace
 
@@ -55,6 +55,8 @@ class WarmStarts:
         candidates += self._stored_fronts(budget, space)
         candidates += space.fullest_within(budget, self.head_dim)
         if allocator is not None:
+            # the screened allocations first, even where they take more than half the trials
+            limit = max(limit, min(SCREENED, self.spec.n_trials))
             for params, proposal in allocator.warm_starts(budget, candidates, limit):
                 record.enqueue_warm_start(study, params, proposal)
             return
