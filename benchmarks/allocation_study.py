@@ -9,8 +9,8 @@ evaluator for everything, so every score below is on the same items and every di
         2.5 and 3.0, `--trials` scored configs a budget;
   kv    a `pnmix-alloc` campaign over the KV budgets 2.25, 2.5 and 2.64 with value formats searched;
   then, per budget: the campaign's best (the most accurate point of its front), the pure proxy
-  allocation (the budget's first trial: the allocator's config at pnmix-paper's shared fields,
-  before any real score), the best uniform config of the ground-truth sweep within the budget
+  allocation (the budget's first trial: the allocator's config at the shared fields the proxy
+  rates best, before any real score), the best uniform config of the ground-truth sweep within the budget
   (benchmarks/ground_truth/, 870 configs, re-scored here; under a KV budget by its KV bits) and
   pnmix-paper where it fits, each with its SE; the campaign minus each, paired.
 The model's load (with the GGUF's conversion on a fresh machine) and the preparation (items
@@ -22,6 +22,11 @@ for `qwen3-8b-shape` (its 30 layers stretched onto 36 by relative depth: layer j
 floor(j * 30 / 36)'s config) to DIR/picks/, for `static_study.py --part maxbatch --config
 NAME=FILE`. Resumable: a cut run keeps its campaigns
 (DIR/study.db) and the JSON of every part it finished.
+
+`--seeds 0,1,2` runs the key campaign once per campaign seed (the sampler's and the moves' order;
+the items stay seed 0's), as parts `key`, `key-seed1`, ...: per budget, each run's best, the best of
+all runs, each run's best minus it (paired) and the spread, so that what a recommendation owes to
+the search's luck is measured.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def stretch(config: AnyConfig, layers: int = LAYERS, target: int = TARGET_LAYERS
     return simplest(LayerwiseConfig.from_layers([per[j * layers // target] for j in range(target)]))
 
 
-def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: Path, res: dict[str, Any]) -> None:
+def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: Path, res: dict[str, Any],
+             seed: int = 0) -> None:
     import optuna
 
     from pnmix.storage import Database, upgrade
@@ -71,10 +77,10 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
     from pnmix.tuner.search.spec import CampaignSpec
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    kv = name == "kv"
+    kv = name.startswith("kv")
     space = SearchSpace(method=ALLOCATED, budget_on="kv" if kv else "key", search_values=kv)
     spec = CampaignSpec(model=MODEL, budgets=budgets, n_trials=trials, method=ALLOCATED, profile=ev.profile.name,
-                        objectives=("accuracy", "key_bits"), seed=ev.seed, space=space)
+                        objectives=("accuracy", "key_bits"), seed=seed, space=space)
     db = Database(f"sqlite:///{out / 'study.db'}")
     upgrade(db)
     try:
@@ -88,7 +94,7 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
     studies = runner.run()
     wall = time.perf_counter() - started
     tables = len(runner.allocator.tables) if runner.allocator else 0
-    part: dict[str, Any] = {"budgets": list(budgets), "trials": trials, "campaign_s": wall,
+    part: dict[str, Any] = {"budgets": list(budgets), "trials": trials, "seed": seed, "campaign_s": wall,
                             "sensitivity_s": runner.sensitivity_seconds, "sensitivity_tables": tables,
                             "kernels_compiled": runner.kernels_compiled, "compile_s": runner.compile_seconds,
                             "rows": []}
@@ -106,6 +112,31 @@ def run_part(name: str, ev: Any, budgets: tuple[float, ...], trials: int, out: P
             "scored": sum(1 for r in records if r.has_score)})
     res[name] = part
     log(f"part {name}: {wall:.0f} s, sensitivity {runner.sensitivity_seconds:.1f} s in {tables} tables")
+
+
+def part_name(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def robustness(res: dict[str, Any], seeds: list[int]) -> None:
+    """Per key budget across the campaign seeds: each run's best, the best of all runs, each run's best
+    minus it (paired on the same items) and the spread (most minus least accurate best)."""
+    from pnmix.tuner.scoring.stats import paired
+
+    parts = [res[part_name("key", s)] for s in seeds if part_name("key", s) in res]
+    rows = []
+    for i, budget in enumerate(parts[0]["budgets"]):
+        bests = [p["rows"][i]["best"] for p in parts]
+        top = max(bests, key=lambda b: b["accuracy"])
+        minus = [list(paired(b["units"], top["units"])["accuracy"]) for b in bests]
+        accs = [b["accuracy"] for b in bests]
+        rows.append({"budget": budget, "bests": [{k: b[k] for k in ("label", "bits", "accuracy", "accuracy_se",
+                                                                  "origin", "trial")} for b in bests],
+                     "minus_top": minus, "spread": max(accs) - min(accs),
+                     "within_1se": all(d >= -se - 1e-12 for d, se in minus)})
+        log(f"seeds {budget:g}: " + ", ".join(f"{b['accuracy']:.3f} ({d:+.3f} +- {se:.3f})"
+                                              for b, (d, se) in zip(bests, minus, strict=True)))
+    res["robustness"] = {"seeds": seeds[:len(parts)], "campaign_s": [p["campaign_s"] for p in parts], "rows": rows}
 
 
 def summary(r: Any) -> dict[str, Any]:
@@ -205,6 +236,16 @@ def report(path: Path) -> None:
             ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
+    rob = res.get("robustness")
+    if rob:  # the key campaign at several seeds
+        lines += ["", "| key budget | " + " | ".join(f"seed {s}: best, minus the best of all" for s in rob["seeds"])
+                  + " | spread | every run within 1 SE |", "| --- |" + " --- |" * (len(rob["seeds"]) + 2)]
+        for row in rob["rows"]:
+            cells = [f"{b['label']} ({b['bits']:.3f}): {b['accuracy']:.3f}, {d:+.3f} +- {se:.3f}"
+                     for b, (d, se) in zip(row["bests"], row["minus_top"], strict=True)]
+            lines.append(f"| {row['budget']:g} | " + " | ".join(cells)
+                         + f" | {row['spread']:.3f} | {'yes' if row['within_1se'] else 'no'} |")
+        lines.append(f"\ncampaign seconds by seed: {', '.join(f'{x:.0f}' for x in rob['campaign_s'])}")
     table = "\n".join(lines)
     path.with_suffix(".md").write_text(table + "\n")
     print(table)
@@ -227,6 +268,7 @@ def main() -> None:
     ap.add_argument("--key-budgets", default=",".join(f"{b:g}" for b in KEY_BUDGETS))
     ap.add_argument("--kv-budgets", default=",".join(f"{b:g}" for b in KV_BUDGETS))
     ap.add_argument("--out", default=os.environ.get("OUT", "out/allocation_study"))
+    ap.add_argument("--seeds", default="0", help="campaign seeds of the key part, comma-separated")
     ap.add_argument("--report", metavar="JSON")
     args = ap.parse_args()
     if args.report:
@@ -253,11 +295,15 @@ def main() -> None:
     res.setdefault("preparation_s", time.perf_counter() - loaded)
     log(f"model load {loaded - started:.0f} s (the GGUF's conversion included on a fresh machine), "
         f"preparation {time.perf_counter() - loaded:.0f} s")
-    for name, text in (("key", args.key_budgets), ("kv", args.kv_budgets)):
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = [(part_name("key", seed), args.key_budgets, seed) for seed in seeds] + [("kv", args.kv_budgets, 0)]
+    for name, text, seed in runs:
         budgets = tuple(float(b) for b in text.split(","))
-        if name in args.parts.split(",") and name not in res:
-            run_part(name, ev, budgets, args.trials, out, res)
+        if name.split("-")[0] in args.parts.split(",") and name not in res:
+            run_part(name, ev, budgets, args.trials, out, res, seed)
             path.write_text(json.dumps(res))
+    if len(seeds) > 1:
+        robustness(res, seeds)
     if "compare" in args.parts.split(","):
         compare(ev, res)
         write_picks(res, out)

@@ -53,7 +53,7 @@ from pnmix.tuner.search.layers import (
 from pnmix.tuner.search.record import Origin, RunningTrial, running_trials, scored_configs
 from pnmix.tuner.search.space import SearchSpace
 
-SCREENED = 3  # a budget's first trials: the allocations at the shared fields the proxy rates best
+SCREENED = 2  # a budget's first trials: the allocations at the shared fields the proxy rates best
 Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
 
 
