@@ -17,7 +17,8 @@ part's units held out), so every difference is paired. Per budget:
            the most accurate of them
   kl-rule  Model-Optimizer's rule: each layer's forward KL on calibration text with that layer alone
            in a format (the others bf16), the knapsack under the budget over FP8, FP8/NVFP4 and NVFP4
-           (calibration text: the first two fidelity trajectories, prompt and fp16 continuation)
+           (calibration text: the first two fidelity trajectories, prompt and fp16 continuation;
+           `Evaluator.format_kl`). The engine campaign scores this recipe among its warm starts.
   pnmix    the `pnmix-alloc` campaign's pick under the same KV budget (value formats searched,
            `--pnmix-trials` a budget), and pnmix-paper at its own bits
   fp16
@@ -92,55 +93,16 @@ def _score(ev: Any, config: Any, held: bool) -> dict[str, Any]:
     return out
 
 
-def kl_rule(ev: Any, budget: float, tables: dict[str, list[float]]) -> Any:
-    """Model-Optimizer's rule: the knapsack over each layer's forward KL per format (`kl_table`)."""
+def kl_rule(ev: Any, budget: float) -> Any:
+    """Model-Optimizer's rule: the knapsack over each layer's forward KL per format pair
+    (`Evaluator.format_kl`, tuner/scoring/layer_kl.py), weighted by what each layer holds."""
     from pnmix.recipes import EngineRecipe
     from pnmix.tuner.search.layers import allocate
     from pnmix.tuner.search.methods import POOLS
 
-    pairs = [p for p in POOLS["modelopt"].pairs]
-    table = {p: tables[f"{p.key}/{p.value}"] for p in pairs}
+    table = ev.format_kl(list(POOLS["modelopt"].pairs))
     weights = [float(w) for w in ev.plan.held(32768)]
-    layers = allocate(table, budget, ev.head_dim, weights=weights, cost=lambda p: p.bits())
-    return EngineRecipe(tuple(layers))
-
-
-def kl_table(ev: Any) -> dict[str, list[float]]:
-    """Each layer's forward KL(p_bf16 || p) on the calibration text with only that layer in a format of
-    Model-Optimizer's (FP8, FP8/NVFP4, NVFP4), the others bf16: what its rule ranks layers by."""
-    import torch
-
-    from pnmix.generation import cache_kwargs, new_cache
-    from pnmix.recipes import EngineRecipe
-    from pnmix.tuner.search.methods import POOLS
-
-    data = ev.prepare()
-    texts = [torch.tensor([list(prompt) + list(tokens)]) for prompt, tokens in data["trajectories"][:2]]
-    n = ev.num_layers
-    model = ev.model
-
-    @torch.no_grad()
-    def logp(recipe: EngineRecipe) -> list[torch.Tensor]:
-        out = []
-        for ids in texts:
-            cache = new_cache(model, recipe)
-            logits = model(input_ids=ids.to(model.device), use_cache=True, **cache_kwargs(model, cache)).logits
-            out.append(logits[0].float().log_softmax(-1))
-        return out
-
-    ref = logp(EngineRecipe.uniform(n, "bf16"))
-    table: dict[str, list[float]] = {"bf16/bf16": [0.0] * n}
-    for pair in POOLS["modelopt"].pairs:
-        name = f"{pair.key}/{pair.value}"
-        if name == "bf16/bf16":
-            continue
-        row = []
-        for layer in range(n):
-            got = logp(EngineRecipe.uniform(n, "bf16").with_layers({layer: (pair.key, pair.value)}))
-            row.append(float(sum((p.exp() * (p - q)).sum(-1).mean() for p, q in zip(ref, got, strict=True))) / len(ref))
-        table[name] = row
-        log(f"KL rule: {name} per layer {[round(x, 5) for x in row]}")
-    return table
+    return EngineRecipe(tuple(allocate(table, budget, ev.head_dim, weights=weights, cost=lambda p: p.bits())))
 
 
 def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials: int, budgets: tuple[float, ...],
@@ -155,7 +117,7 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
     from pnmix.tuner.scoring.evaluate import Evaluator
     from pnmix.tuner.scoring.profiles import profile
     from pnmix.tuner.scoring.stats import paired
-    from pnmix.tuner.search.methods import UNIFORM
+    from pnmix.tuner.search.methods import POOLS, UNIFORM
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,9 +137,8 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
     runs = {m: campaign(m, ev, budgets, n, db) for m, n in (("engine", trials), ("pnmix-alloc", pnmix_trials))}
     res["campaign_s"] = {m: r["seconds"] for m, r in runs.items()}
     t0 = time.perf_counter()
-    kept = out / f"kl-{name}-{profile_name}.json"  # the rule's table, kept for a resumed run
-    tables = json.loads(kept.read_text()) if kept.is_file() else kl_table(ev)
-    kept.write_text(json.dumps(tables))
+    for pair, row in ev.format_kl(list(POOLS["modelopt"].pairs)).items():  # computed, or read from the cache
+        log(f"KL rule: {pair.key}/{pair.value} per layer {[round(x, 5) for x in row]}")
     res["kl_rule_s"] = time.perf_counter() - t0
     n = ev.num_layers
     refs: dict[str, Any] = {"fp16": scored(ev, preset("fp16"), "fp16"),
@@ -205,7 +166,7 @@ def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials:
         fits = {k: u for k, u in uniform.items() if u["kv_bits"] <= budget + 1e-9}
         if fits:
             row["uniform"] = max(fits.values(), key=lambda u: u["accuracy"])
-        rule = kl_rule(ev, budget, tables)
+        rule = kl_rule(ev, budget)
         row["kl-rule"] = scored(ev, rule, rule.label)
         row["fp16"] = refs["fp16"]
         if refs["pnmix-paper"]["kv_bits"] <= budget:

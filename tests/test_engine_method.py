@@ -66,15 +66,21 @@ def test_an_engine_campaign_tunes_stores_recommends_and_exports(tmp_path, tiny_d
     assert len(records) == 5
     recipes = [r.config for r in records]
     assert all(isinstance(c, EngineRecipe) and c.effective_bits() <= 6.25 + 1e-9 for c in recipes)
-    # Each pool's allocation first, then the fullest uniform recipe within 6.25 bits (FP8 keys, NVFP4 values)
+    # Each pool's allocation first, then Model-Optimizer's rule (its knapsack over each layer's forward KL)
+    loop = runner.allocator
     origins = [r.origin for r in records]
     assert origins[:3] == [Origin.ALLOCATION] * 3 and origins[3] == Origin.PROPOSAL
-    assert recipes[3] == EngineRecipe.uniform(n, "fp8", "nvfp4")
+    rule = loop.kl_rule(6.25)
+    assert recipes[3] == rule and POOLS["modelopt"].holds(rule) and rule.effective_bits() <= 6.25 + 1e-9
     assert [study.trials[i].params["pool"] for i in range(3)] == list(POOLS)
     for recipe, pool in zip(recipes[:3], POOLS.values(), strict=True):
         assert pool.holds(recipe)
+    # The rule's table: zero for bf16, positive otherwise, and the coarser NVFP4 costs more than FP8
+    kl = evaluator.format_kl(list(POOLS["modelopt"].pairs))
+    rows = {f"{p.key}/{p.value}": row for p, row in kl.items()}
+    assert rows["bf16/bf16"] == [0.0] * n and all(x > 0 for x in rows["nvfp4/nvfp4"])
+    assert sum(rows["fp8/fp8"]) < sum(rows["fp8/nvfp4"]) < sum(rows["nvfp4/nvfp4"])
     # The knapsack never does worse by the proxy than a uniform recipe of its pool that fits.
-    loop = runner.allocator
     fits = [EngineRecipe.uniform(n, k, v) for k, v in UNIFORM]
     fits = [r for r in fits if r.effective_bits() <= 6.25 and POOLS["modelopt"].holds(r)]
     assert fits and loop.harm(recipes[0]) <= min(loop.harm(r) for r in fits) + 1e-12

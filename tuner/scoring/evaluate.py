@@ -30,7 +30,7 @@ from pnmix.configs import Answer, key_bits
 from pnmix.families import rope_pairing
 from pnmix.kv_formats import KVFormat
 from pnmix.layerwise import AnyConfig
-from pnmix.recipes import EngineRecipe
+from pnmix.recipes import EngineRecipe, LayerFormats
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring import fidelity, harness
 from pnmix.tuner.scoring import tasks as tasks_module
@@ -145,6 +145,18 @@ class Evaluator:
     def format_sensitivity(self, formats: list[KVFormat]) -> tuple[dict[KVFormat, list[float]],
                                                                     dict[KVFormat, list[float]]]:
         return self.tables.format_sensitivity(formats)
+
+    def format_kl(self, pairs: list[LayerFormats]) -> dict[LayerFormats, list[float]]:
+        """Each layer's forward KL with that layer alone in each (key, value) pair, on the first two
+        fidelity trajectories (prompt and fp16 continuation) as calibration text
+        (tuner/scoring/layer_kl.py); cached on disk beside the proxy's tables."""
+        from pnmix.tuner.scoring.layer_kl import forward_kl_table
+
+        data = self.prepare()
+        texts = [torch.tensor([list(prompt) + list(tokens)]) for prompt, tokens in data["trajectories"][:2]]
+        rows = self.tables.cached_table(["format-kl", [f"{p.key}/{p.value}" for p in pairs]], len(pairs),
+                                        lambda: forward_kl_table(self.model, texts, self.num_layers, pairs))
+        return dict(zip(pairs, rows, strict=True))
 
     # -- scoring ----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from pnmix.config import PNMixConfig
 from pnmix.configs import Answer
 from pnmix.kv_formats import KVFormat
 from pnmix.layerwise import AnyConfig
+from pnmix.recipes import LayerFormats
 from pnmix.tuner.scoring.profiles import Profile
 from pnmix.tuner.scoring.proxy import ProxyMeasure
 from pnmix.tuner.scoring.score import Rung, Score, Split
@@ -53,3 +54,5 @@ class Scorer(Protocol):
 
     def format_sensitivity(self, formats: list[KVFormat]) -> tuple[dict[KVFormat, list[float]],
                                                                     dict[KVFormat, list[float]]]: ...
+
+    def format_kl(self, pairs: list[LayerFormats]) -> dict[LayerFormats, list[float]]: ...

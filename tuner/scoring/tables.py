@@ -98,7 +98,7 @@ class ProxyTables:
         relative attention-output error, the unit `value_sensitivity` shares. Cached on disk beside
         the preparation, per model, profile, seed, measure and candidate set, so a campaign's later
         workers and later campaigns of the model read it instead of computing it again."""
-        rows = self._cached_table(["keys", measure, [c.to_dict() for c in candidates]], len(candidates),
+        rows = self.cached_table(["keys", measure, [c.to_dict() for c in candidates]], len(candidates),
                                   lambda: proxy_kl_table(self.trace(), candidates, self.pairing, measure=measure))
         return dict(zip(candidates, rows, strict=True))
 
@@ -107,7 +107,7 @@ class ProxyTables:
         """Each value format's (bits, group size) relative attention-output error per layer under
         `shared`'s token schedule (`tuner.scoring.proxy.proxy_value_table`), cached like `sensitivity`."""
         schedule = {f: getattr(shared, f) for f in ("n_sink", "group_size", "residual_len")}
-        rows = self._cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
+        rows = self.cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
                                   lambda: proxy_value_table(self.trace(), formats, shared))
         return dict(zip(formats, rows, strict=True))
 
@@ -116,12 +116,12 @@ class ProxyTables:
         """The engine formats' relative attention-output error per layer, every layer (sliding ones
         over their windows), keys and values apart (`tuner.scoring.proxy.proxy_format_table`),
         cached like `sensitivity`."""
-        rows = self._cached_table(["formats", [str(f) for f in formats]], 2 * len(formats),
+        rows = self.cached_table(["formats", [str(f) for f in formats]], 2 * len(formats),
                                   lambda: proxy_format_table(self.trace(), formats, self.plan))
         return dict(zip(formats, rows[:len(formats)], strict=True)), dict(zip(formats, rows[len(formats):],
                                                                               strict=True))
 
-    def _cached_table(self, what: Any, n_rows: int, compute: Any) -> list[list[float]]:
+    def cached_table(self, what: Any, n_rows: int, compute: Any) -> list[list[float]]:
         """A proxy table (`n_rows` rows of one figure per layer) read from the disk cache under the
         hash of `what`, or computed and written there."""
         def fits(rows: Any) -> bool:

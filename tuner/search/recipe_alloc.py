@@ -19,8 +19,10 @@ three kinds (its `origin`), as the PN-Mix allocator does (tuner/search/allocatio
   recipes of its ranking; real scores decide what the proxy cannot tell apart.
 - proposal: a warm start's recipe, queued with the trial (`warm_starts`).
 
-Warm starts of a budget: each pool's allocation, then the fullest uniform recipe that fits
-(`UNIFORM`: all FP8, FP8 keys + NVFP4 values, all NVFP4, q8_0, q4_0), at most all trials but one.
+Warm starts of a budget: each pool's allocation, Model-Optimizer's rule (its formats' knapsack
+over each layer's forward KL on calibration text, `kl_rule`: scored, so the campaign's best is
+never below the rule's recipe), then the fullest uniform recipe that fits (`UNIFORM`: all FP8, FP8
+keys + NVFP4 values, all NVFP4, q8_0, q4_0), at most all trials but one.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class RecipeLoop:
         self.weights = [float(w) for w in self.plan.held(WEIGHT_TOKENS)]
         self.sensitivity_seconds = 0.0
         self._errors: tuple[dict[KVFormat, list[float]], dict[KVFormat, list[float]]] | None = None
+        self._kl: Table | None = None  # Model-Optimizer's per-layer forward KL (`kl_rule`)
 
     # -- the proxy's table -----------------------------------------------------------------------
 
@@ -147,7 +150,8 @@ class RecipeLoop:
         queue: list[tuple[dict, Any]] = [({"pool": name}, None) for name in POOLS]
         stored = [r for r in uniform if isinstance(r, EngineRecipe) and self.space.contains(r)
                   and self.cost(r) <= budget]
-        for recipe in [*self.uniform(budget)[:1], *stored]:
+        rule = self.kl_rule(budget)
+        for recipe in [*([rule] if rule is not None else []), *self.uniform(budget)[:1], *stored]:
             queue.append((self.space.params_of(recipe), recipe))
         out, seen = [], set()
         for params, proposal in queue:
@@ -156,6 +160,20 @@ class RecipeLoop:
                 seen.add(frozen)
                 out.append((params, proposal))
         return out[:limit]
+
+    def kl_rule(self, budget: float) -> EngineRecipe | None:
+        """Model-Optimizer's rule: the knapsack over each layer's forward KL per format pair of its
+        pool (`Scorer.format_kl`), weighted as the budget is; None when nothing fits."""
+        pairs = list(POOLS["modelopt"].pairs)
+        started = time.perf_counter()
+        if self._kl is None:
+            self.progress("layer forward KL of Model-Optimizer's formats")
+        table = self._kl = self._kl or self.evaluator.format_kl(pairs)
+        self.sensitivity_seconds += time.perf_counter() - started
+        try:
+            return EngineRecipe(tuple(allocate(table, budget, 0, weights=self.weights, cost=lambda p: p.bits())))
+        except EvalError:
+            return None
 
     # -- a trial's recipe ------------------------------------------------------------------------
 
