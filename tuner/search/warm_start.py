@@ -6,10 +6,10 @@
   alone seldom reaches it), in that order; pnmix-layers first enqueues, for each of those uniform
   configs, the layer-wise one that the proxy's per-layer KL says spends the same budget best across
   the groups (`tuner.search.layers.grouped_for_budget`); pnmix-alloc queues the allocator's warm starts
-  (`AllocatorLoop.warm_starts`); the engine method each pool's allocation and the fullest uniform
-  recipe (`RecipeLoop.warm_starts`, all trials but one). Otherwise at most half the budget's
-  trials (queued trials run first: a dead worker's retried trial queues behind them); new
-  studies only.
+  (`AllocatorLoop.warm_starts`: the screened allocations first, at least two trials); the engine
+  method each pool's allocation, Model-Optimizer's rule and the fullest uniform recipe
+  (`RecipeLoop.warm_starts`, all trials but one). Otherwise at most half the budget's trials
+  (queued trials run first: a dead worker's retried trial queues behind them); new studies only.
 - Layer groups (`WarmStarts.layered_space`): pnmix-layers groups the model's layers by sensitivity
   (each layer's proxy KL under pnmix-paper, `tuner.search.layers.group_layers`); the first worker stores
   them on the campaign row (`search_space["groups"]`), every later one, and a resumed run, reads
