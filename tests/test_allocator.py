@@ -114,7 +114,7 @@ def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise
         study = optuna.load_study(study_name=study_name(campaign_id, budget), storage=db.url)
         own = sorted((t for t in study.trials if "shared" not in t.user_attrs), key=lambda t: t.number)
         first = own[0]
-        # The first scored config is the allocator's at the paper's shared fields, and fills the budget.
+        # The first scored config is the allocator's at the shared fields the proxy rates best; it fills the budget.
         assert first.user_attrs["origin"] == "allocation"
         assert isinstance(config_from_dict(first.user_attrs["config"]), LayerwiseConfig)
         assert budget - 0.05 < first.user_attrs["bits"] <= budget
