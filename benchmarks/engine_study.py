@@ -94,15 +94,13 @@ def _score(ev: Any, config: Any, held: bool) -> dict[str, Any]:
 
 
 def kl_rule(ev: Any, budget: float) -> Any:
-    """Model-Optimizer's rule: the knapsack over each layer's forward KL per format pair
-    (`Evaluator.format_kl`, tuner/scoring/layer_kl.py), weighted by what each layer holds."""
-    from pnmix.recipes import EngineRecipe
-    from pnmix.tuner.search.layers import allocate
+    """Model-Optimizer's rule (`modelopt_rule`) over each layer's forward KL per format pair
+    (`Evaluator.format_kl`, tuner/scoring/layer_kl.py), weighted as the engine campaign weighs layers."""
     from pnmix.tuner.search.methods import POOLS
+    from pnmix.tuner.search.recipe_alloc import WEIGHT_TOKENS, modelopt_rule
 
-    table = ev.format_kl(list(POOLS["modelopt"].pairs))
-    weights = [float(w) for w in ev.plan.held(32768)]
-    return EngineRecipe(tuple(allocate(table, budget, ev.head_dim, weights=weights, cost=lambda p: p.bits())))
+    weights = [float(w) for w in ev.plan.held(WEIGHT_TOKENS)]
+    return modelopt_rule(ev.format_kl(list(POOLS["modelopt"].pairs)), budget, weights)
 
 
 def study(model: str, device: str, profile_name: str, trials: int, pnmix_trials: int, budgets: tuple[float, ...],

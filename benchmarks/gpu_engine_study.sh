@@ -5,7 +5,7 @@
 #
 #   here:   STEP=pack benchmarks/gpu_engine_study.sh
 #           .carry/part.a, .b, ... (55 MiB each) of one tar stream: base/ (the wheels the GPU image lacks,
-#           from ../shared/tools/gpu-prep.sh's .whl/), the SmolLM2 GGUF, tf525/ (transformers 5.25 and the
+#           as .whl/ holds them), the SmolLM2 GGUF (from .model/'s parts), tf525/ (transformers 5.25 and the
 #           packages it needs newer: the image's 5.17 cuts Gemma 3's GGUF tokenizer into characters), the
 #           Gemma 3 GGUF; .carry/manifest holds every member's sha256. Add /.carry/ to .git/info/exclude.
 #   there:  PART=.carry/part.X MODEL=smollm2-135m benchmarks/gpu_engine_study.sh
@@ -21,7 +21,7 @@ set -uo pipefail
 KEEP=/tmp/pnmix-engine
 case "${STEP:-run}" in
 pack)
-  [ -d .whl ] && [ -f .model/sha256 ] || { echo "run ../shared/tools/gpu-prep.sh first (.whl/ and .model/)"; exit 1; }
+  [ -d .whl ] && [ -f .model/sha256 ] || { echo "needs .whl/ (the wheels the GPU image lacks) and .model/ (the SmolLM2 GGUF in parts, with its sha256)"; exit 1; }
   gemma=${GEMMA_GGUF:?GEMMA_GGUF=the Gemma 3 270M .gguf file}
   stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
   mkdir -p "$stage/base" "$stage/tf525"

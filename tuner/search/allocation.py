@@ -156,7 +156,7 @@ class AllocatorLoop:
         first (a setting where nothing fits last). Coordinate-wise, so that it costs a few tables,
         not one per combination: every sink count at the paper's G (128), then every G at the sink
         count that ranked first. Which of a budget's shared fields hold its best allocation is
-        what a short sampled search used to find or miss by chance (docs/search.md)."""
+        what a short sampled search finds or misses by chance (docs/search.md)."""
         paper = self.space.shared_base(self.space.recast(preset("pnmix-paper")))
         rated: dict[PNMixConfig, float] = {}
         for n_sink in self.space.sinks():
@@ -290,30 +290,26 @@ class AllocatorLoop:
             return None
         if sum(1 for t in trials if record.takes_slot(t)) >= n_trials:
             return None
-        best: tuple[float, AnyConfig] = (latest[1], latest[0])
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            r = record.read(t)
-            if (r.has_score and r.bits is not None and r.bits <= budget and r.accuracy is not None
-                    and isinstance(r.config, (PNMixConfig, LayerwiseConfig)) and self.space.contains(r.config)
-                    and r.accuracy > best[0]):
-                best = (r.accuracy, r.config)
-        return self.space.params_of(self.space.shared_base(best[1])), best[1]
+        _, best = max([(latest[1], latest[0]), *self._scored_within(study, budget)], key=lambda x: x[0])
+        return self.space.params_of(self.space.shared_base(best)), best
 
     def best_scored(self, study: optuna.Study, base: PNMixConfig, budget: float) -> AnyConfig | None:
         """The most accurate config scored in `study` (shared scores included) within `budget` whose
         shared fields are `base`'s."""
-        best: tuple[float, AnyConfig] | None = None
+        here = [(a, cfg) for a, cfg in self._scored_within(study, budget) if self.space.shared_base(cfg) == base]
+        return max(here, key=lambda x: x[0])[1] if here else None
+
+    def _scored_within(self, study: optuna.Study, budget: float) -> list[tuple[float, AnyConfig]]:
+        """(accuracy, config) of every config of this space scored in `study` (shared scores
+        included) within `budget`, in trial order."""
+        out = []
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             r = record.read(t)
-            if not r.has_score or r.bits is None or r.bits > budget or r.accuracy is None:
-                continue
             cfg = r.config
-            if isinstance(cfg, EngineRecipe) or cfg is None:
-                continue
-            if self.space.contains(cfg) and self.space.shared_base(cfg) == base:
-                if best is None or r.accuracy > best[0]:
-                    best = (r.accuracy, cfg)
-        return best[1] if best is not None else None
+            if (r.has_score and r.bits is not None and r.bits <= budget and r.accuracy is not None
+                    and isinstance(cfg, (PNMixConfig, LayerwiseConfig)) and self.space.contains(cfg)):
+                out.append((r.accuracy, cfg))
+        return out
 
 
 def taken_configs(studies: Sequence[optuna.Study]) -> set[str]:

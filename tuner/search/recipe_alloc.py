@@ -51,6 +51,13 @@ Table = dict[LayerFormats, list[float]]  # a layer pair -> its proxy error in ev
 WEIGHT_TOKENS = 32768  # the context at which a layer's share of the elements is taken
 
 
+def modelopt_rule(kl: Table, budget: float, weights: Sequence[float]) -> EngineRecipe:
+    """Model-Optimizer's mixed-precision KV rule: the knapsack over each layer's forward KL per
+    format pair (`kl`), each pair costing its effective bits, the layers weighted by `weights`
+    (what each holds). Raises EvalError when nothing fits."""
+    return EngineRecipe(tuple(allocate(kl, budget, 0, weights=weights, cost=lambda p: p.bits())))
+
+
 class RecipeLoop:
     """The recipe allocator of one campaign runner (the module docstring)."""
 
@@ -162,16 +169,15 @@ class RecipeLoop:
         return out[:limit]
 
     def kl_rule(self, budget: float) -> EngineRecipe | None:
-        """Model-Optimizer's rule: the knapsack over each layer's forward KL per format pair of its
-        pool (`Scorer.format_kl`), weighted as the budget is; None when nothing fits."""
-        pairs = list(POOLS["modelopt"].pairs)
-        started = time.perf_counter()
+        """Model-Optimizer's rule (`modelopt_rule`) over its per-layer forward KL (`Scorer.format_kl`,
+        computed once per loop); None when nothing fits."""
         if self._kl is None:
+            started = time.perf_counter()
             self.progress("layer forward KL of Model-Optimizer's formats")
-        table = self._kl = self._kl or self.evaluator.format_kl(pairs)
-        self.sensitivity_seconds += time.perf_counter() - started
+            self._kl = self.evaluator.format_kl(list(POOLS["modelopt"].pairs))
+            self.sensitivity_seconds += time.perf_counter() - started
         try:
-            return EngineRecipe(tuple(allocate(table, budget, 0, weights=self.weights, cost=lambda p: p.bits())))
+            return modelopt_rule(self._kl, budget, self.weights)
         except EvalError:
             return None
 

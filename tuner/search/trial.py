@@ -103,7 +103,7 @@ class Objective:
         self.progress(f"budget {budget:g}: trial {trial.number} {config.label}: evaluating")
         score = self._evaluate(running, config, bits, budget, race=self.spec.racing and not warm)
         running.write_score(score)
-        if isinstance(self.allocator, AllocatorLoop) and bits <= budget and not isinstance(config, EngineRecipe):
+        if isinstance(self.allocator, AllocatorLoop) and not isinstance(config, EngineRecipe):  # (never a recipe)
             move = self.allocator.next_move(trial.study, budget, (config, score.accuracy), self.spec.n_trials)
             if move is not None:  # the next trial moves from the budget's best (docs/search.md)
                 record.enqueue_neighbour(trial.study, *move)
