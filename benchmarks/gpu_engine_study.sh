@@ -4,10 +4,12 @@
 # a call, so the calls chain, each carrying one part of a single stream of everything the study needs:
 #
 #   here:   STEP=pack benchmarks/gpu_engine_study.sh
-#           .carry/part.a, .b, ... (55 MiB each) of one tar stream: base/ (the wheels the GPU image lacks,
-#           as .whl/ holds them), the SmolLM2 GGUF (from .model/'s parts), tf525/ (transformers 5.25 and the
-#           packages it needs newer: the image's 5.17 cuts Gemma 3's GGUF tokenizer into characters), the
-#           Gemma 3 GGUF; .carry/manifest holds every member's sha256. Add /.carry/ to .git/info/exclude.
+#           .carry/part.a, .b, ... (57 MiB each: with the working tree and the wheel, under the 64 MiB
+#           a call carries) of one tar stream: base/ (the wheels the GPU image lacks, as .whl/ holds
+#           them), tf525/ (transformers 5.25 and the packages it needs newer: the image's 5.17 cuts
+#           Gemma 3's GGUF tokenizer into characters), the Gemma 3 GGUF, then the SmolLM2 GGUF (from
+#           .model/'s parts), so that Gemma's study can run while the last parts ride along;
+#           .carry/manifest holds every member's sha256. Add /.carry/ to .git/info/exclude.
 #   there:  PART=.carry/part.X MODEL=smollm2-135m benchmarks/gpu_engine_study.sh
 #           carry: .carry/part.X, .carry/manifest, .pnw (the project's wheel: `pip wheel --no-deps -w .pnw .`)
 #           keeps the part, unpacks whatever members the parts so far hold whole (checked against the
@@ -36,9 +38,9 @@ pack)
     truststore regex; do mv "$stage"/dl/"$w"-*.whl "$stage/tf525/"; done
   rm -rf "$stage/dl"
   cp "$gemma" "$stage/gemma3-270m.gguf"
-  (cd "$stage" && sha256sum base/* smollm2-135m.gguf tf525/* gemma3-270m.gguf) > "$stage/manifest"
+  (cd "$stage" && sha256sum base/* tf525/* gemma3-270m.gguf smollm2-135m.gguf) > "$stage/manifest"
   rm -rf .carry && mkdir -p .carry && mv "$stage/manifest" .carry/
-  (cd "$stage" && tar cf - base smollm2-135m.gguf tf525 gemma3-270m.gguf) | split -b 55M -a 1 - .carry/part.
+  (cd "$stage" && tar cf - base tf525 gemma3-270m.gguf smollm2-135m.gguf) | split -b 57M -a 1 - .carry/part.
   ls -la .carry ;;
 run)
   mkdir -p "$KEEP/parts" "$KEEP/files" "$KEEP/out"

@@ -687,9 +687,15 @@ class BatchWindowLayer(SeenTokensLayer):
     layer does for one sequence, and the newest tokens attend causally over the last `window`
     positions (transformers' sliding mask: key position > query position - window). Sequences of
     different lengths sit in one batch without padding; `update` hands the attention function a
-    `LayerStep`, which appends and attends here, as a `PNMixLayer` does."""
+    `LayerStep`, which appends and attends here, as a `PNMixLayer` does.
+
+    A decode step costs no host-to-device copy and no per-sequence loop: each sequence's counters
+    (slots in use, position of slot 0, positions seen) live on the device beside their host copies
+    (the host ones size the buffers), and the buffer holds `SPARE` free slots a sequence, so that it
+    is compacted (one gather of every sequence's last window - 1 tokens) once in `SPARE` steps."""
 
     is_croppable = False
+    SPARE = 64  # decode steps between two compactions
 
     def __init__(self, window: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         super().__init__()
@@ -700,14 +706,21 @@ class BatchWindowLayer(SeenTokensLayer):
         self.start = [n - k for n, k in zip(self.lengths, keep, strict=True)]  # position of slot 0
         self.count = keep  # slots in use per sequence
         h, _, d = keys[0].shape
-        self.k = keys[0].new_zeros((len(keys), h, max(keep) + 1, d))
+        self.k = keys[0].new_zeros((len(keys), h, max(keep) + self.SPARE, d))
         self.v = torch.zeros_like(self.k)
         for b, n in enumerate(keep):
             if n:
                 self.k[b, :, :n] = keys[b][:, -n:]
                 self.v[b, :, :n] = values[b][:, -n:]
+        self._to_device()
         self.seen = max(self.lengths)
         self.is_initialized = True
+
+    def _to_device(self) -> None:
+        dev = self.k.device
+        self.count_t = torch.tensor(self.count, device=dev)
+        self.start_t = torch.tensor(self.start, device=dev)
+        self.lengths_t = torch.tensor(self.lengths, device=dev)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("a BatchWindowLayer is built from recorded prefills")
@@ -722,24 +735,29 @@ class BatchWindowLayer(SeenTokensLayer):
         n = key.shape[2]
         if max(self.count) + n > self.k.shape[2]:
             self._compact(n)
-        at = torch.tensor(self.count, device=key.device)[:, None] + torch.arange(n, device=key.device)
+        at = self.count_t[:, None] + torch.arange(n, device=key.device)
         _scatter_tokens(self.k, at, key.to(self.k.dtype))
         _scatter_tokens(self.v, at, value.to(self.v.dtype))
         self.count = [c + n for c in self.count]
         self.lengths = [m + n for m in self.lengths]
+        self.count_t += n
+        self.lengths_t += n
 
     def _compact(self, n: int) -> None:
         """Room for n more tokens a sequence: each keeps only its last window - 1 (what the next
-        query can still see), in a buffer grown to fit them and the n."""
+        query can still see), moved to the front of a buffer sized for them, the n and the spare."""
         keep = [min(c, self.window - 1) for c in self.count]
         b, h, _, d = self.k.shape
-        k = self.k.new_zeros((b, h, max(keep) + 2 * n, d))
+        dropped = self.count_t - self.count_t.clamp_max(self.window - 1)
+        src = (dropped[:, None] + torch.arange(max(keep), device=self.k.device)).clamp_max(self.k.shape[2] - 1)
+        k = self.k.new_zeros((b, h, max(keep) + n + self.SPARE, d))
         v = torch.zeros_like(k)
-        for row, (c, m) in enumerate(zip(self.count, keep, strict=True)):
-            k[row, :, :m] = self.k[row, :, c - m : c]
-            v[row, :, :m] = self.v[row, :, c - m : c]
+        k[:, :, : max(keep)] = _gather_tokens(self.k, src)  # a row's slots past its own keep are never held
+        v[:, :, : max(keep)] = _gather_tokens(self.v, src)
         self.start = [s + c - m for s, c, m in zip(self.start, self.count, keep, strict=True)]
         self.k, self.v, self.count = k, v, keep
+        self.start_t += dropped
+        self.count_t -= dropped
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query [B, Hq, q_len, d] of the newest q_len tokens -> [B, q_len, Hq, d]."""
@@ -747,9 +765,9 @@ class BatchWindowLayer(SeenTokensLayer):
         dev = query.device
         width = max(self.count)
         slot = torch.arange(width, device=dev)
-        pos = torch.tensor(self.start, device=dev)[:, None] + slot  # [B, W]: each slot's position
-        held = slot[None] < torch.tensor(self.count, device=dev)[:, None]
-        q_pos = torch.tensor(self.lengths, device=dev)[:, None] - q_len + torch.arange(q_len, device=dev)
+        pos = self.start_t[:, None] + slot  # [B, W]: each slot's position
+        held = slot[None] < self.count_t[:, None]
+        q_pos = self.lengths_t[:, None] - q_len + torch.arange(q_len, device=dev)
         p, qp = pos[:, None, :], q_pos[:, :, None]
         mask = held[:, None, :] & (p <= qp) & (p > qp - self.window)  # [B, q_len, W]
         return masked_attention(query, self.k[:, :, :width], self.v[:, :, :width], mask, scaling)

@@ -71,12 +71,14 @@ def test_quantized_full_layers_beside_exact_windows():
 
 
 @pytest.mark.parametrize("config", [preset("fp16"), SMALL], ids=["fp16", "small"])
-def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config):
+def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config, monkeypatch):
     """The scoring engine's batch (sequences of different lengths, each sliding layer a
     `BatchWindowLayer` built from the recorded prefill) gives every sequence the tokens `generate`
     gives it alone with transformers' own window layer; its teacher-forced replay gives the live
-    replay's distributions; its bytes are the live cache's."""
+    replay's distributions; its bytes are the live cache's. Few spare slots, so that the windows
+    are compacted every few decode steps and inside the teacher-forced pass."""
     from pnmix.cache import BatchWindowLayer
+    monkeypatch.setattr(BatchWindowLayer, "SPARE", 3)
     from pnmix.generation import new_cache
     from pnmix.prefill import build_cache
     from pnmix.tuner.scoring.cost import COST_NEW_TOKENS, COST_PROMPT_TOKENS, live_cost
