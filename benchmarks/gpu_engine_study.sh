@@ -18,7 +18,9 @@
 # SmolLM2 runs on the image's transformers (5.17), Gemma 3 on 5.25 (tf525/ before base/ on the path).
 # What must survive between calls lives under /tmp/pnmix-engine; OUT (default out/engine_study) gets
 # the study's JSON, table, plot and log at the end of every call. PROFILE (full), TRIALS (6),
-# PNMIX_TRIALS (3), BUDGETS and DEADLINE_S (540) as engine_study.py takes them.
+# PNMIX_TRIALS (3), BUDGETS and DEADLINE_S (540) as engine_study.py takes them. OUT also gets the
+# campaigns' database and the other scores, so that a study cut off with its machine resumes on the
+# next one: RESUME=DIR (a carried copy of those files) seeds a machine that has no study of MODEL.
 set -uo pipefail
 KEEP=/tmp/pnmix-engine
 case "${STEP:-run}" in
@@ -68,10 +70,13 @@ run)
   export PNMIX_SMOLLM2_GGUF=$KEEP/files/smollm2-135m.gguf PNMIX_GEMMA3_GGUF=$KEEP/files/gemma3-270m.gguf
   OUT=${OUT:-out/engine_study}
   mkdir -p "$OUT"
+  # a study begun on another machine: its campaigns' database and scores, as an earlier call's OUT held them
+  if [ -n "${RESUME:-}" ] && [ ! -e "$KEEP/out/engine-$MODEL.db" ]; then cp "$RESUME"/* "$KEEP/out/"; fi
   timeout "${DEADLINE_S:-540}" python3 -P benchmarks/engine_study.py --model "$MODEL" --device cuda \
     --profile "${PROFILE:-full}" --trials "${TRIALS:-6}" --pnmix-trials "${PNMIX_TRIALS:-3}" \
     ${BUDGETS:+--budgets "$BUDGETS"} --out "$KEEP/out" 2>&1 \
     | grep -v -e Warning -e "warnings.warn" -e "it/s\]" | tee -a "$KEEP/out/study-$MODEL.log" | tail -30
-  cp "$KEEP/out/engine_study-$MODEL".* "$KEEP/out/study-$MODEL.log" "$OUT"/ 2>/dev/null
+  cp "$KEEP/out/engine_study-$MODEL".* "$KEEP/out/study-$MODEL.log" "$KEEP/out/engine-$MODEL.db" \
+    "$KEEP/out/scores-$MODEL"-*.json "$OUT"/ 2>/dev/null
   ls "$OUT" ;;
 esac
