@@ -239,3 +239,23 @@ def test_eval_empty_items_file_is_one_line(tmp_path):
     out = subprocess.run([*PNMIX, "eval", "--items", str(path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "is empty" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_model_that_answers_few_candidates_draws_more_pools(embedded):
+    """Long fact lists the embedded model often misses, one candidate a kept item: the first pool
+    cannot fill the count, so candidates come from more pools at the same seed, none repeated, the
+    first pool's hits first."""
+    from pnmix.tuner.scoring.preparation import EXTRA_POOLS
+
+    hard = Profile("hard-kv", passkey_items=1, passkey_filler=(8, 10), passkey_digits=5, passkey_distractors=0,
+                   kv_items=3, kv_pairs=(70, 80), kv_digits=7, kv_near_miss=3, fidelity_prompts=1,
+                   fidelity_tokens=8, proxy_tokens=8, pool_factor=1)
+    ev = Evaluator("smollm2-135m", hard, seed=7, tasks=("kv_lookup",))
+    ev.cache_file().unlink(missing_ok=True)
+    ev.prepare()
+    kept = json.loads(ev.cache_file().read_text())["items"]["kv_lookup"]
+    pools = [tasks.kv_lookup_items(3, 7, (70, 80), 7, 3, pool=k) for k in range(EXTRA_POOLS + 1)]
+    drawn = [[it.prompt for it in pool] for pool in pools]
+    assert len({p for pool in drawn for p in pool}) == 3 * (EXTRA_POOLS + 1)  # the pools never repeat a candidate
+    where = [next(k for k, pool in enumerate(drawn) if it["prompt"] in pool) for it in kept]
+    assert len(kept) == 3 and where == sorted(where) and where[-1] > 0, where

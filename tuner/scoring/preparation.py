@@ -35,6 +35,10 @@ Progress = Callable[[str], None]
 
 # Bump when task generation or filtering changes, so cached preparations are rebuilt.
 PREPARATION_VERSION = 7
+# A model that answers few candidates right (a base model: Gemma 3 270M answers about one in eight
+# of the full profile's) gets up to this many more pools of candidates, each as large as the first,
+# until the profile's counts are kept; a model that fills them from the first pool keeps its items.
+EXTRA_POOLS = 5
 
 
 def cache_name(profile: Profile, holdout: float, seed: int) -> str:
@@ -75,7 +79,7 @@ class Preparation:
         trajectories = [(list(map(int, t["prompt_ids"])), list(map(int, t["tokens"]))) for t in data["trajectories"]]
         # A preparation stored before parts were built one at a time holds every built-in part.
         built = [str(name) for name in data.get("built", BUILT_IN)]
-        return {"items": items, "trajectories": trajectories, "built": built}
+        return {"items": items, "trajectories": trajectories, "built": built, "grown": bool(data.get("grown"))}
 
     def _checked(self, shipped: shipped_module.Shipped,
                  wanted: list[str]) -> tuple[ScoringEngine, dict[str, Any]] | None:
@@ -139,12 +143,16 @@ class Preparation:
         the package (tuner/scoring/shipped.py) once checked, else built here; written to the cache."""
         path = self.cache_file()
         data = self._read_cached(path) if path.is_file() else None
+        if data is not None and not data["grown"]:
+            # stored before candidates came from more than one pool: a part kept short is built again
+            data["built"] = [name for name in data["built"]
+                             if name == "fidelity" or len(data["items"].get(name, [])) >= self._wanted(name)]
         wanted = [name for name in BUILT_IN if name in tasks]
         engine = None
         if data is None and wanted and (shipped := self.shipped()) is not None:
             engine, data = self._checked(shipped, wanted) or (None, None)
         engine = engine or self.new_engine()
-        data = data or {"items": {}, "trajectories": [], "built": []}
+        data = data or {"items": {}, "trajectories": [], "built": [], "grown": True}
         # Only the built-in parts this evaluator runs are built; a later evaluator that runs more
         # builds what is missing into the same file (each part is built on its own, so the file
         # holds what one build of all parts would).
@@ -174,41 +182,54 @@ class Preparation:
         tmp.write_text(json.dumps({
             "items": {name: [it.to_dict() for it in its] for name, its in data["items"].items()},
             "trajectories": [{"prompt_ids": p, "tokens": t} for p, t in data["trajectories"]],
-            "built": data["built"]}))
+            "built": data["built"], "grown": True}))
         tmp.replace(path)
 
     def _build(self, engine: ScoringEngine, parts: list[str]) -> dict[str, Any]:
         """For the built-in `parts`: candidates answered by fp16 in the engine (kept: those it gets
         right), and fp16 trajectories."""
         p = self.profile
-        pools = {  # built when their part is
-            "passkey": lambda: tasks_module.passkey_items(
+        pools: dict[str, Callable[[int], list[tasks_module.Item]]] = {  # candidates by pool number
+            "passkey": lambda pool: tasks_module.passkey_items(
                 p.pool_factor * total_for(p.passkey_items, self.holdout), self.seed, p.passkey_filler,
-                p.passkey_digits, p.passkey_distractors),
-            "kv_lookup": lambda: tasks_module.kv_lookup_items(
+                p.passkey_digits, p.passkey_distractors, pool=pool),
+            "kv_lookup": lambda pool: tasks_module.kv_lookup_items(
                 p.pool_factor * total_for(p.kv_items, self.holdout), self.seed, p.kv_pairs, p.kv_digits,
-                p.kv_near_miss),
+                p.kv_near_miss, pool=pool),
         }
-        # With a held-out share, the search keeps the profile's counts and the held-out units come on top.
-        wanted = {"passkey": total_for(p.passkey_items, self.holdout), "kv_lookup": total_for(p.kv_items, self.holdout)}
-        kept = {name: self._filtered(engine, name, make_pool(), wanted[name])
+        kept = {name: self._filtered(engine, name, make_pool, self._wanted(name))
                 for name, make_pool in pools.items() if name in parts}
         if "fidelity" not in parts:
             return {"items": kept, "trajectories": []}
         return {"items": kept, "trajectories": self._trajectories(engine)}
 
-    def _filtered(self, engine: ScoringEngine, name: str, pool: list[tasks_module.Item],
+    def _wanted(self, name: str) -> int:
+        """Items of a built-in part to keep: with a held-out share, the search keeps the profile's
+        counts and the held-out units come on top."""
+        p = self.profile
+        return total_for(p.passkey_items if name == "passkey" else p.kv_items, self.holdout)
+
+    def _filtered(self, engine: ScoringEngine, name: str, make_pool: Callable[[int], list[tasks_module.Item]],
                   wanted: int) -> list[tasks_module.Item]:
-        """The first `wanted` items of `pool` that the unquantized model answers right, so that a
-        miss is the cache's fault. Candidates are prefilled and answered a batch at a time, until
-        enough are kept."""
+        """The first `wanted` candidates that the unquantized model answers right, so that a miss is
+        the cache's fault: from the first pool, then from up to `EXTRA_POOLS` more while too few are
+        kept. Candidates are prefilled and answered a batch at a time, until enough are kept."""
         fp16 = preset("fp16")
         right: list[int] = []
-        tried = 0
-        while len(right) < wanted and tried < len(pool):
-            batch = pool[tried : tried + max(wanted - len(right), 4)]
+        tried, pools = 0, 1
+        pool = make_pool(0)
+        while len(right) < wanted:
+            if tried == len(pool):
+                if pools > EXTRA_POOLS:
+                    break
+                pool, pools = pool + make_pool(pools), pools + 1
+            size = max(wanted - len(right), 4)
+            if pools > 1:  # a model that answers few: a batch sized by the share it has answered so far
+                size = max(size, min(512, -(-(wanted - len(right)) * tried // max(len(right), 1))))
+            batch = pool[tried : tried + size]
             engine.add_items(name, batch)
-            self.progress(f"filtering {name} against fp16: {len(right)} of {wanted} kept, {tried + len(batch)} tried")
+            self.progress(f"filtering {name} against fp16: {len(right)} of {wanted} kept, {tried + len(batch)} tried"
+                          + (f" from {pools} pools" if pools > 1 else ""))
             hits = engine.outcomes(fp16, name, start=tried)
             right += [tried + i for i, hit in enumerate(hits) if hit]
             tried += len(batch)

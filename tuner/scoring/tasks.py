@@ -115,14 +115,15 @@ def _normal(text: str) -> str:
 
 
 def passkey_items(n: int, seed: int, filler_sentences: tuple[int, int] = (40, 120), digits: int = 7,
-                  distractors: int = 0) -> list[Item]:
+                  distractors: int = 0, pool: int = 0) -> list[Item]:
     """n items: a pass key of `digits` digits at a random depth of natural filler.
 
     The filler length rises evenly over `filler_sentences` (about 13 tokens a sentence). With
     `distractors`, that many other codes ("the locker code is ...", one digit from the pass key)
-    are scattered through the text, so reading a number near the question is not enough.
+    are scattered through the text, so reading a number near the question is not enough. `pool` > 0
+    draws another pool of candidates at the same seed, disjoint from pool 0's draws.
     """
-    rng = random.Random(f"passkey-{seed}")
+    rng = random.Random(f"passkey-{seed}" + (f"-pool{pool}" if pool else ""))
     lo, hi = filler_sentences
     items = []
     for i in range(n):
@@ -150,7 +151,7 @@ KV_WORDS = (
 
 
 def kv_lookup_items(n: int, seed: int, pairs: tuple[int, int] = (20, 60), digits: int = 7,
-                    near_miss: int = 0) -> list[Item]:
+                    near_miss: int = 0, pool: int = 0) -> list[Item]:
     """n items: facts "The <word> number is <digits digits>." in a row, and the number of one word asked for.
 
     The fact count rises evenly over `pairs`. `near_miss` of the other facts carry numbers one
@@ -158,7 +159,7 @@ def kv_lookup_items(n: int, seed: int, pairs: tuple[int, int] = (20, 60), digits
     (A `key: value` list of random strings proved too hard for the embedded 135M model even in
     fp16; sentences with word keys it answers often enough, and filtering keeps those.)
     """
-    rng = random.Random(f"kv-{seed}")
+    rng = random.Random(f"kv-{seed}" + (f"-pool{pool}" if pool else ""))  # `pool`: as passkey_items
     lo, hi = pairs
     items = []
     for i in range(n):
