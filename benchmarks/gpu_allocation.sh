@@ -19,7 +19,7 @@ set -uo pipefail
 STUDY=${STUDY:-out/allocation}
 OUT=${OUT:-$STUDY}
 : "${TRIALS:=5}" "${DEADLINE_S:=530}"
-: "${MAXBATCH:=key-2.25 key-2.5 kv-2.5 key-1.5 key-2 key-2.263 key-3 kv-2.25 kv-2.64}"
+: "${MAXBATCH=key-2.25 key-2.5 kv-2.5 key-1.5 key-2 key-2.263 key-3 kv-2.25 kv-2.64}"
 mkdir -p "$STUDY" "$OUT"
 start=$(date +%s)
 left() { echo $((DEADLINE_S - ($(date +%s) - start))); }
@@ -28,7 +28,7 @@ if [ ! -f "$STUDY/picks/key-2.5.json" ] || [ ! -f "$STUDY/allocation_study.md" ]
   timeout "$(left)" $PY benchmarks/allocation_study.py --device cuda --out "$STUDY" --trials "$TRIALS" \
     --parts "${PARTS:-key,kv,compare}" --seeds "${SEEDS:-0}" 2>&1 | grep -v Warning | tee -a "$STUDY/study.log" | tail -40
 fi
-if [ -f "$STUDY/allocation_study.md" ] && [ ! -f "$STUDY/static/maxbatch.done" ] && [ "$(left)" -gt 60 ]; then
+if [ -n "$MAXBATCH" ] && [ -f "$STUDY/allocation_study.md" ] && [ ! -f "$STUDY/static/maxbatch.done" ] && [ "$(left)" -gt 60 ]; then
   args=()
   for name in $MAXBATCH; do
     [ -f "$STUDY/picks/$name.json" ] && args+=(--config "$name=$STUDY/picks/$name.json")
