@@ -85,17 +85,6 @@ def rope_pairing(model_config: Any) -> Pairing:
     return "rotate_half"
 
 
-def require_full_attention(model_config: Any, what: str) -> None:
-    """Refuses, in one line, a model with sliding-window layers on paths that serve full attention
-    only (`what`: the scoring engine, the static path)."""
-    kinds = layer_kinds(model_config)
-    if SLIDING in kinds:
-        model_type = getattr(text_config(model_config), "model_type", "?")
-        raise UnsupportedModelError(
-            f"{what} runs models whose every layer is full-attention; model type {model_type!r} has "
-            f"{kinds.count(SLIDING)} sliding-window layers (generation with a PN-Mix cache serves it)")
-
-
 def plan_of_config(config: Any) -> LayerPlan:
     """Each layer's kind and the sliding window a transformers config gives its text decoder (what
     the bit figures weigh the layers by, `pnmix.bits.weighted_key_bits`)."""

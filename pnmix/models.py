@@ -118,6 +118,15 @@ SHAPE_MODELS: dict[str, ShapeModel] = {
             max_position_embeddings=131072, tie_word_embeddings=False,
         )
     ),
+    # Gemma 3 12B's text decoder: 48 layers, five sliding-window layers of 1,024 tokens before each
+    # full-attention one, head dim 256, RoPE bases 10K (local) and 1M (global).
+    "gemma3-12b-shape": ShapeModel(
+        dict(
+            model_type="gemma3_text", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+            head_dim=256, hidden_size=3840, intermediate_size=15360, vocab_size=262208, sliding_window=1024,
+            query_pre_attn_scalar=256, max_position_embeddings=131072, tie_word_embeddings=True,
+        )
+    ),
 }
 
 
@@ -274,9 +283,13 @@ def layer_plan(name: str) -> LayerPlan:
     if name in EMBEDDED:
         spec = EMBEDDED[name]
         return LayerPlan(spec.layer_kinds or (FULL,) * spec.shape.num_layers, spec.window)
-    if name in SHAPE_MODELS:
-        return LayerPlan((FULL,) * SHAPE_MODELS[name].shape.num_layers, None)
     from pnmix.families import plan_of_config
+
+    if name in SHAPE_MODELS:
+        cfg = dict(SHAPE_MODELS[name].config)
+        from transformers import AutoConfig
+
+        return plan_of_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
 
     return plan_of_config(auto_config(resolve(name)))
 

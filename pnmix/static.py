@@ -8,7 +8,7 @@ graph and replayed. Prefill runs eagerly through the ordinary path (`PNMixCache`
 attention, or a DynamicCache for fp16), and its state is then copied into the static buffers, so
 the static path stores exactly what `generate` would.
 
-Two cache kinds, same driver:
+Three cache kinds, same driver:
 - `StaticQuantLayer`: PN-Mix and KIVI (keys and values quantized). Buffers are the decode kernel's
   operands (`kernels.layout.DecodeCache`) at full capacity. A step appends the new token (to the
   sinks while a sequence holds fewer than `n_sink`, else to the residual buffer) with predicated
@@ -21,6 +21,10 @@ Two cache kinds, same driver:
 - `StaticFullLayer`: the fp16 baseline, [B, H_kv, max_len, d] keys and values, attended by a
   flash-decoding kernel over each sequence's length (kernels/decode_full.py), the same scheme as
   the PN-Mix kernel, so that a comparison isolates the cache format.
+- `StaticWindowLayer`: a sliding-window layer of a hybrid model (Gemma 3), in the model's dtype:
+  a ring of `window` slots per sequence, position p in slot p mod window, so that after a step's
+  append it holds exactly the last `window` positions the model's sliding mask lets the new token
+  see; attended by SDPA over the slots filled. The step computes one RoPE table per layer kind.
 
 Off CUDA (tests, CPU) the same step runs eagerly: attention is the fp32 dequantize-then-attend
 reference for quantized layers and masked SDPA for full ones (PNMIX_BACKEND=triton runs the
@@ -39,7 +43,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from pnmix import backend
 from pnmix.cache import PNMixLayer, StaticStep, attend_view
 from pnmix.config import ConfigError, PNMixConfig
-from pnmix.families import require_full_attention
+from pnmix.families import FULL, layer_kinds, sliding_window
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
 from pnmix.kernels.plan import length_bucket, packed_groups_bound
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
@@ -267,6 +271,48 @@ class StaticFullLayer(_StaticLayer):
         return self.k.nbytes + self.v.nbytes
 
 
+class StaticWindowLayer(_StaticLayer):
+    """A sliding-window layer's cache in the model's dtype: [B, H_kv, window, d] keys and values
+    as a ring (position p in slot p mod window) and each sequence's positions seen (`lengths`)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, held: list[int], seen: list[int], window: int,
+                 layer_idx: int) -> None:
+        """keys/values [B, H_kv, T, d] whose last held[b] columns are sequence b's newest tokens
+        (positions seen[b] - held[b] .. seen[b] - 1); of those, the last window - 1 are kept."""
+        super().__init__()
+        b, h, _, d = keys.shape
+        self.layer_idx, self.window = layer_idx, window
+        self.k = keys.new_zeros((b, h, window, d))
+        self.v = torch.zeros_like(self.k)
+        t = keys.shape[2]
+        for row, (n, end) in enumerate(zip(held, seen, strict=True)):
+            m = min(n, window - 1)
+            slots = torch.arange(end - m, end, device=keys.device) % window
+            self.k[row, :, slots] = keys[row, :, t - m : t]
+            self.v[row, :, slots] = values[row, :, t - m : t]
+        self.lengths = torch.tensor(seen, dtype=torch.int64, device=keys.device)
+        self.rows = torch.arange(b, device=keys.device)
+        self.is_sliding = True
+        self.is_initialized = True
+
+    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+        """Append one token per sequence into its ring and attend over the window: [B, 1, H_q, d]."""
+        slot = self.lengths % self.window
+        self.k[self.rows, :, slot] = key[:, :, 0].to(self.k.dtype)
+        self.v[self.rows, :, slot] = value[:, :, 0].to(self.v.dtype)
+        self.lengths += 1
+        b, hq, _, d = query.shape
+        h = self.k.shape[1]
+        mask = (torch.arange(self.window, device=query.device)[None, :] < self.lengths[:, None])[:, None, None]
+        q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scaling)
+        return out.reshape(b, 1, hq, d)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
 # The layers of the generator whose step is running (or being captured) now. The step's
 # attention is one operator per layer that takes only the step's own tensors and the layer index:
 # the cache buffers it appends to, quantizes into and reads stay outside what torch.compile
@@ -293,14 +339,19 @@ def _static_attend_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 def _decode_step(decoder: Any, lm_head: Any, ids: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
-                 cache_kw: dict, bias: torch.Tensor) -> None:
+                 cache_kw: dict, bias: torch.Tensor, rope_kinds: tuple[str, ...] | None = None) -> None:
     """One decode step through the model's own modules: tokens ids [B, 1] at positions pos [B, 1]
     -> greedy next tokens into `out` [B] and `ids`, positions + 1. `bias` [V] is added to the
-    logits before the argmax (zeros: the plain argmax; -inf: a banned token). What torch.compile
-    compiles."""
-    h = decoder.embed_tokens(ids)
-    pe = decoder.rotary_emb(h, pos)
-    for layer in decoder.layers:
+    logits before the argmax (zeros: the plain argmax; -inf: a banned token). `rope_kinds`: each
+    layer's kind where the model keeps a RoPE table per kind (Gemma 3: local and global bases),
+    else None. What torch.compile compiles."""
+    h = decoder.embed_tokens(ids)  # Gemma's embedding scales itself
+    if rope_kinds is None:
+        tables = [decoder.rotary_emb(h, pos)] * len(decoder.layers)
+    else:
+        by_kind = {kind: decoder.rotary_emb(h, pos, kind) for kind in sorted(set(rope_kinds))}
+        tables = [by_kind[kind] for kind in rope_kinds]
+    for layer, pe in zip(decoder.layers, tables, strict=True):
         o = layer(h, attention_mask=None, position_ids=pos, use_cache=True, cache_position=pos[0],
                   position_embeddings=pe, **cache_kw)
         h = o[0] if isinstance(o, tuple) else o
@@ -374,7 +425,8 @@ class StaticGenerator:
                  graphs: bool | None = None, compile: bool | str | None = None) -> None:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"invalid max_len={max_len!r}: allowed an integer >= 2 (prompt + new tokens per row)")
-        require_full_attention(model.config, "the static path")
+        self.kinds = layer_kinds(model.config)  # raises for layer kinds PN-Mix cannot serve
+        self.window = sliding_window(model.config)
         self.model = model
         self.layerwise = method_config(method)
         # The fields every layer shares (sinks, residual, G) set the flush schedule: the default's.
@@ -391,6 +443,8 @@ class StaticGenerator:
             raise ValueError(f"invalid compile={compile!r}: not a torch.compile backend; allowed True, False, None "
                              f"or one of {', '.join(torch._dynamo.list_backends())}") from exc
         self.decoder = model.get_decoder()
+        rope = inspect.signature(self.decoder.rotary_emb.forward).parameters
+        self.rope_kinds = tuple(self.decoder.config.layer_types) if "layer_type" in rope else None
         # Added to the logits before each step's argmax (`ban`); zeros leave every logit as it is.
         head = model.lm_head.weight
         self.bias = torch.zeros(head.shape[0], dtype=head.dtype, device=head.device)
@@ -428,10 +482,15 @@ class StaticGenerator:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                     **cache_kwargs(model, cache), **keep)  # only the last position's logits: B x vocab
         first = out.logits[:, -1].argmax(-1)
-        if self.config is not None:
-            layers: list[Any] = [StaticQuantLayer(layer, self.max_len) for layer in cache.layers]
-        else:
-            layers = [StaticFullLayer(cl.keys, cl.values, real, self.max_len, i) for i, cl in enumerate(cache.layers)]
+        held, seen = n_real.tolist(), n_real.tolist()
+        layers: list[Any] = []
+        for i, (kind, cl) in enumerate(zip(self.kinds, cache.layers, strict=True)):
+            if kind != FULL:  # the prefill's last columns are every row's newest real tokens
+                layers.append(StaticWindowLayer(cl.keys, cl.values, held, seen, self.window or 0, i))
+            elif self.config is not None:
+                layers.append(StaticQuantLayer(cl, self.max_len))
+            else:
+                layers.append(StaticFullLayer(cl.keys, cl.values, real, self.max_len, i))
         del cache, out
         self._begin(layers, first, n_real)
         return first
@@ -449,18 +508,35 @@ class StaticGenerator:
         cfg = cache.pnmix_config
         if (self.config is None) != (not (cfg.keys_quantized or cfg.values_quantized)):
             raise ValueError("the cache's config is not this generator's method")
-        lengths = torch.tensor(cache.layers[0].lengths, device=self.model.device)
+        seen = list(cache.layers[0].lengths)
+        lengths = torch.tensor(seen, device=self.model.device)
         if int(lengths.max()) + 1 > self.max_len:
             raise ValueError(f"prompt of {int(lengths.max())} tokens leaves no room under max_len={self.max_len}")
-        if self.config is not None:
-            layers: list[Any] = [StaticQuantLayer(layer, self.max_len) for layer in cache.layers]
-        else:  # an unquantized PN-Mix cache holds every token in its residual buffer
-            width = int(lengths.max())
-            real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-            layers = [StaticFullLayer(la.k_res[:, :, :width], la.v_res[:, :, :width], real, self.max_len, i,
-                                      prefix=True) for i, la in enumerate(cache.layers)]
+        width = int(lengths.max())
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+        layers: list[Any] = []
+        for i, (kind, la) in enumerate(zip(self.kinds, cache.layers, strict=True)):
+            if kind != FULL:  # a `BatchWindowLayer`: row b's newest tokens end at its slot count[b]
+                layers.append(self._window_from_batch(la, i))
+            elif self.config is not None:
+                layers.append(StaticQuantLayer(la, self.max_len))
+            else:  # an unquantized PN-Mix cache holds every token in its residual buffer
+                layers.append(StaticFullLayer(la.k_res[:, :, :width], la.v_res[:, :, :width], real, self.max_len, i,
+                                              prefix=True))
         use_pnmix_attention(self.model)
         self._begin(layers, first.to(self.model.device), lengths)
+
+    def _window_from_batch(self, la: Any, i: int) -> StaticWindowLayer:
+        """The static ring of a `pnmix.cache.BatchWindowLayer` (each row's slots 0..count - 1 hold
+        its positions from `start`): every row's newest tokens right-aligned, then kept."""
+        b, h, _, d = la.k.shape
+        width = max(la.count)
+        k = la.k.new_zeros((b, h, width, d))
+        v = torch.zeros_like(k)
+        for row, c in enumerate(la.count):
+            k[row, :, width - c :] = la.k[row, :, :c]
+            v[row, :, width - c :] = la.v[row, :, :c]
+        return StaticWindowLayer(k, v, list(la.count), list(la.lengths), la.window, i)
 
     def _begin(self, layers: list[Any], first: torch.Tensor, n_real: torch.Tensor) -> None:
         """Installs the static layers and the next step's inputs; first [B], n_real [B] (device)."""
@@ -476,7 +552,7 @@ class StaticGenerator:
         cfg = self.config
         if cfg is not None:
             self.host_sink = [min(cfg.n_sink, n) for n in self.host_len]
-            self.host_res = layers[0].res_len.tolist()
+            self.host_res = next(la for la in layers if isinstance(la, StaticQuantLayer)).res_len.tolist()
         self._graphs.clear()
         self._warm.clear()
 
@@ -520,7 +596,7 @@ class StaticGenerator:
         try:
             with swapped(self._swaps):
                 self._step_fn(self.decoder, self.model.lm_head, self.ids, self.pos, self.out, self._cache_kw,
-                              self.bias)
+                              self.bias, self.rope_kinds)
         finally:
             _STEPPING[:] = outer
 

@@ -164,10 +164,12 @@ def test_layer_kinds_pn_mix_cannot_serve_are_refused_in_one_line():
                                 '"value_group_size": 16}, "layers": {"2": {"b_low": 2}}}')
     with pytest.raises(ConfigError, match=r"invalid layers='2': allowed full-attention layers \(5\)"):
         PNMixCache(model.config, sets_a_window)
+    from types import SimpleNamespace
+
     from pnmix.static import StaticGenerator
 
-    with pytest.raises(UnsupportedModelError, match="the static path runs"):
-        StaticGenerator(model, SMALL, max_len=64)
+    with pytest.raises(UnsupportedModelError, match="linear_attention layers: PN-Mix supports full-attention"):
+        StaticGenerator(SimpleNamespace(config=linear), SMALL, max_len=64)
     # Full-attention models are untouched: every layer is one kind.
     assert layer_kinds(tiny_model("llama").config) == ["full_attention"] * 2
 
@@ -443,3 +445,21 @@ def test_pnmix_tune_on_a_hybrid_checkpoint_stores_fronts_by_the_weighted_figure(
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["key_bits"] in {p.key_bits for p in points}
+
+
+@pytest.mark.parametrize("config", [preset("fp16"), SMALL], ids=["fp16", "small"])
+def test_the_static_path_takes_over_the_engines_windows(config, monkeypatch):
+    """The scoring engine's batch handed to the static path (`StaticGenerator.start`, its windows
+    rebuilt as rings from each sequence's `BatchWindowLayer`) decodes the tokens the batched dynamic
+    cache does, as it will on CUDA; on the CPU the step runs eagerly."""
+    from pnmix.tuner.scoring import cost
+    from pnmix.tuner.scoring.engine import ScoringEngine
+
+    model = tiny_gemma3(window=WINDOW, max_position_embeddings=2048, vocab_size=4096)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, model.config.vocab_size, (1, n), generator=gen) for n in (5, 40, 23, 70)]
+    engine = ScoringEngine(model, None)
+    states = engine._prefill(prompts)
+    dynamic = engine.greedy(config, states, 45, stop=False)
+    monkeypatch.setattr(cost, "static_path_of", lambda m, p, c, d: "fp16" if c == preset("fp16") else c)
+    assert torch.equal(engine.greedy(config, states, 45, stop=False), dynamic)

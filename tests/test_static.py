@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import tiny_gemma3, tiny_model
 
 from pnmix import backend
 from pnmix.config import ConfigError, PNMixConfig, preset
@@ -59,10 +59,12 @@ def batch_of_three(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("method", ["fp16", SMALL, KIVI_LIKE], ids=["fp16", "pnmix", "kivi-like"])
 def test_static_tokens_equal_generate_tiny(family, method):
-    model = tiny_model(family)
+    """gemma3: five sliding-window layers of 8 tokens (rings wrapped many times over, the short row's
+    filled during decode) beside a full-attention one, two RoPE bases, scaled embeddings."""
+    model = tiny_gemma3(window=8, vocab_size=4096) if family == "gemma3" else tiny_model(family)
     ids, mask = batch_of_three(model.config.vocab_size, seed=3)
     n = 80  # each row flushes at least once (groups of 32) and the short row fills its sinks
     want = reference(model, ids, mask, method, n)

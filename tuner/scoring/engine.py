@@ -9,9 +9,9 @@ config's caches from those states (saliency, quantize, pack: the live prefill's 
   graphs without torch.compile) for the configs it covers (fp16, and keys and values both
   quantized), else on the batched
   dynamic cache, which is also the CPU path. Rows stop at the end-of-sequence token, as `generate`
-  does for one item. A model with sliding-window layers (Gemma 3) decodes on the batched dynamic
-  cache, its windows kept per sequence (`pnmix.cache.BatchWindowLayer`): the static path serves
-  full-attention models only.
+  does for one item. A model with sliding-window layers (Gemma 3) builds its windows per sequence
+  (`pnmix.cache.BatchWindowLayer`), and the static path takes them over as rings
+  (`pnmix.static.StaticWindowLayer`).
 - fidelity and texts: all trajectories (fp16 continuations, or the user's documents: tuner/scoring/texts.py)
   of a part are teacher-forced together, the whole trajectory in one forward
   pass where the logits fit (`replay_chunk`), through caches that keep their dequantized view up
