@@ -1,6 +1,7 @@
 """The memory/throughput study: fp16 vs KIVI-2 vs pnmix-paper on the static decode path.
 
-On `qwen3-8b-shape` (random bf16 weights; performance only), prompt 141 tokens, greedy, under a
+On `qwen3-8b-shape` (random bf16 weights; performance only; `--model gemma3-12b-shape` for a hybrid
+model, its sliding-window layers as the static path's rings in bf16), prompt 141 tokens, greedy, under a
 40 GiB memory budget enforced in-process (`torch.cuda.set_per_process_memory_fraction`), with
 every decode step replayed as a CUDA graph (pnmix/static.py):
 
@@ -71,6 +72,20 @@ def log(msg: str) -> None:
 EXTRA: dict[str, Any] = {}  # --config NAME=FILE: configs measured beside the presets
 COMPILE = True  # --no-compile: static steps without torch.compile
 RESULTS: Path | None = None  # the JSON the run writes: after each part, and after each throughput row
+MODEL = "qwen3-8b-shape"  # --model: a shape model of pnmix.models.SHAPE_MODELS
+
+
+def quantized_layer(gen: Any) -> Any:
+    """The generator's first PN-Mix layer (a hybrid model's first layers are windows)."""
+    return next(layer for layer in gen.layers if hasattr(layer, "config"))
+
+
+def kv_bytes(config: Any, batch: int, length: int) -> int:
+    """`pnmix.bits.kv_cache_bytes` of MODEL (a hybrid's windows at 16 bits)."""
+    from pnmix.bits import kv_cache_bytes
+    from pnmix.models import layer_plan, model_shape
+
+    return kv_cache_bytes(config, model_shape(MODEL), batch, length, layer_plan(MODEL)).total
 
 
 def method_arg(name: str) -> Any:
@@ -102,7 +117,7 @@ def residual_points(gen: Any, length: int) -> list[int | None]:
     RESIDUAL_POINTS where the residual cycles there, else [None] (set by the length alone)."""
     if gen.config is None:
         return [None]
-    cfg = gen.layers[0].config
+    cfg = quantized_layer(gen).config
     r = cfg.residual_len
     # Below two residuals past the sinks the cache is still near its prompt's layout (at most one
     # flush behind it): timed as it stands there.
@@ -119,7 +134,7 @@ def set_fill(gen: Any, length: int, held: int | None = None) -> int:
     `length` is not within a group above a power of two)."""
     total = length
     for layer in gen.layers:
-        if gen.config is None:  # fp16
+        if getattr(layer, "is_sliding", False) or gen.config is None:  # a window's ring, or fp16
             layer.lengths.fill_(length - 1)  # the step appends the length-th token
         else:
             cfg = layer.config
@@ -154,7 +169,7 @@ def time_graph(gen: Any, length: int, flush: bool = False, reps: int = 12) -> tu
     """Median ms of one decode step (a CUDA-graph replay) with every cache holding ~`length` tokens,
     and the tokens held; the means of both over the residual's cycle (`residual_points`) where it
     cycles. A flush step is timed with every residual one token short of full."""
-    points = [gen.layers[0].config.residual_len] if flush else residual_points(gen, length)
+    points = [quantized_layer(gen).config.residual_len] if flush else residual_points(gen, length)
     medians, totals = [], []
     for held in points:
         graph, total = graph_for(gen, length, held, flush)
@@ -214,14 +229,10 @@ def bytes_bound_tok_s(method: str, batch: int, weight_bytes: int, gbps: float, n
     generation reads the weights and the cache it holds (`pnmix.bits.kv_cache_bytes` at its length)
     once, at the copy bandwidth `gbps`, and does nothing else. Its ratio between two methods is
     what their memory footprints allow, whatever the kernels."""
-    from pnmix.bits import kv_cache_bytes
     from pnmix.config import preset
-    from pnmix.models import model_shape
 
-    shape = model_shape("qwen3-8b-shape")
     config = EXTRA[method] if method in EXTRA else preset(method)  # fp16 is a preset here (16-bit K/V)
-    step_bytes = sum(weight_bytes + kv_cache_bytes(config, shape, batch, length).total
-                     for length in range(PROMPT + 1, PROMPT + n_new + 1))
+    step_bytes = sum(weight_bytes + kv_bytes(config, batch, length) for length in range(PROMPT + 1, PROMPT + n_new + 1))
     return batch * n_new / (step_bytes / (gbps * 1e9))
 
 
@@ -278,16 +289,12 @@ def largest_batch(model: Any, method: str, batches: tuple[int, ...], res: dict) 
 def part_max_batch(model: Any, res: dict) -> None:
     """(b) alone, coarse steps then bisection: fp16, pnmix-paper and the --config ones, with the KV bytes
     a sequence holds at 8K (formula) beside each."""
-    from pnmix.bits import kv_cache_bytes
-    from pnmix.models import model_shape
-
-    shape = model_shape("qwen3-8b-shape")
     res.setdefault("max_batch_configs", {})
     for method in ("fp16", "pnmix-paper", *EXTRA):
         arg = method_arg(method)
         if arg != "fp16":
             res["max_batch_configs"][method] = {"config": arg.to_dict(),
-                                                "bytes_8k": kv_cache_bytes(arg, shape, 1, PROMPT + 8192).total}
+                                                "bytes_8k": kv_bytes(arg, 1, PROMPT + 8192)}
         if method in res.get("max_batch", {}):  # measured by the run that --merge extends
             continue
         if method == "fp16":
@@ -335,7 +342,7 @@ def part_layerwise(model: Any, res: dict) -> None:
     from pnmix.layerwise import LayerwiseConfig
     from pnmix.models import model_shape
 
-    shape = model_shape("qwen3-8b-shape")
+    shape = model_shape(MODEL)
     rows = res.setdefault("layerwise", [])
     for name, config in list(EXTRA.items()):
         if not isinstance(config, LayerwiseConfig):
@@ -675,11 +682,13 @@ def main() -> None:
                     help="--part maxbatch, throughput, layerwise: a config JSON (single or layer-wise) to "
                          "measure beside the presets")
     ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
+    ap.add_argument("--model", default=MODEL, help="a shape model: qwen3-8b-shape, llama3-8b-shape, gemma3-12b-shape")
     args = ap.parse_args()
     from pnmix.layerwise import load_config
 
-    global COMPILE, RESULTS
+    global COMPILE, RESULTS, MODEL
     COMPILE = not args.no_compile
+    MODEL = args.model
     for item in args.config:
         name, _, file = item.partition("=")
         EXTRA[name] = load_config(Path(file).read_text())
@@ -708,9 +717,9 @@ def main() -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(BUDGET_BYTES / total)
         res["budget_bytes"] = BUDGET_BYTES
-        model = models.load("qwen3-8b-shape", purpose="performance", dtype=torch.bfloat16, device="cuda").model
-        res["weight_bytes"] = sum(p.nbytes for p in model.parameters())
-        log(f"qwen3-8b-shape weights {res['weight_bytes'] / 2**30:.2f} GiB; budget {BUDGET_BYTES / 2**30:.0f} GiB")
+        model = models.load(MODEL, purpose="performance", dtype=torch.bfloat16, device="cuda").model
+        res["model"], res["weight_bytes"] = MODEL, sum(p.nbytes for p in model.parameters())
+        log(f"{MODEL} weights {res['weight_bytes'] / 2**30:.2f} GiB; budget {BUDGET_BYTES / 2**30:.0f} GiB")
         # maxbatch before throughput: the --config ones' throughput needs their largest batch
         for part, fn in (("memory", part_memory), ("maxbatch", part_max_batch), ("throughput", part_throughput),
                          ("latency", part_latency), ("hf", part_hf), ("profile", part_profile),
