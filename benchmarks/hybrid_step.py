@@ -1,10 +1,12 @@
-"""The scoring engine's dynamic decode step on a hybrid model against a full-attention one.
+"""The scoring engine's decode step on a hybrid model against a full-attention one.
 
 Gemma 3 270M's shape (18 layers, 4 query heads, 1 KV head, head_dim 256, window 512; random bf16
-weights: performance only) decodes a batch on the batched dynamic cache (`pnmix.cache`'s
-`BatchWindowLayer` for each sliding layer), against the same shape with every layer full attention,
-which holds at least the hybrid's bytes. The step is the difference of two decodes of different
-lengths over the number of extra steps, so the prefill and the cache's construction cancel.
+weights: performance only) decodes a batch through `ScoringEngine.greedy`, against the same shape
+with every layer full attention, which holds at least the hybrid's bytes; on two paths: the batched
+dynamic cache (`pnmix.cache`'s `BatchWindowLayer` for each sliding layer) and the static CUDA-graph
+path (`pnmix.static`'s `StaticWindowLayer` rings), what a trial on the GPU runs. The step is the
+difference of two decodes of different lengths over the number of extra steps, so the prefill and
+the cache's construction cancel.
 
     python -P benchmarks/hybrid_step.py --batch 32 --prompt 1024 [--config fp16]
 """
@@ -59,17 +61,21 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--config", default="fp16", help="a preset (fp16, pnmix-paper, kivi2, ...)")
     args = ap.parse_args()
-    cost.static_path_of = lambda *a, **k: None  # both on the dynamic cache: the step under test
+    static_path_of = cost.static_path_of
     short, long = 17, 81
-    rows = []
+    ms: dict[tuple[str, bool], float] = {}
     for hybrid in (True, False):
         model = model_of(hybrid)
-        rows.append((hybrid, step_ms(model, args.config, args.batch, args.prompt, short, long)))
+        for path in ("dynamic", "static"):
+            cost.static_path_of = static_path_of if path == "static" else (lambda *a, **k: None)
+            ms[path, hybrid] = step_ms(model, args.config, args.batch, args.prompt, short, long)
         del model
         torch.cuda.empty_cache()
-    (_, hyb), (_, full) = rows
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch}, prompt {args.prompt}, "
-          f"{args.config}: hybrid {hyb:.1f} ms a step, all full attention {full:.1f} ms, ratio {hyb / full:.2f}")
+          f"{args.config}")
+    for path in ("dynamic", "static"):
+        hyb, full = ms[path, True], ms[path, False]
+        print(f"  {path}: hybrid {hyb:.1f} ms a step, all full attention {full:.1f} ms, ratio {hyb / full:.2f}")
 
 
 if __name__ == "__main__":
