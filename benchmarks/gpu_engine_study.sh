@@ -18,7 +18,10 @@
 # SmolLM2 runs on the image's transformers (5.17), Gemma 3 on 5.25 (tf525/ before base/ on the path).
 # What must survive between calls lives under /tmp/pnmix-engine; OUT (default out/engine_study) gets
 # the study's JSON, table, plot and log at the end of every call. PROFILE (full), TRIALS (6),
-# PNMIX_TRIALS (3), BUDGETS and DEADLINE_S (540) as engine_study.py takes them. OUT also gets the
+# PNMIX_TRIALS (3), BUDGETS and DEADLINE_S (540) as engine_study.py takes them. MODELS (pack: the
+# models whose GGUF the stream carries, in order; default "gemma3-270m smollm2-135m") and SCRIPT
+# (run: a command run instead of the engine study, with MODEL's packages and GGUF paths set, e.g.
+# `STUDY=/tmp/alloc PARTS=key,compare SEEDS=0,1,2 MAXBATCH= benchmarks/gpu_allocation.sh`). OUT also gets the
 # campaigns' database and the other scores, so that a study cut off with its machine resumes on the
 # next one: RESUME=DIR (a carried copy of those files) seeds a machine that has no study of MODEL.
 set -uo pipefail
@@ -26,7 +29,8 @@ KEEP=/tmp/pnmix-engine
 case "${STEP:-run}" in
 pack)
   [ -d .whl ] && [ -f .model/sha256 ] || { echo "needs .whl/ (the wheels the GPU image lacks) and .model/ (the SmolLM2 GGUF in parts, with its sha256)"; exit 1; }
-  gemma=${GEMMA_GGUF:?GEMMA_GGUF=the Gemma 3 270M .gguf file}
+  models=${MODELS:-gemma3-270m smollm2-135m}  # in the stream's order
+  case " $models " in *" gemma3-270m "*) gemma=${GEMMA_GGUF:?GEMMA_GGUF=the Gemma 3 270M .gguf file} ;; esac
   stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
   mkdir -p "$stage/base" "$stage/tf525"
   cp .whl/*.whl "$stage/base/"
@@ -39,10 +43,16 @@ pack)
   for w in transformers huggingface_hub tokenizers safetensors kernels hf_xet httpx2 httpcore2 click tomlkit \
     truststore regex; do mv "$stage"/dl/"$w"-*.whl "$stage/tf525/"; done
   rm -rf "$stage/dl"
-  cp "$gemma" "$stage/gemma3-270m.gguf"
-  (cd "$stage" && sha256sum base/* tf525/* gemma3-270m.gguf smollm2-135m.gguf) > "$stage/manifest"
+  members="base"
+  for m in $models; do
+    [ "$m" = gemma3-270m ] && { cp "$gemma" "$stage/gemma3-270m.gguf"; members="$members tf525"; }
+    members="$members $m.gguf"
+  done
+  # shellcheck disable=SC2086
+  (cd "$stage" && find $members -type f | xargs sha256sum) > "$stage/manifest"
   rm -rf .carry && mkdir -p .carry && mv "$stage/manifest" .carry/
-  (cd "$stage" && tar cf - base tf525 gemma3-270m.gguf smollm2-135m.gguf) | split -b 57M -a 1 - .carry/part.
+  # shellcheck disable=SC2086
+  (cd "$stage" && tar cf - $members) | split -b 57M -a 1 - .carry/part.
   ls -la .carry ;;
 run)
   mkdir -p "$KEEP/parts" "$KEEP/files" "$KEEP/out"
@@ -68,6 +78,10 @@ run)
   [ "$MODEL" = gemma3-270m ] && path=$KEEP/site-pnw:$KEEP/site-tf525:$KEEP/site-base
   export PYTHONPATH=$path PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PNMIX_CACHE_DIR=$KEEP/cache
   export PNMIX_SMOLLM2_GGUF=$KEEP/files/smollm2-135m.gguf PNMIX_GEMMA3_GGUF=$KEEP/files/gemma3-270m.gguf
+  if [ -n "${SCRIPT:-}" ]; then  # another study on what the stream installed (MODEL's packages on the path)
+    bash -c "$SCRIPT"
+    exit $?
+  fi
   OUT=${OUT:-out/engine_study}
   mkdir -p "$OUT"
   # a study begun on another machine: its campaigns' database and scores, as an earlier call's OUT held them
