@@ -682,7 +682,8 @@ def main() -> None:
                     help="--part maxbatch, throughput, layerwise: a config JSON (single or layer-wise) to "
                          "measure beside the presets")
     ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
-    ap.add_argument("--model", default="qwen3-8b-shape", help="a shape model: qwen3-8b-shape, llama3-8b-shape, gemma3-12b-shape")
+    ap.add_argument("--model", default="qwen3-8b-shape",
+                    help="a shape model: qwen3-8b-shape, llama3-8b-shape, gemma3-12b-shape")
     args = ap.parse_args()
     from pnmix.layerwise import load_config
 
