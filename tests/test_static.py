@@ -179,15 +179,17 @@ def test_static_tokens_equal_generate_embedded(embedded):
         assert until_eos(got, eos) == until_eos(want, eos), f"{method} differs"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("method", ["fp16", SMALL], ids=["fp16", "pnmix"])
-def test_compiled_step_equals_eager_step(method):
+def test_compiled_step_equals_eager_step(method, family):
     """The step under torch.compile (whole graph, the attention operator opaque; the aot_eager
     backend: Dynamo's capture and AOT tracing without Inductor's code generation) gives the eager
     step's tokens, with flush steps and sinks filled during decode, for a first and a second batch
-    size (the second compiles with a symbolic batch)."""
+    size (the second compiles with a symbolic batch); gemma3: window rings and a RoPE table per
+    layer kind inside the compiled step."""
     import torch._dynamo
 
-    model = tiny_model("qwen3")
+    model = tiny_gemma3(window=8, vocab_size=4096) if family == "gemma3" else tiny_model("qwen3")
     ids, mask = batch_of_three(model.config.vocab_size, seed=5)
     torch._dynamo.reset()
     for rows in (slice(0, 3), slice(1, 3)):
