@@ -21,14 +21,20 @@ from pnmix.cache import LayerStep, StaticStep
 ATTENTION_NAME = "pnmix"
 
 
-def real_token_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """bool [B, T]: the prefill columns that hold real tokens (left padding is False).
+def real_token_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device: torch.device,
+                    sliding: bool = False) -> torch.Tensor:
+    """bool [B, T]: the prefill columns that hold real tokens (padding is False).
 
-    The last query row of a causal, left-padded prefill mask sees exactly the real tokens.
+    The last query row of a causal, padded prefill mask sees exactly the real tokens; under a
+    sliding-window mask (`sliding`) it sees the last window only, so there a column is real where
+    its own row sees it (the diagonal: a padding column is hidden from every row).
     """
     if attention_mask is None:
         return torch.ones((batch, length), dtype=torch.bool, device=device)
-    last_row = attention_mask[:, 0, -1, -length:]
+    if sliding:
+        last_row = torch.diagonal(attention_mask[:, 0, -length:, -length:], dim1=-2, dim2=-1)
+    else:
+        last_row = attention_mask[:, 0, -1, -length:]
     if last_row.dtype == torch.bool:
         return last_row
     return last_row == 0  # additive float mask: 0 where attended, -inf (or min) elsewhere
@@ -56,7 +62,8 @@ def pnmix_attention(
         out, _ = sdpa_attention_forward(module, query, key.keys, key.values, attention_mask, dropout=0.0,
                                         scaling=scaling, **kwargs)
         b, _, t, _ = key.keys.shape
-        layer.prefill(query, key.keys, key.values, real_token_mask(attention_mask, b, t, query.device))
+        sliding = kwargs.get("sliding_window") is not None  # a sliding-window layer of a hybrid model
+        layer.prefill(query, key.keys, key.values, real_token_mask(attention_mask, b, t, query.device, sliding))
         return out, None
     layer.append(key.keys, key.values)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -14,8 +14,10 @@ and `n_sink` fp16 sink tokens in front of them.
 A layer-wise config's key bits are the mean of its layers' totals (every layer holds as many key
 elements). A model with sliding-window layers (Gemma 3) holds, at T = T_q + n_sink tokens, T in
 each full-attention layer and min(T, window - 1) in each sliding one (what transformers' sliding
-layer keeps between steps), in the model's dtype (16 bits): its figures are averages weighted by
-the elements each layer holds (`held_tokens`, `weighted_key_bits`). Values, counted the same way
+layer keeps between steps), in the model's dtype (16 bits) unless the config quantizes that window
+(`LayerwiseConfig.windows`): then at its layer's config's figure over the tokens it holds, the sinks
+counted only while the window still holds them (`window_config`). Its figures are averages weighted
+by the elements each layer holds (`held_tokens`, `weighted_key_bits`). Values, counted the same way
 (fp16 sinks in, the residual out):
 
     value    = (T_q * (b_V + 2 * 16 / G_V) + n_sink * 16) / (T_q + n_sink)     (16 when unquantized)
@@ -175,20 +177,37 @@ def weighted_key_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, he
         return mean_key_bits(config, n, head_dim, quantized_tokens) if metadata else math.fsum(
             b.key_bits for b in key_bits_by_layer(config, n, head_dim, quantized_tokens)) / n
 
-    def bits(c: PNMixConfig) -> float:
-        b = key_bits(c, head_dim, quantized_tokens)
+    def bits(c: PNMixConfig, t_q: int) -> float:
+        b = key_bits(c, head_dim, t_q)
         return b.total if metadata else b.key_bits
 
     return _weighted(config, plan, quantized_tokens, bits)
 
 
 def _weighted(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, quantized_tokens: int,
-              bits: Callable[[PNMixConfig], float]) -> float:
-    """sum(held * bits) / sum(held) over the layers, a sliding-window layer at 16 bits."""
-    configs = as_layerwise(config).per_layer(len(plan.kinds))
-    held = plan.held(quantized_tokens + configs[0].n_sink)
-    return math.fsum(t * (bits(c) if k == FULL else FP16_BITS)
-                     for t, c, k in zip(held, configs, plan.kinds, strict=True)) / sum(held)
+              bits: Callable[[PNMixConfig, int], float]) -> float:
+    """sum(held * bits) / sum(held) over the layers: a full-attention layer at `bits(config,
+    quantized_tokens)`, a quantized window at `bits` of its `window_config`, another window at 16."""
+    lw = as_layerwise(config)
+    seen = quantized_tokens + lw.default.n_sink
+    held = plan.held(seen)
+    total = 0.0
+    for t, c, kind in zip(held, lw.held_configs(plan.kinds), plan.kinds, strict=True):
+        if c is None:
+            total += t * FP16_BITS
+        elif kind == FULL:
+            total += t * bits(c, quantized_tokens)
+        else:
+            w = window_config(c, t, seen)
+            total += t * bits(w, t - w.n_sink)
+    return total / sum(held)
+
+
+def window_config(config: PNMixConfig, held: int, seen: int) -> PNMixConfig:
+    """A quantized window's config as it stands after `seen` tokens, of which it holds the last
+    `held`: its sinks (the sequence's first tokens) only those the window has not yet dropped."""
+    sinks = max(0, min(config.n_sink, seen) - (seen - held))
+    return config if sinks == config.n_sink else config.with_(n_sink=sinks)
 
 
 def weighted_kv_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, head_dim: int = 128,
@@ -198,7 +217,7 @@ def weighted_kv_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, hea
     if not plan.hybrid:
         return kv_bits(config, len(plan.kinds), head_dim, quantized_tokens)
     keys = weighted_key_bits(config, plan, head_dim, quantized_tokens)
-    return (keys + _weighted(config, plan, quantized_tokens, lambda c: value_bits_total(c, quantized_tokens))) / 2
+    return (keys + _weighted(config, plan, quantized_tokens, value_bits_total)) / 2
 
 
 def held_key_bits(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, head_dim: int, seq_len: int) -> float:
@@ -286,19 +305,28 @@ def kv_cache_bytes(config: PNMixConfig | LayerwiseConfig, shape: ModelShape, bat
 def layer_bytes(config: PNMixConfig | LayerwiseConfig, shape: ModelShape, batch: int, seq_len: int,
                 plan: LayerPlan | None = None) -> list[KVBytes]:
     """Each layer's cache bytes after `seq_len` tokens: a full-attention layer under its config, a
-    sliding-window one holding min(seq_len, window - 1) tokens in fp16 (in `residual`: it is never
-    quantized)."""
+    sliding-window one holding min(seq_len, window - 1) tokens: under its config where the config
+    quantizes that window (its sinks while it holds them, its groups laid out as after a prefill of
+    the tokens it holds), else in fp16 (in `residual`)."""
     one = ModelShape(1, shape.num_heads, shape.num_kv_heads, shape.head_dim)
     kinds = plan.kinds if plan is not None else (FULL,) * shape.num_layers
     held = held_tokens(kinds, plan.window if plan is not None else None, seq_len)
     out = []
-    for c, kind, tokens in zip(as_layerwise(config).per_layer(shape.num_layers), kinds, held, strict=True):
-        if kind == FULL:
+    for c, kind, tokens in zip(as_layerwise(config).held_configs(kinds), kinds, held, strict=True):
+        if kind == FULL and c is not None:
             out.append(_kv_bytes(c, one, batch, seq_len))
+        elif c is not None:
+            out.append(window_bytes(c, one, batch, tokens, seq_len))
         else:
             fp16 = shape.num_kv_heads * batch * tokens * shape.head_dim * 2 * 2
             out.append(KVBytes(0, 0, 0, 0, 0, 0, fp16, fp16, fp16))
     return out
+
+
+def window_bytes(config: PNMixConfig, shape: ModelShape, batch: int, held: int, seen: int) -> KVBytes:
+    """A quantized window's bytes after `seen` tokens, of which it holds the last `held`: its sinks
+    while it holds them (`window_config`), its groups laid out as after a prefill of `held` tokens."""
+    return _kv_bytes(window_config(config, held, seen), shape, batch, held)
 
 
 def _kv_bytes(config: PNMixConfig, shape: ModelShape, batch: int, seq_len: int) -> KVBytes:

@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from pnmix import backend, packing
+from pnmix.bits import ModelShape, window_bytes
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.families import FULL, check_model, plan_of_config
 from pnmix.layerwise import LayerwiseConfig, as_layerwise
@@ -81,14 +82,15 @@ class Flushed:
 
 
 def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor, lengths: list[int],
-                scaling: float, flushed: list[Flushed] | None = None) -> torch.Tensor:
+                scaling: float, flushed: list[Flushed] | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of the newest q_len tokens of every sequence over a token-ordered view (causal).
 
     query [B, Hq, q_len, d]; view_k/view_v [B, H_kv, >= max(lengths), d], sequence b's tokens in
     its first lengths[b] slots -> [B, q_len, Hq, d]. The torch path of both the dynamic cache and
     the static one (pnmix/static.py) attend here, so given the same view they agree bit for bit.
     `flushed`: blocks this step quantized; queries before a block's flush see its unquantized
-    copy (appended as extra key slots) instead of the view's quantized one.
+    copy (appended as extra key slots) instead of the view's quantized one. `window`: a query at
+    position q sees positions > q - window only (transformers' sliding mask).
     """
     q_len = query.shape[2]
     length = int(max(lengths))
@@ -99,8 +101,10 @@ def attend_view(query: torch.Tensor, view_k: torch.Tensor, view_v: torch.Tensor,
     pos = torch.arange(length, device=dev)
     q_pos = (lens[:, None] - q_len + torch.arange(q_len, device=dev))  # [B, q_len]
     mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]: causal, ends at each length
+    if window is not None:
+        mask = mask & (pos[None, None, :] > q_pos[:, :, None] - window)
     if flushed:
-        k, v, mask = _with_flushed(k, v, mask, q_pos, flushed)
+        k, v, mask = _with_flushed(k, v, mask, q_pos, flushed, window)
     return masked_attention(query, k, v, mask, scaling)
 
 
@@ -119,7 +123,7 @@ def masked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 def _with_flushed(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: torch.Tensor,
-                  flushed: list[Flushed]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  flushed: list[Flushed], window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The view's keys/values and mask [B, q_len, L] extended by the flushed blocks' copies.
 
     A query at position q sees a block's view slots (its quantized tokens) only from the block's
@@ -156,6 +160,8 @@ def _with_flushed(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_pos: t
     slot_until[row_t, slot_t] = until_t
     q = q_pos[:, :, None]  # [B, q_len, 1]
     extra = (slot_token[:, None, :] <= q) & (q < slot_until[:, None, :])
+    if window is not None:
+        extra = extra & (slot_token[:, None, :] > q - window)
     # Per view slot: the first query that sees it (its block's flush; -1 for slots of no flushed block).
     view_from = torch.full((b, length), -1, dtype=torch.long, device=dev)
     view_from[row_t, token_t] = until_t  # every flushed token is held, so inside the view
@@ -193,11 +199,16 @@ class SeenTokensLayer(CacheLayerMixin):
 class PNMixLayer(SeenTokensLayer):
     is_croppable = False
 
-    def __init__(self, config: PNMixConfig, pairing: Pairing, layer_idx: int) -> None:
+    def __init__(self, config: PNMixConfig, pairing: Pairing, layer_idx: int, window: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.pairing = pairing
         self.layer_idx = layer_idx
+        # A sliding-window layer whose window the config quantizes: every token is stored as a
+        # full-attention layer stores it, and a query attends over the last `window` positions
+        # only (transformers' sliding mask), so it sees exactly what a store that drops older
+        # tokens, whole groups at a time, would still hold. `nbytes` counts what such a store holds.
+        self.window = window
         self.seen = 0  # tokens processed, left padding included: what the model's masks count
         self.prefilled = False
         self.multi_token = False  # set by PNMixCache(multi_token=True)
@@ -228,7 +239,7 @@ class PNMixLayer(SeenTokensLayer):
         self.view_v = torch.zeros_like(self.view_k)
         self.flushed: list[Flushed] = []
         # [triton] Kernel path (pnmix/backend.py): pack and attend with kernels/, keep no dequantized view.
-        self.use_kernels = backend.use_triton(dev, cfg, d)
+        self.use_kernels = self.window is None and backend.use_triton(dev, cfg, d)  # no window in the kernels
         # The kernel path keeps no view, unless the cache serves multi-token steps (teacher forcing).
         self.keep_view = not self.use_kernels or self.multi_token
         self.channel_order: torch.Tensor | None = None  # [triton] set at prefill, from the salient set
@@ -616,7 +627,7 @@ class PNMixLayer(SeenTokensLayer):
         # [triton] Without a kept view (kernel path, several query tokens), rebuild it from the bytes.
         view_k, view_v = (self.view_k, self.view_v) if self.keep_view else backend.dequantized_view(self)
         flushed, self.flushed = self.flushed, []
-        return attend_view(query, view_k, view_v, self.lengths, scaling, flushed)
+        return attend_view(query, view_k, view_v, self.lengths, scaling, flushed, self.window)
 
     # -- accounting --------------------------------------------------------------------------------
 
@@ -624,6 +635,8 @@ class PNMixLayer(SeenTokensLayer):
         """Bytes of every tensor this layer holds in the storage format, by region."""
         if not self.is_initialized:
             return dict.fromkeys(REGIONS, 0)
+        if self.window is not None:
+            return self._window_bytes()
         p = self.packed
 
         def size(*names: str) -> int:
@@ -639,6 +652,19 @@ class PNMixLayer(SeenTokensLayer):
             "residual": self._residual_bytes(),
             "window": 0,  # a full-attention layer: every token held, none dropped by a window
         }
+
+    def _window_bytes(self) -> dict[str, int]:
+        """What a store of each sequence's last window - 1 tokens holds (`pnmix.bits.window_config`:
+        sinks while held, groups as after a prefill of those tokens), by region."""
+        one = ModelShape(1, self.kv_heads, self.kv_heads, self.head_dim)
+        out = dict.fromkeys(REGIONS, 0)
+        for n in self.lengths:
+            held = min(n, self.window - 1)  # type: ignore[operator]
+            if held:
+                regions = window_bytes(self.config, one, 1, held, n).as_dict()
+                for r in REGIONS:
+                    out[r] += regions.get(r, 0)
+        return out
 
     def _residual_bytes(self) -> int:
         if self.flushes:  # a fixed buffer of residual_len tokens (a chunk more after a multi-token step)
@@ -665,10 +691,12 @@ class PNMixCache(Cache):
         # The shared fields (G, residual, sinks, values) are the default's: the static path reads them here.
         self.pnmix_config = layerwise.default
         self.layerwise = layerwise
-        per_layer = layerwise.per_layer(model_config.get_text_config(decoder=True).num_hidden_layers)
         self.plan = plan_of_config(model_config)  # what each layer holds: read once, here
-        layers: list[Any] = [PNMixLayer(cfg, pairing, i) if kind == FULL else WindowLayer(self.plan.window or 0)
-                             for i, (cfg, kind) in enumerate(zip(per_layer, self.plan.kinds, strict=True))]
+        held = layerwise.held_configs(self.plan.kinds)  # None: a window in the model's dtype
+        layers: list[Any] = [
+            WindowLayer(self.plan.window or 0) if cfg is None
+            else PNMixLayer(cfg, pairing, i, None if kind == FULL else self.plan.window)
+            for i, (cfg, kind) in enumerate(zip(held, self.plan.kinds, strict=True))]
         for layer in layers:
             layer.multi_token = multi_token
         super().__init__(layers=layers)

@@ -109,10 +109,20 @@ def check_model(model_config: Any, config: AnyConfig) -> tuple[Pairing, int]:
     if isinstance(config, LayerwiseConfig):
         config.per_layer(shape.num_layers)
         kinds = layer_kinds(model_config)
-        windowed = [i for i in config.named_layers(shape.num_layers) if kinds[i] == SLIDING]
-        if windowed:
+        sliding = [i for i, kind in enumerate(kinds) if kind == SLIDING]
+        not_sliding = [i for i in config.windows if kinds[i] != SLIDING]
+        if not_sliding:
+            raise ConfigError("windows", ",".join(map(str, not_sliding)),
+                              f"sliding-window layers ({_layers(sliding)})")
+        unquantized = [i for i in config.named_layers(shape.num_layers)
+                       if kinds[i] == SLIDING and i not in config.windows]
+        if unquantized:
             full = [i for i, kind in enumerate(kinds) if kind == FULL]
-            raise ConfigError("layers", ",".join(map(str, windowed)),
-                              f"full-attention layers ({', '.join(map(str, full))}): a sliding-window layer "
-                              "keeps its window in the model's dtype")
+            raise ConfigError("layers", ",".join(map(str, unquantized)),
+                              f"full-attention layers ({_layers(full)}) or sliding-window layers that \"windows\" "
+                              "lists: a window it does not list stays in the model's dtype")
     return pairing, shape.head_dim
+
+
+def _layers(indices: list[int]) -> str:
+    return ", ".join(map(str, indices)) if indices else "none"

@@ -16,15 +16,22 @@ JSON form (`LayerwiseConfig.from_json`), ranges inclusive and counted from 0:
 A layer no range names takes the default. Ranges may not overlap; a range past the model's last
 layer is refused when the config meets the model (`per_layer`). Every error is one line that
 names the layer range and what is allowed.
+
+On a model with sliding-window layers (Gemma 3), a window stays in the model's dtype unless
+`"windows"` lists its layer: `"windows": [0, 1, 2]` quantizes those windows, each under its
+layer's config (the default or a range's), keeping the window's semantics (its last window - 1
+tokens). Without the key (every config written before windows could be quantized) no window is.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pnmix.config import ConfigError, PNMixConfig, unique_keys, utf8_text
+from pnmix.names import FULL
 
 LAYER_FIELDS = ("b_high", "b_low", "salient_ratio", "value_bits", "value_group_size")
 VALUE_FIELDS = ("value_bits", "value_group_size")
@@ -67,10 +74,18 @@ class LayerRange:
 class LayerwiseConfig:
     default: PNMixConfig
     ranges: tuple[LayerRange, ...] = ()
+    windows: tuple[int, ...] = ()  # the sliding-window layers whose windows are quantized
 
     def __post_init__(self) -> None:
         if not isinstance(self.default, PNMixConfig):
             raise ConfigError("default", type(self.default).__name__, "a PNMixConfig")
+        allowed = "a list of the sliding-window layers to quantize, each once, counted from 0"
+        if not isinstance(self.windows, tuple | list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 10**6 for i in self.windows):
+            raise ConfigError("windows", self.windows, allowed)
+        if len(set(self.windows)) != len(self.windows):
+            raise ConfigError("windows", list(self.windows), allowed)
+        object.__setattr__(self, "windows", tuple(sorted(self.windows)))
         spans = sorted(self.ranges, key=lambda r: r.first)
         # One spelling per config: ranges in layer order, whatever order the JSON listed them in
         # (`to_json` sorts its keys as text, "10" before "2").
@@ -109,7 +124,15 @@ class LayerwiseConfig:
             if r.last >= num_layers:
                 raise ConfigError(f"layers {r.name}", r.last,
                                   f"layers 0-{num_layers - 1} (the model has {num_layers})")
+        if self.windows and self.windows[-1] >= num_layers:
+            raise ConfigError("windows", self.windows[-1], f"layers 0-{num_layers - 1} (the model has {num_layers})")
         return [self.for_layer(i) for i in range(num_layers)]
+
+    def held_configs(self, kinds: Sequence[str]) -> list[PNMixConfig | None]:
+        """What each layer of a model whose layers are of `kinds` stores: its config, or None for a
+        sliding-window layer whose window stays in the model's dtype (one `windows` does not list)."""
+        return [c if kind == FULL or i in self.windows else None
+                for i, (c, kind) in enumerate(zip(self.per_layer(len(kinds)), kinds, strict=True))]
 
     # -- what every layer shares, read as on a single config (the cache, the static path and the
     # scoring engine ask these of either form) --------------------------------------------------
@@ -154,8 +177,9 @@ class LayerwiseConfig:
 
     @property
     def uniform(self) -> bool:
-        """Whether every layer has the default's config (no range changes anything)."""
-        return all(self._layer_config(r) == self.default for r in self.ranges)
+        """Whether every layer has the default's config (no range changes anything) and no window is
+        quantized."""
+        return not self.windows and all(self._layer_config(r) == self.default for r in self.ranges)
 
     @property
     def label(self) -> str:
@@ -175,13 +199,15 @@ class LayerwiseConfig:
             same = (c.value_bits, c.value_group_size) == (self.default.value_bits, self.default.value_group_size)
             values = "" if same else f" V{c.value_bits}/{c.value_group_size}"
             parts.append(f"{at} {c.b_high}/{c.b_low} r{c.salient_ratio:g}{values}")
+        if self.windows:
+            parts.append(f"{len(self.windows)} windows quantized")
         return "; ".join(parts)
 
     @classmethod
-    def from_layers(cls, configs: list[PNMixConfig]) -> LayerwiseConfig:
+    def from_layers(cls, configs: list[PNMixConfig], windows: Sequence[int] = ()) -> LayerwiseConfig:
         """The compact form of one config per layer: the most common config is the default, and
         each run of consecutive layers that differs from it is a range. The configs must agree on
-        every shared field."""
+        every shared field. `windows`: the sliding-window layers quantized."""
         if not configs:
             raise ConfigError("layers", "[]", "at least one layer's config")
         default = max(dict.fromkeys(configs), key=configs.count)  # the most common; the first of equals
@@ -198,13 +224,16 @@ class LayerwiseConfig:
                                                                     "sinks, criterion)")
                 ranges.append(LayerRange(start, i - 1, tuple(sorted(changes.items()))))
             start = i
-        return cls(default, tuple(ranges))
+        return cls(default, tuple(ranges), tuple(windows))
 
     # -- serialisation -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"default": self.default.to_dict(),
-                "layers": {r.name: dict(r.changes) for r in sorted(self.ranges, key=lambda r: r.first)}}
+        out: dict[str, Any] = {"default": self.default.to_dict(),
+                               "layers": {r.name: dict(r.changes) for r in sorted(self.ranges, key=lambda r: r.first)}}
+        if self.windows:  # absent otherwise: a config without quantized windows keeps its one spelling
+            out["windows"] = list(self.windows)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -213,14 +242,17 @@ class LayerwiseConfig:
     def from_dict(cls, data: Any) -> LayerwiseConfig:
         if not isinstance(data, dict) or "default" not in data:
             raise ConfigError("config", type(data).__name__, 'a JSON object {"default": {...}, "layers": {...}}')
-        unknown = sorted(set(data) - {"default", "layers"})
+        unknown = sorted(set(data) - {"default", "layers", "windows"})
         if unknown:
-            raise ConfigError(unknown[0], data[unknown[0]], "default, layers")
+            raise ConfigError(unknown[0], data[unknown[0]], "default, layers, windows")
         layers = data.get("layers") or {}
         if not isinstance(layers, dict):
             raise ConfigError("layers", type(layers).__name__, 'a JSON object {"A-B": {field: value}}')
+        windows = data.get("windows", [])
+        if not isinstance(windows, list):
+            raise ConfigError("windows", windows, "a list of the sliding-window layers to quantize, counted from 0")
         return cls(PNMixConfig.from_dict(data["default"]),
-                   tuple(LayerRange.parse(k, v) for k, v in layers.items()))
+                   tuple(LayerRange.parse(k, v) for k, v in layers.items()), tuple(windows))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LayerwiseConfig:

@@ -399,6 +399,10 @@ def method_config(method: str | PNMixConfig | LayerwiseConfig) -> LayerwiseConfi
     if not (layerwise.keys_quantized and layerwise.values_quantized):
         raise ConfigError("method", method.to_dict(), "'fp16' or a config with quantized keys and values in "
                                                       "every layer (the static path has no mixed mode)")
+    if layerwise.windows:
+        raise ConfigError("windows", list(layerwise.windows),
+                          "none on the static path, whose windows stay in the model's dtype (quantized windows "
+                          "decode on the dynamic cache)")
     return layerwise
 
 
@@ -644,6 +648,8 @@ def static_method(config: AnyConfig, device: torch.device, head_dim: int) -> str
     """What the static path runs for `config` on `device`: "fp16" (nothing quantized), the config
     (keys and values quantized, decode kernels available), or None (not covered: mixed configs,
     or a quantized config whose attention would take the torch path, which syncs with the host)."""
+    if isinstance(config, LayerwiseConfig) and config.windows:
+        return None  # its rings hold windows in the model's dtype only
     if not (config.keys_quantized or config.values_quantized):
         return "fp16"
     if backend.use_triton(device, config, head_dim):  # the kernels need both keys and values quantized

@@ -70,7 +70,10 @@ def test_quantized_full_layers_beside_exact_windows():
     assert regions["packed_keys"] > 0 and cache.nbytes()["total"] == sum(regions.values())
 
 
-@pytest.mark.parametrize("config", [preset("fp16"), SMALL], ids=["fp16", "small"])
+WINDOWS = LayerwiseConfig(SMALL, windows=(0, 1, 2, 3, 4))  # every window quantized too
+
+
+@pytest.mark.parametrize("config", [preset("fp16"), SMALL, WINDOWS], ids=["fp16", "small", "windows"])
 def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config, monkeypatch):
     """The scoring engine's batch (sequences of different lengths, each sliding layer a
     `BatchWindowLayer` built from the recorded prefill) gives every sequence the tokens `generate`
@@ -96,7 +99,7 @@ def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config, monk
         want, _ = generate(model, ids, config, max_new_tokens=new, min_new_tokens=new)
         assert torch.equal(got[row], want[0]), row
     kinds = [type(layer) for layer in build_cache(model, config, states).layers]
-    assert kinds == [BatchWindowLayer] * 5 + [PNMixLayer]
+    assert kinds == [PNMixLayer if config == WINDOWS else BatchWindowLayer] * 5 + [PNMixLayer]
     # Teacher forcing: the whole continuation in one forward pass per batch, as the live replay token by token.
     trajs = [Trajectory(p[0].tolist(), got[i, :30].tolist(), torch.randn(30, model.config.vocab_size, generator=gen))
              for i, p in enumerate(prompts)]
@@ -112,8 +115,85 @@ def test_the_batched_engine_answers_a_hybrid_model_as_generate_does(config, monk
     full_fp16 = 2 * (COST_PROMPT_TOKENS + COST_NEW_TOKENS - 1) * 16 * 4
     if config == preset("fp16"):
         assert held == window + full_fp16
+    elif config == WINDOWS:  # each window as a store of its last 7 tokens holds them, in 16-bit words:
+        quantized = engine.measure_cost(SMALL)[0] - window  # fewer than a group: all in the residual,
+        assert held - quantized == 5 * (7 * 16 * 2 * 2 + 4 * 2)  # K and V; 4 salient pairs as int16
     else:
         assert window < held < window + full_fp16
+
+
+def test_quantized_windows_attend_over_their_last_window_of_stored_tokens():
+    """A quantized window stores its tokens as a full-attention layer does (sinks, groups, residual)
+    and a query sees the last `window` positions of them only: its attention equals a float64
+    softmax over exactly those dequantized positions; the windows' bytes are what a store of the
+    last window - 1 tokens holds; and the tokens are not the exact windows' ones."""
+    model = tiny_gemma3(window=WINDOW)
+    ids, mask = left_padded(model.config.vocab_size, seed=5)
+    new = 50  # past the residual's first flush in every window
+    got, cache = generate(model, ids, WINDOWS, attention_mask=mask, max_new_tokens=new)
+    exact, _ = generate(model, ids, SMALL, attention_mask=mask, max_new_tokens=new)
+    assert not torch.equal(got, exact)
+    layer = cache.layers[2]
+    assert isinstance(layer, PNMixLayer) and layer.window == WINDOW and min(layer.n_groups) >= 1
+    query = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(6))
+    out = layer.attend(query, 0.25)  # [B, 1, Hq, d]
+    for b, n in enumerate(layer.lengths):
+        k = layer.view_k[b, 0, n - WINDOW:n].double()  # the last WINDOW positions, the query's own included
+        v = layer.view_v[b, 0, n - WINDOW:n].double()
+        want = torch.softmax(query[b, :, 0].double() @ k.T * 0.25, dim=-1) @ v  # [Hq, d]
+        torch.testing.assert_close(out[b, 0].double(), want, rtol=1e-5, atol=1e-6)
+    # What each window holds: WINDOW - 1 tokens, no sinks left, fewer than a group of G = 32: all in
+    # the residual, counted in 16-bit words as the bit formula counts them (2 rows, K and V, d 16).
+    regions = layer.nbytes()
+    assert regions["sinks"] == regions["packed_keys"] == 0
+    assert regions["residual"] == 2 * 2 * (WINDOW - 1) * 16 * 2
+
+
+def test_quantized_windows_count_in_the_weighted_bits():
+    """A quantized window holds window - 1 tokens at its config's figure, no sinks once it has
+    dropped them: 2 payload bits (half the pairs at 3, half at 1), 1 bit of scales (2 fp16 per
+    channel per 32 tokens) and the salient mask's d/2 bits over 7 x d elements."""
+    plan = LayerPlan(("sliding_attention",) * 5 + ("full_attention",), WINDOW)
+    t_q = 1000
+    full = key_bits(SMALL, 16, t_q).total
+    window = 2 + 1 + 8 / (7 * 16)
+    want = (5 * 7 * window + (t_q + 4) * full) / (5 * 7 + t_q + 4)
+    assert weighted_key_bits(WINDOWS, plan, 16, t_q) == pytest.approx(want, rel=1e-12)
+    assert weighted_key_bits(WINDOWS, plan, 16, t_q) < weighted_key_bits(SMALL, plan, 16, t_q)
+    one = LayerwiseConfig(SMALL, windows=(3,))
+    assert weighted_key_bits(one, plan, 16, t_q) == pytest.approx(
+        (4 * 7 * 16 + 7 * window + (t_q + 4) * full) / (5 * 7 + t_q + 4), rel=1e-12)
+    # Before a window has dropped anything it holds the sinks as a full layer does.
+    young = LayerPlan(plan.kinds, 4096)
+    assert weighted_key_bits(WINDOWS, young, 16, t_q) == pytest.approx(full, rel=1e-12)
+
+
+def test_windows_in_a_config_are_checked_against_the_model_in_one_line():
+    model = tiny_gemma3(window=WINDOW)
+    with pytest.raises(ConfigError, match=r"invalid windows='5': allowed sliding-window layers \(0, 1, 2, 3, 4\)"):
+        PNMixCache(model.config, LayerwiseConfig(SMALL, windows=(4, 5)))
+    with pytest.raises(ConfigError, match=r"invalid windows='0': allowed sliding-window layers \(none\)"):
+        PNMixCache(tiny_model("llama").config, LayerwiseConfig(SMALL, windows=(0,)))
+    with pytest.raises(ConfigError, match="invalid windows=9: allowed layers 0-5"):
+        PNMixCache(model.config, LayerwiseConfig(SMALL, windows=(9,)))
+    for bad in ('"all"', "[1, 1]", "[-1]", "[true]"):
+        with pytest.raises(ConfigError, match="invalid windows="):
+            load_config('{"default": {}, "windows": ' + bad + "}")
+    # A range may set a quantized window's bits; JSON keeps the windows, and a config without
+    # any keeps the spelling it had before windows could be quantized.
+    text = ('{"default": {"group_size": 32, "n_sink": 4, "residual_len": 32, "value_group_size": 16}, '
+            '"layers": {"2": {"b_low": 2}}, "windows": [3, 2]}')
+    config = load_config(text)
+    assert config.windows == (2, 3) and load_config(config.to_json()) == config
+    assert [c is not None for c in config.held_configs(layer_kinds(model.config))] == [0, 0, 1, 1, 0, 1]
+    assert isinstance(PNMixCache(model.config, config).layers[2], PNMixLayer)
+    assert "windows" not in LayerwiseConfig(SMALL).to_dict() and as_layerwise(SMALL).uniform
+    assert not WINDOWS.uniform and "5 windows quantized" in WINDOWS.label
+    from pnmix.static import StaticGenerator, static_method
+
+    assert static_method(WINDOWS, torch.device("cpu"), 16) is None
+    with pytest.raises(ConfigError, match="invalid windows=.*none on the static path"):
+        StaticGenerator(model, WINDOWS, max_len=64)
 
 
 def test_bytes_weighted_key_bits_equal_a_hand_count_of_the_cache():
@@ -159,10 +239,10 @@ def test_layer_kinds_pn_mix_cannot_serve_are_refused_in_one_line():
     with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
         PNMixCache(capped.config, SMALL)
     model = tiny_gemma3(window=WINDOW)
-    # A layer-wise config that sets a sliding-window layer's bits cannot apply to it.
+    # A layer-wise config that sets the bits of a window it does not quantize cannot apply to it.
     sets_a_window = load_config('{"default": {"group_size": 32, "n_sink": 4, "residual_len": 32, '
                                 '"value_group_size": 16}, "layers": {"2": {"b_low": 2}}}')
-    with pytest.raises(ConfigError, match=r"invalid layers='2': allowed full-attention layers \(5\)"):
+    with pytest.raises(ConfigError, match=r"invalid layers='2': allowed full-attention layers \(5\) or sliding"):
         PNMixCache(model.config, sets_a_window)
     from types import SimpleNamespace
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pnmix.bits import LayerPlan
+from pnmix.bits import LayerPlan, ModelShape, window_bytes
 from pnmix.configs import Answer
 from pnmix.generation import cache_kwargs
 from pnmix.kv_formats import EFFECTIVE_BITS
@@ -171,12 +171,19 @@ def held_bytes(model: Any, plan: LayerPlan, config: AnyConfig, state: PrefillSta
     """The bytes `config`'s cache holds after the cost workload's new tokens. Every full-attention
     layer holds the same token counts, so one layer's appends give the bytes of every layer of its
     format (a layer-wise config: one layer per distinct format, times its count); a
-    sliding-window layer holds its last window - 1 tokens of keys and values in the model's dtype."""
+    sliding-window layer holds its last window - 1 tokens of keys and values, in the model's dtype
+    or, where the config quantizes that window, in its layer's format (`pnmix.bits.window_bytes`)."""
     per_layer = as_layerwise(config).per_layer(len(state.keys))
+    stored = as_layerwise(config).held_configs(plan.kinds)
     full = plan.full_layers
-    held = plan.held(state.length + COST_NEW_TOKENS - 1)
+    seen = state.length + COST_NEW_TOKENS - 1
+    held = plan.held(seen)
     h, _, d = state.keys[0].shape
-    kv_bytes = sum(2 * h * held[i] * d * state.keys[0].dtype.itemsize for i in range(len(held)) if i not in full)
+    kv_bytes = 0
+    for i in (i for i in range(len(held)) if i not in full):
+        c = stored[i]
+        kv_bytes += 2 * h * held[i] * d * state.keys[0].dtype.itemsize if c is None else \
+            window_bytes(c, ModelShape(1, h, h, d), 1, held[i], seen).total
     full_formats = [per_layer[i] for i in full]
     for fmt in dict.fromkeys(full_formats):
         layer = build_layer(model, fmt, [state], layer_idx=full[full_formats.index(fmt)])
