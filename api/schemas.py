@@ -139,6 +139,9 @@ class PointPublic(BaseModel):
     layers: dict[str, dict[str, int | float | str]] | None = Field(
         default=None, description='a layer-wise config\'s ranges over `config`, {"A-B": {field: value}} '
         '(LayerwiseConfig JSON "layers"); null: every layer has `config`')
+    windows: list[int] | None = Field(
+        default=None, description="the sliding-window layers whose windows the config quantizes, each under its "
+        "layer's config (LayerwiseConfig JSON \"windows\"); null: every window in the model's dtype")
     recipe: list[list[str]] | None = Field(
         default=None, description="the engine method's answer: each layer's [key format, value format] among bf16, "
         "fp8, nvfp4, q8_0, q4_0 (pnmix.recipes.EngineRecipe); null for a PN-Mix config")
@@ -148,7 +151,7 @@ class PointPublic(BaseModel):
     accuracy_parts: dict[str, float]
     key_bits: float = Field(description="key bits per element, the layers' mean (pnmix.bits.mean_key_bits, "
                             "T_q = 32768); on a model with sliding-window layers weighted by the elements each "
-                            "layer holds, the windows at 16 bits (pnmix.bits.weighted_key_bits)")
+                            "layer holds, a window at 16 bits unless `windows` quantizes it (pnmix.bits.weighted_key_bits)")
     kv_bits: float = Field(description="key and value bits per cached element (pnmix.bits.kv_bits; weighted "
                            "likewise, pnmix.bits.weighted_kv_bits)")
     budget_on: BitsOf = Field(description="the figure the campaign's budget constrained: key or kv bits")
@@ -167,7 +170,7 @@ class PointPublic(BaseModel):
         return cls(
             id=p.id, campaign_id=p.campaign_id, budget=p.budget, trial_number=p.trial_number,
             config=None if p.recipe is not None else ConfigPublic(**_default(p.config).to_dict()),
-            layers=p.layers or None, recipe=p.recipe["layers"] if p.recipe is not None else None, accuracy=p.accuracy,
+            layers=p.layers or None, windows=p.windows or None, recipe=p.recipe["layers"] if p.recipe is not None else None, accuracy=p.accuracy,
             accuracy_se=p.accuracy_se if p.accuracy_se is not None and _finite(p.accuracy_se) else None,
             accuracy_parts={k: float(v) for k, v in p.accuracy_parts.items() if _finite(v)},
             key_bits=p.key_bits, kv_bits=p.kv_bits, budget_on=p.budget_on,  # type: ignore[arg-type]

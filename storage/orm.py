@@ -205,6 +205,8 @@ class FrontPoint(Base):
     seed: Mapped[int | None] = mapped_column(Integer)
     # a layer-wise config's ranges, {"A-B": {field: value}} (LayerwiseConfig.to_dict()["layers"]); NULL: none
     layers: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # the sliding-window layers whose windows the config quantizes (LayerwiseConfig.windows); NULL: none
+    windows: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True), default=None)
     # an engine recipe, {"layers": [[key format, value format], ...]} (EngineRecipe.to_dict()); NULL: a PN-Mix config
     # (SQL NULL, not JSON null: the config_or_recipe check reads it)
     recipe: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
@@ -236,9 +238,10 @@ class FrontPoint(Base):
         if self.recipe is not None:
             return EngineRecipe.from_dict(self.recipe)
         default = PNMixConfig(**{name: getattr(self, name) for name in CONFIG_FIELDS})
-        if not self.layers:
+        if not self.layers and not self.windows:
             return default
-        return LayerwiseConfig.from_dict({"default": default.to_dict(), "layers": self.layers})
+        return LayerwiseConfig.from_dict({"default": default.to_dict(), "layers": self.layers or {},
+                                          "windows": self.windows or []})
 
     def holdout_gap(self) -> tuple[float, float | None] | None:
         """(held-out minus in-search accuracy, its standard error), None without a held-out score.

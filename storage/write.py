@@ -520,6 +520,7 @@ def _front_row(campaign: Campaign, budget: float, point: FrontPointIn, head_dim:
         trial_number=point.trial_number,
         **{name: getattr(default, name, None) for name in CONFIG_FIELDS},
         layers=config.to_dict()["layers"] if isinstance(config, LayerwiseConfig) else None,
+        windows=list(config.windows) if isinstance(config, LayerwiseConfig) and config.windows else None,
         recipe=config.to_dict() if isinstance(config, EngineRecipe) else None,
         accuracy=float(point.accuracy),
         accuracy_se=None if point.accuracy_se is None else float(point.accuracy_se),

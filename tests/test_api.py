@@ -87,7 +87,7 @@ def test_health_reports_a_ready_database(env):
     assert r.status_code == 200
     body = r.json()
     assert (body["status"], body["ready"], body["backend"]) == ("ok", True, "sqlite")
-    assert body["schema_revision"] == body["schema_head"] == "0008"
+    assert body["schema_revision"] == body["schema_head"] == "0009"
 
 
 def test_models_are_listed_by_name_with_their_fronts(env):
@@ -385,7 +385,7 @@ def test_the_service_refuses_to_start_on_an_old_schema(tmp_path):
         pass
     db = Database(sqlite_url(tmp_path))
     upgrade(db, "0001")
-    with pytest.raises(SchemaError, match="revision 0001, this pnmix needs 0008: run `pnmix db upgrade`"), TestClient(
+    with pytest.raises(SchemaError, match="revision 0001, this pnmix needs 0009: run `pnmix db upgrade`"), TestClient(
         create_app(Settings(database_url=sqlite_url(tmp_path)))
     ):
         pass

@@ -62,7 +62,7 @@ def test_serve_answers_over_http(tmp_path):
     up = subprocess.run([*PNMIX, "db", "upgrade", "--database-url", url], capture_output=True, text=True, timeout=60,
                         env=clean_env())
     assert up.returncode == 0, up.stderr
-    assert "upgraded empty -> 0008" in up.stdout
+    assert "upgraded empty -> 0009" in up.stdout
     db = Database(url)
     with db.session() as s:
         campaign = create_campaign(s, "smollm2-135m", [3.0, 2.25], n_trials=8, status="running")
@@ -79,7 +79,7 @@ def test_serve_answers_over_http(tmp_path):
     )
     try:
         health = wait_ready(base, proc)
-        assert health["ready"] and health["schema_revision"] == "0008" and health["database"] == url
+        assert health["ready"] and health["schema_revision"] == "0009" and health["database"] == url
         with httpx.Client(base_url=base, timeout=10) as client:
             r = client.get("/v1/recommend", params={"model": "smollm2-135m", "target_bits": 2.3})
             assert r.status_code == 200

@@ -331,10 +331,14 @@ def test_the_evaluator_scores_a_hybrid_model(tmp_path, embedded):
     assert fp16.kv_bytes == window_bytes + 2 * 543 * 16 * 4
     assert window_bytes < small.kv_bytes < fp16.kv_bytes
     # The proxy weighs the full-attention layer alone: the windows are exact.
-    trace, _ = ev.tables.quantized_trace(SMALL)
+    trace, _, _ = ev.tables.quantized_trace(SMALL)
     assert len(trace.keys) == 1 and len(ev.trace().keys) == 6 and torch.equal(trace.keys[0], ev.trace().keys[5])
     assert ev.proxy(SMALL) > 0 and ev.proxy(preset("fp16")) == 0
     assert ev.proxy_by_layer(SMALL) == [ev.proxy(SMALL)]
+    # Quantized windows are weighed too, each query over its window: the allocator's table rows.
+    one_window = LayerwiseConfig(SMALL, windows=(2,))
+    assert ev.proxy_by_layer(one_window) == [pytest.approx(ev.sensitivity([SMALL])[SMALL][i]) for i in (2, 5)]
+    assert ev.proxy_by_layer(one_window)[0] > 0
     # `pnmix layers` allocates the full-attention layer alone, within the weighted budget.
     import json
     import subprocess
@@ -398,13 +402,19 @@ def test_a_hybrid_models_budgets_below_its_floor_are_refused_in_one_line():
     from pnmix.tuner.search.queue import check_budgets_reachable
     from pnmix.tuner.search.space import SearchSpace
 
-    space = SearchSpace(method="pnmix-alloc")
+    space = SearchSpace(method="pnmix")
     floor = space.with_plan(GEMMA).min_bits(256)
-    # the windows alone put 7.2% of the elements at 16 bits: the floor is well above the plain one
+    # uniform configs keep the windows exact: their 7.2% of the elements at 16 bits put the floor
+    # well above the plain one
     assert floor == pytest.approx(0.0723 * 16 + 0.9277 * space.min_bits(256), abs=2e-3)
     with pytest.raises(EvalError, match=rf"invalid budget 2: .* allowed budgets >= {floor:.5f} key bits"):
         check_budgets_reachable(space.with_plan(GEMMA), [2.0], 256, "gemma3-270m")
     check_budgets_reachable(space, [2.0], 256, "gemma3-270m")  # the plain space would have taken it
+    # The allocator quantizes windows too: its floor is every layer at the cheapest config, a window
+    # without the sinks it has dropped (so a little under the plain floor), and 2.0 is reachable.
+    alloc = SearchSpace(method="pnmix-alloc").with_plan(GEMMA)
+    assert alloc.min_bits(256) == pytest.approx(space.min_bits(256), abs=0.02) and alloc.min_bits(256) < 2.0
+    check_budgets_reachable(alloc, [2.0], 256, "gemma3-270m")
 
 
 class HybridFormulaEvaluator:
@@ -416,17 +426,18 @@ class HybridFormulaEvaluator:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def layer_loss(self, c: PNMixConfig, i: int) -> float:
-        if self.plan.kinds[i] != "full_attention":
+    def layer_loss(self, c: PNMixConfig | None, i: int) -> float:
+        if c is None or not c.keys_quantized:  # an exact window
             return 0.0
         bits = c.b_low + (c.b_high - c.b_low) * c.salient_ratio
-        return (1 + i) * 2.0 ** -bits
+        weight = 1 + i if self.plan.kinds[i] == "full_attention" else 0.05  # the windows barely matter
+        return weight * 2.0 ** -bits
 
-    def per_layer(self, config) -> list[PNMixConfig]:
-        return config.per_layer(18) if isinstance(config, LayerwiseConfig) else [config] * 18
+    def per_layer(self, config) -> list[PNMixConfig | None]:
+        return as_layerwise(config).held_configs(self.plan.kinds)
 
     def sensitivity(self, candidates):  # every layer's row, as the proxy's trace records them
-        return {c: [self.layer_loss(x, i) for i, x in enumerate(self.per_layer(c))] for c in candidates}
+        return {c: [self.layer_loss(c, i) for i in range(18)] for c in candidates}
 
     def proxy(self, config) -> float:
         return sum(self.layer_loss(c, i) for i, c in enumerate(self.per_layer(config)))
@@ -442,10 +453,12 @@ class HybridFormulaEvaluator:
                      seconds=0.0, profile="smoke", accuracy_se=0.01, units={"fidelity": [0.1, 0.2]})
 
 
-def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tmp_path):
-    """A pnmix-alloc campaign on Gemma 3's layout: every stored point's key bits are the weighted
-    figure, within its budget; no config names a window; the most sensitive full layer gets the
-    most bits; and the front is served by budget as on any model."""
+def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_every_layer(tmp_path):
+    """A pnmix-alloc campaign on Gemma 3's layout, its windows in the knapsack: every stored point's
+    key bits are the weighted figure, within its budget, at a budget the exact windows alone
+    would not leave room for; no config names a window it does not quantize; the windows, which
+    barely matter here, take the fewest bits and leave the full layers more than the budget; the
+    most sensitive full layer gets the most bits; and the front is served by budget as on any model."""
     from fastapi.testclient import TestClient
 
     from pnmix.api.app import create_app
@@ -459,24 +472,26 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_its_full_layers(tm
 
     db = Database(sqlite_url(tmp_path))
     upgrade(db)
-    spec = CampaignSpec(model="gemma3-270m", budgets=(3.0, 3.5), n_trials=6, method="pnmix-alloc",
+    spec = CampaignSpec(model="gemma3-270m", budgets=(2.0, 3.0), n_trials=6, method="pnmix-alloc",
                         profile="smoke", tasks=("fidelity",), space=SearchSpace(method="pnmix-alloc"))
     campaign_id = find_or_create_campaign(db, spec)
     CampaignRunner(db, db.url, campaign_id, spec, HybridFormulaEvaluator()).run()
     with db.session(readonly=True) as s:
         assert get_campaign(s, campaign_id).model.plan == GEMMA
         points = list_front_points(s, "gemma3-270m", campaign_id=campaign_id).items
-        assert {p.budget for p in points} == {3.0, 3.5}
+        assert {p.budget for p in points} == {2.0, 3.0}
+        assert GEMMA.budget_for(1.0) > 2.0  # exact windows would leave the full layers under 1 bit
         for p in points:
+            lw = as_layerwise(p.config)
             assert p.key_bits == weighted_key_bits(p.config, GEMMA, 256) <= p.budget + 1e-9
-            assert not set(as_layerwise(p.config).named_layers(18)) - {5, 11, 17}
+            assert not set(lw.named_layers(18)) - {5, 11, 17} - set(lw.windows)
         best = recommend(s, "gemma3-270m", 3.0)
-        layers = as_layerwise(best.config).per_layer(18)
+        lw = as_layerwise(best.config)
+        assert len(lw.windows) == 15  # every window quantized
+        layers = lw.per_layer(18)
         assert key_bits(layers[17], 256).total > key_bits(layers[5], 256).total
-        # the full layers share what the windows leave: at 16 bits their 7% take about a bit of it
         full_mean = sum(key_bits(layers[i], 256).total for i in (5, 11, 17)) / 3
-        assert full_mean <= GEMMA.full_layer_budget(3.0, layers[0].n_sink) + 1e-9
-        assert best.key_bits - full_mean > 0.9
+        assert full_mean > 3.0 > max(key_bits(layers[i], 256).total for i in range(18) if i not in (5, 11, 17))
     # The service says what the model's layers hold, and answers by the weighted figure.
     with TestClient(create_app(Settings(database_url=sqlite_url(tmp_path)))) as client:
         model = client.get("/v1/models").json()["items"][0]

@@ -74,7 +74,7 @@ def test_upgrade_from_the_first_revision_keeps_the_data(empty_db):
             " accuracy_parts, key_bits, kv_bytes, throughput, backend, device, versions, created_at) VALUES"
             " (1, 1, 2.5, 0, 2, 2, 128, 0.0, 0, 128, 2, 32, 'qk_pair_norm', 0, 0.75, '{\"passkey\": 0.75}', 2.25,"
             " 123456, 14.5, 'torch', 'cpu', '{}', :t)"), {"t": "2026-11-01 10:06:00+00:00"})
-    with pytest.raises(SchemaError, match=r"at schema revision 0001, this pnmix needs 0008: run `pnmix db upgrade`"):
+    with pytest.raises(SchemaError, match=r"at schema revision 0001, this pnmix needs 0009: run `pnmix db upgrade`"):
         check_schema(db)
 
     assert upgrade(db) == ("0001", head_revision())
@@ -95,6 +95,7 @@ def test_upgrade_from_the_first_revision_keeps_the_data(empty_db):
         assert recommend(s, "smollm2-135m", 2.7, bits_of="kv").id == best.id
         assert list_front_points(s, "smollm2-135m").total == 1
         assert best.recipe is None and best.config.b_high == 2  # 0008: a PN-Mix config, no recipe
+        assert best.windows is None  # 0009: no window quantized
     with db.engine.begin() as conn, pytest.raises(Exception, match="(?i)check|constraint"):
         # 0008: a point holds a PN-Mix config or a recipe, not both
         conn.execute(text("UPDATE pnmix_front_points SET recipe = '{\"layers\": []}'"))
@@ -152,7 +153,7 @@ def test_a_writing_command_creates_a_new_database_but_never_migrates_an_old_one(
     assert current_revision(db.engine) == head_revision()
     downgrade(db, "0002")
     db.dispose()
-    with pytest.raises(SchemaError, match=r"at schema revision 0002, this pnmix needs 0008: run `pnmix db upgrade`"):
+    with pytest.raises(SchemaError, match=r"at schema revision 0002, this pnmix needs 0009: run `pnmix db upgrade`"):
         open_db(url, create=True)
     with pytest.raises(SchemaError, match="does not exist"):  # commands that only read create nothing
         open_db(sqlite_url(tmp_path / "other"))

@@ -54,34 +54,40 @@ def quantized_tokens(config: PNMixConfig, prefill: int, total: int) -> int:
     return at_prefill + residual // config.residual_len * config.residual_len
 
 
-def proxy_kl(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairing, n_queries: int = 64) -> float:
+Windows = Sequence[int | None]  # per layer of a trace: its sliding window, None for full attention
+
+
+def proxy_kl(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairing, n_queries: int = 64,
+             windows: Windows | None = None) -> float:
     """Mean attention KL over layers and ~n_queries decode queries spread over the trace (0 for fp16 keys).
 
     Each query sees the cache as it was when that query ran: the packed region then, exact
-    sinks and residual buffer.
+    sinks and residual buffer; in a sliding-window layer (`windows`), its last window positions.
     """
-    per_layer = proxy_kl_by_layer(trace, config, pairing, n_queries)
+    per_layer = proxy_kl_by_layer(trace, config, pairing, n_queries, windows)
     return sum(per_layer) / len(per_layer)
 
 
 def proxy_kl_by_layer(trace: Trace, config: PNMixConfig | LayerwiseConfig, pairing: Pairing,
-                      n_queries: int = 64) -> list[float]:
+                      n_queries: int = 64, windows: Windows | None = None) -> list[float]:
     """`proxy_kl` layer by layer, each layer under its own config (a layer-wise config's), from
     which the layer-sensitivity profile (`tuner/search/layers.py`) is read."""
     layers = as_layerwise(config).per_layer(len(trace.keys))
-    return [row[0] for row in _rows(trace, [[c] for c in layers], pairing, n_queries, ProxyMeasure.KL)]
+    return [row[0] for row in _rows(trace, [[c] for c in layers], pairing, n_queries, ProxyMeasure.KL, windows)]
 
 
 def proxy_kl_table(trace: Trace, configs: list[PNMixConfig], pairing: Pairing,
-                   n_queries: int = 64, measure: ProxyMeasure = ProxyMeasure.KL) -> list[list[float]]:
+                   n_queries: int = 64, measure: ProxyMeasure = ProxyMeasure.KL,
+                   windows: Windows | None = None) -> list[list[float]]:
     """Each config's per-layer KL, `[config][layer]`, for configs that share G, sinks, residual,
     criterion and seed (the allocator's candidates): the exact attention and the saliency scores
     of a layer are computed once for all of them, so the table costs a fraction of one
     `proxy_kl_by_layer` pass per config, with the same figures. `measure=ProxyMeasure.OUTPUT`: the relative
-    attention-output error instead of KL (the unit `proxy_value_table` shares)."""
+    attention-output error instead of KL (the unit `proxy_value_table` shares). `windows`: each
+    layer's sliding window (its queries see their last window positions), None for full attention."""
     if not configs:
         return []
-    rows = _rows(trace, [list(configs)] * len(trace.keys), pairing, n_queries, measure)
+    rows = _rows(trace, [list(configs)] * len(trace.keys), pairing, n_queries, measure, windows)
     return [[rows[layer][c] for layer in range(len(trace.keys))] for c in range(len(configs))]
 
 
@@ -188,7 +194,7 @@ class _Schedule:
 
 
 def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_queries: int,
-          measure: ProxyMeasure) -> list[list[float]]:
+          measure: ProxyMeasure, windows: Windows | None = None) -> list[list[float]]:
     """For each layer, the KL (or, `measure=ProxyMeasure.OUTPUT`, the relative output error) of each of its
     configs (`per_layer[layer]`), which share the token-schedule fields (sinks, G, residual) and
     the saliency rule (criterion, seed)."""
@@ -200,13 +206,16 @@ def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_
     out: list[list[float]] = []
     for li, (q, k) in enumerate(zip(trace.queries, trace.keys, strict=True)):
         configs = per_layer[li]
-        h_kv, _, d = k.shape
+        h_kv, t, d = k.shape
         group = q.shape[0] // h_kv
         qs = q[:, at.positions]  # [Hq, Q, d]
         exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
+        seen = at.causal
+        if windows is not None and windows[li] is not None:
+            seen = seen & (torch.arange(t, device=k.device)[None, :] > at.positions[:, None] - windows[li])
         if values is not None:
             v_rep = values[li].repeat_interleave(group, 0)
-            o = exact.masked_fill(~at.causal, float("-inf")).softmax(-1) @ v_rep
+            o = exact.masked_fill(~seen, float("-inf")).softmax(-1) @ v_rep
         prefill_mask = torch.ones((1, p), dtype=torch.bool, device=k.device)
         first = configs[0]
         scores = saliency_scores(first.criterion, q[None, :, :p], k[None, :, :p], prefill_mask, pairing,
@@ -223,9 +232,9 @@ def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_
             approx = torch.einsum("hqd,hsd->hqs", qs, k_hat.repeat_interleave(group, 0)) * trace.scaling
             mixed = torch.where(at.use_packed, approx, exact)
             if measure == ProxyMeasure.KL:
-                row.append(float(masked_kl(exact, mixed, at.causal).mean()))
+                row.append(float(masked_kl(exact, mixed, seen).mean()))
             else:
-                o_hat = mixed.masked_fill(~at.causal, float("-inf")).softmax(-1) @ v_rep
+                o_hat = mixed.masked_fill(~seen, float("-inf")).softmax(-1) @ v_rep
                 row.append(_relative(o_hat - o, o))
         out.append(row)
     return out

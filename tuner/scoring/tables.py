@@ -24,6 +24,7 @@ from pnmix.config import PNMixConfig
 from pnmix.kv_formats import KVFormat
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.models import chat_ids
+from pnmix.names import FULL
 from pnmix.saliency import Pairing
 from pnmix.tuner.scoring import fidelity
 from pnmix.tuner.scoring.preparation import Preparation
@@ -68,28 +69,34 @@ class ProxyTables:
         path.with_suffix(".tokens.json").write_text(json.dumps(tokens))
         return self._trace
 
-    def quantized_trace(self, config: AnyConfig) -> tuple[Any, AnyConfig]:
-        """The trace and config the proxy weighs: on a model with sliding-window layers, only its
-        full-attention layers (the windows stay unquantized: their attention is exact)."""
+    def quantized_trace(self, config: AnyConfig) -> tuple[Any, AnyConfig, list[int | None] | None]:
+        """The trace, config and windows the proxy weighs: on a model with sliding-window layers,
+        only its quantized layers (the full-attention ones and the windows `config` quantizes; an
+        exact window's attention is exact), each window's queries seeing their last window tokens."""
         trace = self.trace()
         if not self.plan.hybrid:
-            return trace, config
-        full = self.plan.full_layers
-        kept = replace(trace, queries=[trace.queries[i] for i in full], keys=[trace.keys[i] for i in full],
-                       values=None if trace.values is None else [trace.values[i] for i in full])
-        per_layer = as_layerwise(config).per_layer(self.num_layers)
+            return trace, config, None
+        lw = as_layerwise(config)
+        held = lw.held_configs(self.plan.kinds)
+        kept_layers = [i for i, c in enumerate(held) if c is not None]
+        kept = replace(trace, queries=[trace.queries[i] for i in kept_layers],
+                       keys=[trace.keys[i] for i in kept_layers],
+                       values=None if trace.values is None else [trace.values[i] for i in kept_layers])
+        configs = [c for c in held if c is not None]
         return kept, (config if not isinstance(config, LayerwiseConfig)
-                      else LayerwiseConfig.from_layers([per_layer[i] for i in full]))
+                      else LayerwiseConfig.from_layers(configs)), self._windows(kept_layers)  # type: ignore[arg-type]
 
     def proxy(self, config: AnyConfig) -> float:
         """Attention KL on recorded traces (tuner.scoring.proxy), milliseconds per layer (per quantized layer
         of a hybrid model)."""
-        return proxy_kl(*self.quantized_trace(config), self.pairing)
+        trace, cfg, windows = self.quantized_trace(config)
+        return proxy_kl(trace, cfg, self.pairing, windows=windows)
 
     def proxy_by_layer(self, config: AnyConfig) -> list[float]:
         """The proxy's attention KL of each layer under its own config (tuner.search.layers reads it); for
-        a model with sliding-window layers, of its full-attention layers."""
-        return proxy_kl_by_layer(*self.quantized_trace(config), self.pairing)
+        a model with sliding-window layers, of its quantized layers."""
+        trace, cfg, windows = self.quantized_trace(config)
+        return proxy_kl_by_layer(trace, cfg, self.pairing, windows=windows)
 
     def sensitivity(self, candidates: list[PNMixConfig],
                     measure: ProxyMeasure = ProxyMeasure.KL) -> dict[PNMixConfig, list[float]]:
@@ -98,9 +105,17 @@ class ProxyTables:
         relative attention-output error, the unit `value_sensitivity` shares. Cached on disk beside
         the preparation, per model, profile, seed, measure and candidate set, so a campaign's later
         workers and later campaigns of the model read it instead of computing it again."""
-        rows = self.cached_table(["keys", measure, [c.to_dict() for c in candidates]], len(candidates),
-                                  lambda: proxy_kl_table(self.trace(), candidates, self.pairing, measure=measure))
+        what: list[Any] = ["keys", measure, [c.to_dict() for c in candidates]]
+        if self.plan.hybrid:  # a sliding layer's rows under its window (a quantized window's queries see no more)
+            what.append({"window": self.plan.window})
+        rows = self.cached_table(what, len(candidates), lambda: proxy_kl_table(
+            self.trace(), candidates, self.pairing, measure=measure, windows=self._windows()))
         return dict(zip(candidates, rows, strict=True))
+
+    def _windows(self, layers: list[int] | None = None) -> list[int | None]:
+        """Each layer's sliding window (of `layers`, default all), None for a full-attention one."""
+        return [None if self.plan.kinds[i] == FULL else self.plan.window
+                for i in (layers if layers is not None else range(self.num_layers))]
 
     def value_sensitivity(self, formats: list[tuple[int, int]],
                           shared: PNMixConfig) -> dict[tuple[int, int], list[float]]:

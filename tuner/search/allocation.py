@@ -19,6 +19,12 @@ whose items are each layer's keys and each layer's values (`tuner.search.layers.
 scored by the proxy's relative attention-output error, so a layer's value format is chosen
 against the other layers' keys and values within the total KV bits; moves in the joint table may
 then trade a key step for a value step (`allocations` says why the KL allocation comes first).
+
+On a model with sliding-window layers (Gemma 3) the windows are in the keys' knapsack too, unless
+values are searched per layer: each window takes a candidate (quantized under it, its proxy KL
+measured under the sliding mask) or stays exact (`exact_window`: KL 0, 16 bits), every layer
+weighted by the elements it holds at 32K tokens, so the knapsack bounds the weighted figure the
+budget is on. The joint KV knapsack allocates the full-attention layers and keeps the windows exact.
 """
 
 from __future__ import annotations
@@ -31,9 +37,18 @@ from typing import Any
 
 import optuna
 
-from pnmix.bits import LayerPlan, mean_key_bits, value_bits_total
-from pnmix.config import GROUP_SIZES, PNMixConfig, preset
+from pnmix.bits import (
+    DEFAULT_QUANTIZED_TOKENS,
+    FP16_BITS,
+    LayerPlan,
+    key_bits,
+    mean_key_bits,
+    value_bits_total,
+    window_config,
+)
+from pnmix.config import GROUP_SIZES, UNQUANTIZED_BITS, PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_key, simplest
+from pnmix.names import FULL
 from pnmix.recipes import EngineRecipe
 from pnmix.tuner.errors import EvalError
 from pnmix.tuner.scoring.proxy import ProxyMeasure
@@ -51,7 +66,7 @@ from pnmix.tuner.search.layers import (
     spread,
 )
 from pnmix.tuner.search.record import Origin, RunningTrial, running_trials, scored_configs
-from pnmix.tuner.search.space import SearchSpace
+from pnmix.tuner.search.space import BudgetOn, SearchSpace
 
 SCREENED = 2  # a budget's first trials: the allocations at the shared fields the proxy rates best
 Table = dict[Candidate, list[float]]  # candidate -> its proxy figure on every item (layer, or layer's keys/values)
@@ -71,11 +86,13 @@ class AllocatorLoop:
         self.tables: dict[tuple[PNMixConfig, str], Any] = {}  # by key-side shared fields and kind (kl, joint)
         self.sensitivity_seconds = 0.0
         self.joint = space.values_per_layer  # items: each layer's keys, then each layer's values
-        # The layers the knapsack allocates: the full-attention ones (a sliding window stays in the
-        # model's dtype, whatever its config says). Each holds as many elements, so the knapsack
-        # bounds their plain mean, against the budget less what the windows hold (`_budget`).
         self.plan = space.plan or LayerPlan.full(num_layers)
-        self.full = self.plan.full_layers
+        # The layers the knapsack allocates: every layer, windows included (`windows`), each weighted
+        # by the elements it holds, against the budget itself; or, in the joint KV knapsack, the
+        # full-attention ones, which hold as many elements each, so the knapsack bounds their plain
+        # mean, against the budget less what the exact windows hold (`_budget`).
+        self.windows = self.plan.hybrid and not self.joint
+        self.allocated = list(range(num_layers)) if self.windows else self.plan.full_layers
         self._plain = replace(space, plan=None)  # a full layer's own figure, not weighted
 
     def cost(self, config: AnyConfig) -> float:
@@ -91,20 +108,50 @@ class AllocatorLoop:
         return mean_key_bits(item, 1, self.head_dim) if self.joint else self._plain.cost(item, self.head_dim)
 
     def _budget(self, budget: float, base: PNMixConfig) -> float:
-        """The bound on the knapsack's mean: the budget itself on a full-attention model, what the
-        full-attention layers may take beside the windows on a hybrid one."""
-        return self.plan.full_layer_budget(budget, base.n_sink)
+        """The bound on the knapsack's mean: the budget itself on a full-attention model or with the
+        windows in the knapsack, what the full-attention layers may take beside the exact windows
+        in the joint one."""
+        return budget if self.windows else self.plan.full_layer_budget(budget, base.n_sink)
 
-    def _rows(self, table: dict[Any, list[float]]) -> dict[Any, list[float]]:
-        """A per-layer table restricted to the layers the knapsack allocates."""
+    def _knapsack_costs(self, base: PNMixConfig) -> dict[str, Any]:
+        """`allocate`'s and `moves`' cost arguments for the keys' knapsack at `base`'s shared fields:
+        a candidate's bits under the budget kind; with the windows in it, per layer (a window at its
+        `window_config`, an exact one at 16 bits) and each layer weighted by what it holds."""
+        if not self.windows:
+            return {"cost": lambda c: self._plain.cost(c, self.head_dim)}
+        seen = DEFAULT_QUANTIZED_TOKENS + base.n_sink
+        held = self.plan.held(seen)
+        kv = self.space.budget_on == BudgetOn.KV
+
+        def item_cost(c: PNMixConfig, i: int) -> float:
+            if not c.keys_quantized:
+                return float(FP16_BITS)
+            window = self.plan.kinds[i] != FULL
+            cfg = window_config(c, held[i], seen) if window else c
+            t_q = held[i] - cfg.n_sink if window else DEFAULT_QUANTIZED_TOKENS
+            keys = key_bits(cfg, self.head_dim, t_q).total
+            return (keys + value_bits_total(cfg, t_q)) / 2 if kv else keys
+
+        return {"item_cost": item_cost, "weights": [float(t) for t in held]}
+
+    def _rows(self, table: dict[Any, list[float]], base: PNMixConfig | None = None) -> dict[Any, list[float]]:
+        """A per-layer table restricted to the layers the knapsack allocates; with the windows in it,
+        every layer, and the exact window (`base`'s `exact_window`) beside the candidates."""
         if not self.plan.hybrid:
             return table
-        return {c: [row[i] for i in self.full] for c, row in table.items()}
+        rows = {c: [row[i] for i in self.allocated] for c, row in table.items()}
+        if self.windows and base is not None:
+            rows[exact_window(base)] = [0.0 if kind != FULL else math.inf for kind in self.plan.kinds]
+        return rows
 
     def _items(self, config: AnyConfig) -> list[Candidate]:
         """A config as the knapsack's items (`_config`'s inverse)."""
-        every = as_layerwise(config).per_layer(self.num_layers)
-        layers = [every[i] for i in self.full]
+        lw = as_layerwise(config)
+        every = lw.per_layer(self.num_layers)
+        if self.windows:
+            exact = exact_window(self.space.shared_base(config))
+            return [c if c is not None else exact for c in lw.held_configs(self.plan.kinds)]
+        layers = [every[i] for i in self.allocated]
         if not self.joint:
             return list(layers)
         return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size))
@@ -114,9 +161,17 @@ class AllocatorLoop:
         return self._layers_config(joint_layers(items) if self.joint else list(items))  # type: ignore[arg-type]
 
     def _layers_config(self, layers: list[PNMixConfig]) -> AnyConfig:
-        """The config of the allocated layers' configs; on a hybrid model the windows take the full
-        layers' most common config, so that no range names a sliding layer."""
-        return simplest(LayerwiseConfig.from_layers(spread(layers, self.plan)))
+        """The config of the allocated layers' configs. On a hybrid model, with the windows in the
+        knapsack: the windows quantized are listed in `windows`, and an exact one takes the quantized
+        layers' most common config (the default), so that no range names it; otherwise the windows
+        take the full layers' most common config (`spread`)."""
+        if not self.windows:
+            return simplest(LayerwiseConfig.from_layers(spread(layers, self.plan)))
+        quantized = [c for c in layers if c.keys_quantized]
+        default = max(dict.fromkeys(quantized), key=quantized.count)
+        windows = [i for i, (c, kind) in enumerate(zip(layers, self.plan.kinds, strict=True))
+                   if kind != FULL and c.keys_quantized]
+        return simplest(LayerwiseConfig.from_layers([c if c.keys_quantized else default for c in layers], windows))
 
     # -- warm starts -----------------------------------------------------------------------------
 
@@ -173,8 +228,7 @@ class AllocatorLoop:
         """The proxy's figure for the keys' allocation at `base`'s shared fields: its summed KL."""
         table = self.table(base)
         try:
-            layers = allocate(table, self._budget(budget, base), self.head_dim,
-                              cost=lambda c: self._plain.cost(c, self.head_dim))
+            layers = allocate(table, self._budget(budget, base), self.head_dim, **self._knapsack_costs(base))
         except EvalError:
             return math.inf
         return sum(table[c][i] for i, c in enumerate(layers))
@@ -206,8 +260,10 @@ class AllocatorLoop:
         best = self.best_scored(studies[0], base, budget)
         start = best if best is not None else allocations[0]
         table: Table = self.joint_table(base) if self.joint else {c: row for c, row in self.table(base).items()}
+        costs = {} if self.joint else self._knapsack_costs(base)
         for changed in moves(self._items(start), table, self._budget(budget, base),
-                             lambda item: self.item_cost(item, base)):
+                             lambda item: self.item_cost(item, base), item_cost=costs.get("item_cost"),
+                             weights=costs.get("weights")):
             cfg = self._config(changed)
             if config_key(cfg.to_dict()) not in taken:
                 return cfg, Origin.MOVE
@@ -223,8 +279,7 @@ class AllocatorLoop:
         out: list[AnyConfig] = []
         within = self._budget(budget, base)
         try:
-            layers = allocate(self.table(base, running), within, self.head_dim,
-                              cost=lambda c: self._plain.cost(c, self.head_dim))
+            layers = allocate(self.table(base, running), within, self.head_dim, **self._knapsack_costs(base))
             out.append(self._layers_config(layers))
         except EvalError:
             pass
@@ -245,8 +300,8 @@ class AllocatorLoop:
         `base`'s value format (with per-layer values, `base` holds the space's); computed once per
         loop, the seconds it took recorded on the trial that needed it (`sensitivity_s`)."""
         keys = self._keys_base(base)
-        rows = self._computed((keys, "kl"), running,
-                              lambda: self._rows(dict(self.evaluator.sensitivity(candidates_like(keys, self.space)))))
+        rows = self._computed((keys, "kl"), running, lambda: self._rows(
+            dict(self.evaluator.sensitivity(candidates_like(keys, self.space))), keys))
         values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
         return {c.with_(**values): row for c, row in rows.items()}  # type: ignore[union-attr]
 
@@ -310,6 +365,12 @@ class AllocatorLoop:
                     and isinstance(cfg, (PNMixConfig, LayerwiseConfig)) and self.space.contains(cfg)):
                 out.append((r.accuracy, cfg))
         return out
+
+
+def exact_window(base: PNMixConfig) -> PNMixConfig:
+    """The knapsack's candidate for a window kept in the model's dtype: `base` with exact keys (the
+    window's values stay exact too: a config's `windows` do not list it)."""
+    return base.with_(b_high=UNQUANTIZED_BITS, b_low=UNQUANTIZED_BITS, salient_ratio=0.0)
 
 
 def taken_configs(studies: Sequence[optuna.Study]) -> set[str]:

@@ -91,32 +91,39 @@ def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
 
 def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
              weights: Sequence[float] | None = None,
-             cost: Callable[[Any], float] | None = None) -> list[Any]:
+             cost: Callable[[Any], float] | None = None,
+             item_cost: Callable[[Any, int], float] | None = None) -> list[Any]:
     """One config per item (a layer, or a group of layers) minimising the summed KL with the
     weighted mean bits <= budget.
 
-    kl[c][i]: item i's KL under candidate c (every candidate lists every item); `weights[i]`: the
-    layers item i stands for (default 1 each); `cost`: a candidate's bits (default its key bits,
-    metadata included). Raises EvalError when not even the cheapest candidate everywhere fits.
+    kl[c][i]: item i's KL under candidate c (every candidate lists every item; inf where item i
+    may not take c); `weights[i]`: the layers (or elements) item i stands for (default 1 each);
+    `cost`: a candidate's bits (default its key bits, metadata included), or `item_cost(c, i)`
+    where they differ by item (a sliding-window layer's quantized window). Raises EvalError when
+    not even the cheapest candidate everywhere fits.
     """
     cands = list(kl)
     n = len(next(iter(kl.values())))
     w = list(weights) if weights is not None else [1.0] * n
-    bits = {c: (cost(c) if cost else key_bits(c, head_dim).total) for c in cands}
+    if item_cost is None:
+        one = {c: (cost(c) if cost else key_bits(c, head_dim).total) for c in cands}
+        bits = {c: [one[c]] * n for c in cands}
+    else:
+        bits = {c: [item_cost(c, i) for i in range(n)] for c in cands}
     limit = budget * sum(w) + 1e-9
 
     def choose(lam: float) -> list[Any]:
-        return [min(cands, key=lambda c: (kl[c][i] + lam * w[i] * bits[c], bits[c])) for i in range(n)]
+        return [min(cands, key=lambda c: (kl[c][i] + lam * w[i] * bits[c][i], bits[c][i])) for i in range(n)]
 
     def total(choice: list[Any]) -> float:
-        return sum(wi * bits[c] for wi, c in zip(w, choice, strict=True))
+        return sum(wi * bits[c][i] for i, (wi, c) in enumerate(zip(w, choice, strict=True)))
 
     if total(choice := choose(0.0)) > limit:
         lo, hi = 0.0, 1.0
         while total(choose(hi)) > limit:
             hi *= 2
             if hi > 1e12:
-                cheapest = min(bits.values())
+                cheapest = min(min(row) for row in bits.values())
                 raise EvalError(f"no allocation fits {budget:g} key bits: the cheapest candidate needs {cheapest:.3f}")
         for _ in range(BISECTION_STEPS):
             mid = (lo + hi) / 2
@@ -128,7 +135,7 @@ def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
         best: tuple[float, int, Any] | None = None
         for i, cur in enumerate(choice):
             for c in cands:
-                extra = w[i] * (bits[c] - bits[cur])
+                extra = w[i] * (bits[c][i] - bits[cur][i])
                 saved = kl[cur][i] - kl[c][i]
                 if 0 < extra <= spare and saved > 0 and (best is None or saved / extra > best[0]):
                     best = (saved / extra, i, c)
@@ -201,24 +208,28 @@ def _step_apart(a: Candidate, b: Candidate) -> bool:
 
 
 def moves(choice: Sequence[Any], kl: Mapping[Any, Sequence[float]], budget: float,
-          cost: Callable[[Any], float], apart: Callable[[Any, Any], bool] | None = None) -> list[list[Any]]:
-    """Local moves from an allocation that keep its mean cost within `budget`: one layer one step up
-    (`apart`; by default a bit or a ratio step, `_step_apart`) and another one step down, or one
-    layer one step up where the slack allows it. Ranked by the proxy's change in summed KL, least
-    harm first: the moves the proxy can least tell from the allocation itself, which real scores
-    then decide between."""
+          cost: Callable[[Any], float], apart: Callable[[Any, Any], bool] | None = None,
+          item_cost: Callable[[Any, int], float] | None = None, weights: Sequence[float] | None = None
+          ) -> list[list[Any]]:
+    """Local moves from an allocation that keep its (weighted) mean cost within `budget`: one layer
+    one step up (`apart`; by default a bit or a ratio step, `_step_apart`) and another one step
+    down, or one layer one step up where the slack allows it. Ranked by the proxy's change in
+    summed KL, least harm first: the moves the proxy can least tell from the allocation itself,
+    which real scores then decide between. `item_cost` and `weights` as `allocate` takes them."""
     apart = apart or _step_apart
     n = len(choice)
-    limit = budget * n + 1e-9
-    spent = sum(cost(c) for c in choice)
+    w = list(weights) if weights is not None else [1.0] * n
+    at = item_cost or (lambda c, i: cost(c))
+    limit = budget * sum(w) + 1e-9
+    spent = sum(wi * at(c, i) for i, (wi, c) in enumerate(zip(w, choice, strict=True)))
     cands = list(kl)
     ups: list[tuple[float, float, int, Any]] = []  # (delta KL, delta cost, item, new candidate)
     downs: list[tuple[float, float, int, Any]] = []
     for i, cur in enumerate(choice):
         for c in cands:
-            if c == cur or not apart(cur, c):
+            if c == cur or not apart(cur, c) or kl[c][i] == math.inf:
                 continue
-            extra = cost(c) - cost(cur)
+            extra = w[i] * (at(c, i) - at(cur, i))
             delta = kl[c][i] - kl[cur][i]
             (ups if extra > 0 else downs).append((delta, extra, i, c))
     ranked: list[tuple[float, int, list[Any]]] = []

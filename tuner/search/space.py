@@ -44,7 +44,8 @@ from pnmix.bits import LayerPlan
 from pnmix.config import GROUP_SIZES, PNMixConfig
 from pnmix.configs import Answer
 from pnmix.kv_formats import EFFECTIVE_BITS
-from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
+from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, simplest
+from pnmix.names import FULL
 from pnmix.recipes import EngineRecipe
 from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, BudgetOn
 from pnmix.tuner.errors import EvalError
@@ -237,13 +238,14 @@ class SearchSpace:
             return base.with_(value_bits=self.value_bits, value_group_size=self.value_group_size)
         return base
 
-    def layerwise(self, per_group: Sequence[PNMixConfig]) -> AnyConfig:
-        """The config whose group k's layers take `per_group[k]`, in its simplest form."""
+    def layerwise(self, per_group: Sequence[PNMixConfig], windows: Sequence[int] = ()) -> AnyConfig:
+        """The config whose group k's layers take `per_group[k]` (and whose `windows` are quantized),
+        in its simplest form."""
         layers: list[PNMixConfig] = [per_group[0]] * self.num_layers
         for g, cfg in zip(self.groups, per_group, strict=True):
             for i in g:
                 layers[i] = cfg
-        return simplest(LayerwiseConfig.from_layers(layers))
+        return simplest(LayerwiseConfig.from_layers(layers, windows))
 
     def per_group(self, config: AnyConfig) -> list[PNMixConfig]:
         lw = as_layerwise(config)
@@ -291,7 +293,8 @@ class SearchSpace:
 
         if isinstance(config, PNMixConfig):
             return one(config)
-        return simplest(LayerwiseConfig.from_layers([one(c) for c in config.per_layer(self.num_layers)]))
+        return simplest(LayerwiseConfig.from_layers([one(c) for c in config.per_layer(self.num_layers)],
+                                                    config.windows))
 
     def params_of(self, config: Answer) -> dict[str, Any]:
         """The trial parameters that reproduce `config` (for enqueueing warm starts and neighbours)."""
@@ -335,7 +338,11 @@ class SearchSpace:
         if isinstance(config, LayerwiseConfig) and not self.layered:
             return False
         per_group = self.per_group(config) if self.layered else [config]
-        if self.layered and self.layerwise(per_group) != simplest(config):  # type: ignore[arg-type]
+        windows = as_layerwise(config).windows
+        if windows and not (self.allocated and self.plan is not None and
+                            all(self.plan.kinds[i] != FULL for i in windows if i < len(self.plan.kinds))):
+            return False  # quantized windows: the allocator's, on a model that has them
+        if self.layered and self.layerwise(per_group, windows) != simplest(config):  # type: ignore[arg-type]
             return False  # layers of one group differ
         return all(self._contains_one(c) for c in per_group)  # type: ignore[arg-type]
 
@@ -372,8 +379,17 @@ class SearchSpace:
         hi, lo = (int(x) for x in pair.split("/"))
         ratio = self.ratios(hi, lo)[0]
         values = min(self.value_choices(head_dim), key=self.value_cost)
-        cheapest = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self.sinks()), *values)
+        cheapest: AnyConfig = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self.sinks()), *values)
+        if self.windows_searched:  # every window quantized too
+            windows = [i for i, kind in enumerate(self.plan.kinds) if kind != FULL]  # type: ignore[union-attr]
+            cheapest = LayerwiseConfig(cheapest, windows=tuple(windows))  # type: ignore[arg-type]
         return self.cost(cheapest, head_dim)
+
+    @property
+    def windows_searched(self) -> bool:
+        """Whether the allocator may quantize a hybrid model's windows (the keys' knapsack:
+        `tuner.search.allocation`); the joint KV knapsack, with values per layer, keeps them exact."""
+        return self.allocated and not self.recipes and not self.values_per_layer and self.plan is not None
 
     # -- records -----------------------------------------------------------------------------------
 
