@@ -204,20 +204,19 @@ def _held_bits(config: Any, shape: ModelShape, plan: LayerPlan, d: int, batch: i
     layer holds (pnmix.bits, `weighted_key_bits`) after the same `seq_len` tokens."""
     from pnmix.bits import held_key_bits, layer_bytes
 
-    per_layer = as_layerwise(config).per_layer(shape.num_layers)
+    per_layer = as_layerwise(config).held_configs(plan.kinds)  # None: a window in the model's dtype
     held = plan.held(seq_len)
     layer_kv = layer_bytes(config, shape, batch, seq_len, plan)
     weighted = held_key_bits(config, plan, d, seq_len)
     report: dict[str, Any] = {
         "layer_kinds": list(plan.kinds), "window": plan.window, "weighted_key_bits": weighted,
-        "layers_held": [{"layer": i, "kind": k, "tokens": t, "config": c.label if k == FULL else "fp16 (window)",
+        "layers_held": [{"layer": i, "kind": k, "tokens": t, "config": c.label if c is not None else "fp16 (window)",
                          "bytes": b.total} for i, (k, t, c, b) in enumerate(zip(plan.kinds, held, per_layer, layer_kv,
                                                                                   strict=True))]}
     table = Table(title=f"what each layer holds after {seq_len} tokens (batch {batch}); window {plan.window}")
     for col in ("layers", "kind", "tokens held", "config", "KiB a layer"):
         table.add_column(col, justify="right" if col in ("tokens held", "KiB a layer") else "left")
-    rows = list(zip(plan.kinds, held, [c if k == FULL else None for k, c in zip(plan.kinds, per_layer, strict=True)],
-                    [b.total for b in layer_kv], strict=True))
+    rows = list(zip(plan.kinds, held, per_layer, [b.total for b in layer_kv], strict=True))
     for name, first in _runs(rows):
         kind, n, c, nbytes = rows[first]
         table.add_row(name, kind, str(n), c.label if c is not None else "fp16 (window)", f"{nbytes / 1024:.1f}")
@@ -399,7 +398,7 @@ def _quantized_note(cache: Any, config: PNMixConfig, tokens: int) -> str:
     """How many of the tokens the cache holds are quantized: a short generation may hold none."""
     if not (config.keys_quantized or config.values_quantized):
         return f"{tokens} tokens, none quantized (fp16 cache)"
-    # The first full-attention layer (a hybrid model's sliding-window layers quantize nothing).
+    # The first PN-Mix layer (a quantized window stores every token too; an exact one has no groups).
     layer = next((la for la in getattr(cache, "layers", []) if hasattr(la, "n_groups")), None)
     quantized = int(layer.n_groups[0]) * config.group_size if layer is not None else 0
     if quantized:

@@ -287,7 +287,7 @@ def test_full_attention_models_keep_their_bytes_to_the_last_digit():
         assert weighted_key_bits(config, plan, 64) == mean_key_bits(config, 30, 64)
 
 
-def test_bits_for_gemma3_shows_what_each_layer_holds():
+def test_bits_for_gemma3_shows_what_each_layer_holds(tmp_path):
     import json
     import subprocess
     import sys
@@ -302,6 +302,17 @@ def test_bits_for_gemma3_shows_what_each_layer_holds():
     # 3 full layers of 8192 + 15 windows of 511 key elements: the weighted mean of 2.263 and 16 bits
     full = key_bits(preset("pnmix-paper"), 256, 8192 - 32).total
     assert report["weighted_key_bits"] == pytest.approx((3 * 8192 * full + 15 * 511 * 16) / (3 * 8192 + 15 * 511))
+    # Two windows quantized: their rows say so, hold fewer bytes, and the weighted figure falls.
+    path = tmp_path / "windows.json"
+    path.write_text(LayerwiseConfig(preset("pnmix-paper"), windows=(0, 1)).to_json())
+    out = subprocess.run([sys.executable, "-P", "-m", "pnmix.api.cli", "bits", "--config", str(path), "--model",
+                          "gemma3-270m", "--seq-len", "8192", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    quantized = json.loads(out.stdout)
+    labels = [r["config"] for r in quantized["layers_held"]]
+    assert labels[:3] == [preset("pnmix-paper").label] * 2 + ["fp16 (window)"]
+    assert quantized["layers_held"][0]["bytes"] < rows[0]["bytes"] / 2  # 127 of its 511 tokens in the residual
+    assert quantized["weighted_key_bits"] < report["weighted_key_bits"] - 1
 
 
 @pytest.mark.slow
