@@ -151,7 +151,8 @@ class PointPublic(BaseModel):
     accuracy_parts: dict[str, float]
     key_bits: float = Field(description="key bits per element, the layers' mean (pnmix.bits.mean_key_bits, "
                             "T_q = 32768); on a model with sliding-window layers weighted by the elements each "
-                            "layer holds, a window at 16 bits unless `windows` quantizes it (pnmix.bits.weighted_key_bits)")
+                            "layer holds, a window at 16 bits unless `windows` quantizes it "
+                            "(pnmix.bits.weighted_key_bits)")
     kv_bits: float = Field(description="key and value bits per cached element (pnmix.bits.kv_bits; weighted "
                            "likewise, pnmix.bits.weighted_kv_bits)")
     budget_on: BitsOf = Field(description="the figure the campaign's budget constrained: key or kv bits")
@@ -170,7 +171,8 @@ class PointPublic(BaseModel):
         return cls(
             id=p.id, campaign_id=p.campaign_id, budget=p.budget, trial_number=p.trial_number,
             config=None if p.recipe is not None else ConfigPublic(**_default(p.config).to_dict()),
-            layers=p.layers or None, windows=p.windows or None, recipe=p.recipe["layers"] if p.recipe is not None else None, accuracy=p.accuracy,
+            layers=p.layers or None, windows=p.windows or None,
+            recipe=p.recipe["layers"] if p.recipe is not None else None, accuracy=p.accuracy,
             accuracy_se=p.accuracy_se if p.accuracy_se is not None and _finite(p.accuracy_se) else None,
             accuracy_parts={k: float(v) for k, v in p.accuracy_parts.items() if _finite(v)},
             key_bits=p.key_bits, kv_bits=p.kv_bits, budget_on=p.budget_on,  # type: ignore[arg-type]

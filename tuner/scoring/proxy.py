@@ -211,8 +211,9 @@ def _rows(trace: Trace, per_layer: list[list[PNMixConfig]], pairing: Pairing, n_
         qs = q[:, at.positions]  # [Hq, Q, d]
         exact = torch.einsum("hqd,hsd->hqs", qs, k.repeat_interleave(group, 0)) * trace.scaling
         seen = at.causal
-        if windows is not None and windows[li] is not None:
-            seen = seen & (torch.arange(t, device=k.device)[None, :] > at.positions[:, None] - windows[li])
+        window = windows[li] if windows is not None else None
+        if window is not None:
+            seen = seen & (torch.arange(t, device=k.device)[None, :] > at.positions[:, None] - window)
         if values is not None:
             v_rep = values[li].repeat_interleave(group, 0)
             o = exact.masked_fill(~seen, float("-inf")).softmax(-1) @ v_rep

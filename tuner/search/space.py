@@ -44,7 +44,7 @@ from pnmix.bits import LayerPlan
 from pnmix.config import GROUP_SIZES, PNMixConfig
 from pnmix.configs import Answer
 from pnmix.kv_formats import EFFECTIVE_BITS
-from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, simplest
+from pnmix.layerwise import LayerwiseConfig, as_layerwise, simplest
 from pnmix.names import FULL
 from pnmix.recipes import EngineRecipe
 from pnmix.storage.vocabulary import BUDGET_ON, LAYER_GROUPS, BudgetOn
