@@ -9,7 +9,10 @@ Budgets are given as the mean key bits of the model's full-attention layers (`--
 is pnmix-paper's own figure). On a full-attention model that is the budget itself; on a hybrid model
 the campaign's budget is the weighted figure at 32K tokens in which the sliding windows count at 16
 bits (`pnmix.bits.LayerPlan.budget_for`), so both models are compared at the
-same bits in the layers PN-Mix quantizes. One evaluator scores everything (the profile's items and
+same bits in the layers PN-Mix quantizes. Or as the weighted figures themselves (`--budgets 2.5,3.0`):
+what a hybrid model's allocator, which may quantize its windows, is asked for directly (the table's
+full-layer column then says what the budget would leave the full layers beside exact windows).
+One evaluator scores everything (the profile's items and
 trajectories, seed 0, a quarter of every part's units held out), so every difference is paired:
   alloc    a `pnmix-alloc` campaign (the default method), `--trials` scored configs a budget;
   uniform  a `pnmix` campaign (one config for every full layer), as many trials: the best uniform
@@ -70,7 +73,8 @@ def best_of(study: Any) -> dict[str, Any]:
             "units": r.units, "origin": r.origin}
 
 
-def study(model: str, device: str, profile_name: str, trials: int, full_bits: list[str], out: Path) -> Path:
+def study(model: str, device: str, profile_name: str, trials: int, full_bits: list[str], out: Path,
+          weighted: list[float] | None = None) -> Path:
     import optuna
     import torch
 
@@ -90,10 +94,14 @@ def study(model: str, device: str, profile_name: str, trials: int, full_bits: li
     res["preparation_s"] = time.perf_counter() - t0
     plan, d = ev.plan, ev.head_dim
     paper = preset("pnmix-paper")
-    targets = [key_bits(paper, d).total if b == "paper" else float(b) for b in full_bits]
-    # pnmix-paper's own figure rounded up, so that it fits the budget named after it
-    budgets = tuple(math.ceil(weighted_key_bits(paper, plan, d) * 1e4) / 1e4 if b == "paper"
-                    else plan.budget_for(float(b)) for b in full_bits)
+    if weighted:
+        budgets = tuple(weighted)
+        targets = [plan.full_layer_budget(b, paper.n_sink) for b in budgets]
+    else:
+        targets = [key_bits(paper, d).total if b == "paper" else float(b) for b in full_bits]
+        # pnmix-paper's own figure rounded up, so that it fits the budget named after it
+        budgets = tuple(math.ceil(weighted_key_bits(paper, plan, d) * 1e4) / 1e4 if b == "paper"
+                        else plan.budget_for(float(b)) for b in full_bits)
     res.update(plan={"kinds": list(plan.kinds), "window": plan.window}, full_bits=targets, budgets=list(budgets))
     log(f"{model}: budgets {budgets} (full layers' mean key bits {[round(b, 3) for b in targets]})")
     db = Database(f"sqlite:///{out / f'study-{model}.db'}")
@@ -116,8 +124,10 @@ def study(model: str, device: str, profile_name: str, trials: int, full_bits: li
                 row[name] = scores[name]
         row["minus"] = {k: list(paired(row["alloc"]["units"], row[k]["units"])["accuracy"])
                         for k in ("uniform", *BASELINES) if k in row}
-        layers = as_layerwise(config_from_dict(row["alloc"]["config"])).per_layer(len(plan.kinds))
+        picked = as_layerwise(config_from_dict(row["alloc"]["config"]))
+        layers = picked.per_layer(len(plan.kinds))
         row["full_layer_bits"] = {i: key_bits(layers[i], d).total for i in plan.full_layers}
+        row["windows_quantized"] = list(picked.windows)
         with db.session(readonly=True) as s:  # what `pnmix recommend --bits BUDGET` answers, held out
             rec = recommend(s, model, budget, campaign_id=runs["pnmix-alloc"]["campaign_id"])
             row["recommended"] = {"label": rec.config.label, "key_bits": rec.key_bits, "accuracy": rec.accuracy,
@@ -164,6 +174,8 @@ def report(path: Path) -> None:
         bits = list(row["full_layer_bits"].values())
         layer_bits = (", ".join(f"{i}: {b:.2f}" for i, b in row["full_layer_bits"].items()) if len(bits) <= 6
                       else f"{min(bits):.2f} to {max(bits):.2f} over {len(bits)} layers")
+        if row.get("windows_quantized"):
+            layer_bits += f"; {len(row['windows_quantized'])} windows quantized"
         lines.append(f"| {row['budget']:g} ({row['full_bits']:.3f}) | {a['label']} | {a['bits']:.3f} | "
                      f"{a['accuracy']:.3f} +- {a['accuracy_se']:.3f} | {cell(m, 'uniform')} | {cell(m, 'pnmix-paper')} "
                      f"| {cell(m, 'kivi2')} | {cell(m, 'fp16')} | {layer_bits} | {gap} |")
@@ -196,13 +208,16 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--full-bits", default="2.0,paper,2.5",
                     help="the full-attention layers' mean key bits of each budget ('paper': pnmix-paper's)")
+    ap.add_argument("--budgets", help="weighted key-bit budgets, comma-separated (instead of --full-bits)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/model_study"))
     ap.add_argument("--report", metavar="JSON")
     args = ap.parse_args()
     if args.report:
         report(Path(args.report))
         return
-    path = study(args.model, args.device, args.profile, args.trials, args.full_bits.split(","), Path(args.out))
+    weighted = [float(b) for b in args.budgets.split(",")] if args.budgets else None
+    path = study(args.model, args.device, args.profile, args.trials, args.full_bits.split(","), Path(args.out),
+                 weighted)
     report(path)
 
 
