@@ -156,6 +156,12 @@ def test_an_allocator_campaign_fills_each_budget_then_moves_and_serves_layerwise
     assert result.exit_code == 0, result.output
     with open(out) as f:
         assert config_from_dict(json.load(f)) == stored.config
+    # A uniform campaign of the model afterwards takes the stored single configs as warm starts and
+    # leaves the layer-wise ones, which its one layer cannot hold.
+    _, uniform_id = run_campaign(db, SearchSpace(method="pnmix"), (2.5,), 3)
+    with db.session(readonly=True) as s:
+        assert all(isinstance(p.config, PNMixConfig)
+                   for p in list_front_points(s, "smollm2-135m", campaign_id=uniform_id).items)
 
 
 def test_points_of_one_campaign_are_tied_or_not_by_their_paired_difference(db):  # noqa: F811

@@ -60,7 +60,9 @@ class WarmStarts:
             for params, proposal in allocator.warm_starts(budget, candidates, limit):
                 record.enqueue_warm_start(study, params, proposal)
             return
-        candidates = [c for c in map(space.recast, candidates) if not isinstance(c, EngineRecipe)
+        # a uniform space takes the single configs alone (another campaign's layer-wise ones cannot
+        # be recast onto its one layer)
+        candidates = [space.recast(c) for c in candidates if not isinstance(c, EngineRecipe)
                       and (space.layered or isinstance(c, PNMixConfig))]
         if space.layered:
             candidates = [*self._grouped(candidates, budget, space), *candidates]
