@@ -32,12 +32,12 @@ def real_token_mask(attention_mask: torch.Tensor | None, batch: int, length: int
     if attention_mask is None:
         return torch.ones((batch, length), dtype=torch.bool, device=device)
     if sliding:
-        last_row = torch.diagonal(attention_mask[:, 0, -length:, -length:], dim1=-2, dim2=-1)
+        seen = torch.diagonal(attention_mask[:, 0, -length:, -length:], dim1=-2, dim2=-1)
     else:
-        last_row = attention_mask[:, 0, -1, -length:]
-    if last_row.dtype == torch.bool:
-        return last_row
-    return last_row == 0  # additive float mask: 0 where attended, -inf (or min) elsewhere
+        seen = attention_mask[:, 0, -1, -length:]
+    if seen.dtype == torch.bool:
+        return seen
+    return seen == 0  # additive float mask: 0 where attended, -inf (or min) elsewhere
 
 
 def pnmix_attention(

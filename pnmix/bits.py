@@ -191,16 +191,21 @@ def _weighted(config: PNMixConfig | LayerwiseConfig, plan: LayerPlan, quantized_
     lw = as_layerwise(config)
     seen = quantized_tokens + lw.default.n_sink
     held = plan.held(seen)
-    total = 0.0
-    for t, c, kind in zip(held, lw.held_configs(plan.kinds), plan.kinds, strict=True):
-        if c is None:
-            total += t * FP16_BITS
-        elif kind == FULL:
-            total += t * bits(c, quantized_tokens)
-        else:
-            w = window_config(c, t, seen)
-            total += t * bits(w, t - w.n_sink)
-    return total / sum(held)
+    return math.fsum(t * layer_figure(c, kind, t, seen, quantized_tokens, bits)
+                     for t, c, kind in zip(held, lw.held_configs(plan.kinds), plan.kinds, strict=True)) / sum(held)
+
+
+def layer_figure(config: PNMixConfig | None, kind: str, held: int, seen: int, quantized_tokens: int,
+                 bits: Callable[[PNMixConfig, int], float]) -> float:
+    """One layer's bits per element it holds after `seen` tokens (`bits(config, T_q)`): a full-attention
+    layer at T_q = `quantized_tokens`; a quantized window at its `window_config` over the `held`
+    tokens it keeps; an exact window (`config` None) at 16."""
+    if config is None:
+        return float(FP16_BITS)
+    if kind == FULL:
+        return bits(config, quantized_tokens)
+    w = window_config(config, held, seen)
+    return bits(w, held - w.n_sink)
 
 
 def window_config(config: PNMixConfig, held: int, seen: int) -> PNMixConfig:

@@ -37,15 +37,7 @@ from typing import Any
 
 import optuna
 
-from pnmix.bits import (
-    DEFAULT_QUANTIZED_TOKENS,
-    FP16_BITS,
-    LayerPlan,
-    key_bits,
-    mean_key_bits,
-    value_bits_total,
-    window_config,
-)
+from pnmix.bits import DEFAULT_QUANTIZED_TOKENS, LayerPlan, key_bits, layer_figure, mean_key_bits, value_bits_total
 from pnmix.config import GROUP_SIZES, UNQUANTIZED_BITS, PNMixConfig, preset
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise, config_key, simplest
 from pnmix.names import FULL
@@ -123,14 +115,13 @@ class AllocatorLoop:
         held = self.plan.held(seen)
         kv = self.space.budget_on == BudgetOn.KV
 
-        def item_cost(c: PNMixConfig, i: int) -> float:
-            if not c.keys_quantized:
-                return float(FP16_BITS)
-            window = self.plan.kinds[i] != FULL
-            cfg = window_config(c, held[i], seen) if window else c
-            t_q = held[i] - cfg.n_sink if window else DEFAULT_QUANTIZED_TOKENS
-            keys = key_bits(cfg, self.head_dim, t_q).total
-            return (keys + value_bits_total(cfg, t_q)) / 2 if kv else keys
+        def bits(c: PNMixConfig, t_q: int) -> float:
+            keys = key_bits(c, self.head_dim, t_q).total
+            return (keys + value_bits_total(c, t_q)) / 2 if kv else keys
+
+        def item_cost(c: PNMixConfig, i: int) -> float:  # `exact_window` stands for an exact window
+            return layer_figure(c if c.keys_quantized else None, self.plan.kinds[i], held[i], seen,
+                                DEFAULT_QUANTIZED_TOKENS, bits)
 
         return {"item_cost": item_cost, "weights": [float(t) for t in held]}
 
