@@ -26,7 +26,9 @@ NAME=FILE`. Resumable: a cut run keeps its campaigns
 `--seeds 0,1,2` runs the key campaign once per campaign seed (the sampler's and the moves' order;
 the items stay seed 0's), as parts `key`, `key-seed1`, ...: per budget, each run's best, the best of
 all runs, each run's best minus it (paired) and the spread, so that what a recommendation owes to
-the search's luck is measured.
+the search's luck is measured. The seeds can also run as separate processes sharing one GPU (one
+`--seeds N --parts key --out DIR_N` each), then `--merge DIR_0/allocation_study.json ... --out DIR`
+joins their parts and reports the spread.
 """
 
 from __future__ import annotations
@@ -259,6 +261,22 @@ def report(path: Path) -> None:
           f"{res.get('env')}")
 
 
+def merge(paths: list[str], out: Path) -> None:
+    """One study from studies run apart (one campaign seed each): every part (the first file's where
+    two hold the same one), then the key parts' robustness across their seeds."""
+    res: dict[str, Any] = {}
+    for name in paths:
+        for key, value in json.loads(Path(name).read_text()).items():
+            res.setdefault(key, value)
+    seeds = sorted(part["seed"] for key, part in res.items() if key.split("-")[0] == "key")
+    if len(seeds) > 1:
+        robustness(res, seeds)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "allocation_study.json"
+    path.write_text(json.dumps(res))
+    report(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -270,7 +288,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/allocation_study"))
     ap.add_argument("--seeds", default="0", help="campaign seeds of the key part, comma-separated")
     ap.add_argument("--report", metavar="JSON")
+    ap.add_argument("--merge", metavar="JSON", nargs="+", help="studies run apart, joined into --out")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return
     if args.report:
         report(Path(args.report))
         return
