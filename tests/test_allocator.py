@@ -291,7 +291,8 @@ def test_the_main_job_compares_a_point_with_pnmix_paper_paired():
 
 def test_the_output_measure_of_keys_and_values_equals_a_query_by_query_reference():
     """`proxy_value_table` and `proxy_kl_table(measure="output")` against the attention output of
-    each decode query computed on its own, with the tokens packed at its time quantized."""
+    each decode query computed on its own, with the tokens packed at its time quantized; values
+    too with a layer as a sliding-window one, its queries over their last `window` tokens."""
     from pnmix import packing
     from pnmix.analysis import quantize_pnmix
     from pnmix.saliency import saliency_scores, select_salient_pairs
@@ -308,16 +309,17 @@ def test_the_output_measure_of_keys_and_values_equals_a_query_by_query_reference
     got_v = proxy_value_table(trace, formats, base, n_queries=16)
     positions = range(p, t, (t - p) // 16)
 
-    def relative(layer, k_hat, v_hat):
+    def relative(layer, k_hat, v_hat, window=None):
         q, k, v = trace.queries[layer], trace.keys[layer], trace.values[layer]
         err = norm = 0.0
         for h in range(4):
             for pos in positions:
                 n = quantized_tokens(base, p, pos + 1)
+                lo = max(0, pos + 1 - window) if window else 0
                 kk, vv = k[h // 2, : pos + 1].clone(), v[h // 2, : pos + 1].clone()
                 kk[4 : 4 + n], vv[4 : 4 + n] = k_hat[h // 2, 4 : 4 + n], v_hat[h // 2, 4 : 4 + n]
-                o = (q[h, pos] @ k[h // 2, : pos + 1].T * trace.scaling).softmax(-1) @ v[h // 2, : pos + 1]
-                o_hat = (q[h, pos] @ kk.T * trace.scaling).softmax(-1) @ vv
+                o = (q[h, pos] @ k[h // 2, lo : pos + 1].T * trace.scaling).softmax(-1) @ v[h // 2, lo : pos + 1]
+                o_hat = (q[h, pos] @ kk[lo:].T * trace.scaling).softmax(-1) @ vv[lo:]
                 err += float((o_hat - o).square().sum())
                 norm += float(o.square().sum())
         return err / norm
@@ -338,6 +340,12 @@ def test_the_output_measure_of_keys_and_values_equals_a_query_by_query_reference
             assert got_v[f][layer] == pytest.approx(relative(layer, k, v_hat), rel=1e-4), (layer, bits, size)
         # More value bits, less error; 8 bits nearly none.
         assert got_v[0][layer] > got_v[1][layer] > got_v[3][layer] and got_v[3][layer] < 1e-3
+    windowed = proxy_value_table(trace, formats, base, n_queries=16, windows=[None, 50])
+    for f, (bits, size) in enumerate(formats):
+        v_hat = packing.dequantize_values(packing.quantize_values(trace.values[1], bits, size), bits, size)
+        assert windowed[f][0] == got_v[f][0]
+        assert windowed[f][1] == pytest.approx(relative(1, trace.keys[1], v_hat, 50), rel=1e-4)
+        assert windowed[f][1] != pytest.approx(got_v[f][1], rel=1e-2)
 
 
 def test_the_kv_knapsack_gives_value_bits_to_the_layers_whose_values_need_them():

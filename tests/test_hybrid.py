@@ -513,6 +513,71 @@ def test_the_allocator_on_a_hybrid_model_spends_the_budget_on_every_layer(tmp_pa
         assert answer["point"]["key_bits"] == best.key_bits
 
 
+class HybridKVFormulaEvaluator(HybridFormulaEvaluator):
+    """`HybridFormulaEvaluator` with value formats scored too (a layer's loss halves per value bit,
+    a window's only where the config quantizes it): what the joint KV knapsack on a hybrid needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configs: list = []
+
+    def sensitivity(self, candidates, measure=None):
+        return super().sensitivity(candidates)
+
+    def value_sensitivity(self, formats, shared):
+        return {f: [self.weight(i) * 2.0 ** -f[0] for i in range(18)] for f in formats}
+
+    def weight(self, i: int) -> float:
+        return 1 + i if self.plan.kinds[i] == "full_attention" else 0.05
+
+    def proxy(self, config) -> float:
+        values = sum(self.weight(i) * 2.0 ** -c.value_bits for i, c in enumerate(self.per_layer(config))
+                     if c is not None)
+        return super().proxy(config) + values
+
+    def evaluate(self, config, measure: bool = True):
+        self.configs.append(config)
+        return super().evaluate(config, measure)
+
+
+def test_the_joint_kv_allocator_on_a_hybrid_model_quantizes_windows_keys_and_values_together(tmp_path):
+    """A pnmix-alloc campaign under KV budgets with per-layer value formats on Gemma 3's layout, at
+    2.0 weighted KV bits, which exact windows alone would not leave room for: its floor is under
+    the budget, every stored point's KV bits are the weighted figure within its budget, every window
+    of a 2.0 point is quantized (keys and values, under its layer's config), and the joint
+    allocation is among the trials, its value formats differing by layer."""
+    from pnmix.storage import Database, list_front_points, upgrade
+    from pnmix.storage.testing import sqlite_url
+    from pnmix.tuner.search.campaign import CampaignRunner
+    from pnmix.tuner.search.session import find_or_create_campaign
+    from pnmix.tuner.search.space import SearchSpace
+    from pnmix.tuner.search.spec import CampaignSpec
+
+    space = SearchSpace(method="pnmix-alloc", budget_on="kv", search_values=True)
+    assert GEMMA.budget_for(1.0) > 2.0  # exact windows alone hold more than the budget allows
+    assert space.with_plan(GEMMA).min_bits(256) < 2.0
+    db = Database(sqlite_url(tmp_path))
+    upgrade(db)
+    spec = CampaignSpec(model="gemma3-270m", budgets=(2.0, 3.0), n_trials=5, method="pnmix-alloc",
+                        profile="smoke", tasks=("fidelity",), objectives=("accuracy", "kv_bits"), space=space)
+    campaign_id = find_or_create_campaign(db, spec)
+    ev = HybridKVFormulaEvaluator()
+    CampaignRunner(db, db.url, campaign_id, spec, ev).run()
+    with db.session(readonly=True) as s:
+        points = list_front_points(s, "gemma3-270m", campaign_id=campaign_id).items
+        assert {p.budget for p in points} == {2.0, 3.0}
+        for p in points:
+            lw = as_layerwise(p.config)
+            assert p.kv_bits == pytest.approx(weighted_kv_bits(p.config, GEMMA, 256), abs=1e-12)
+            assert p.kv_bits <= p.budget + 1e-9
+            assert not set(lw.named_layers(18)) - {5, 11, 17} - set(lw.windows)
+            if p.budget == 2.0:
+                assert len(lw.windows) == 15
+                assert all(c.keys_quantized and c.values_quantized for c in lw.per_layer(18))
+    formats = [{(c.value_bits, c.value_group_size) for c in as_layerwise(cfg).per_layer(18)} for cfg in ev.configs]
+    assert any(len(f) > 1 for f in formats)
+
+
 @pytest.mark.slow
 def test_pnmix_tune_on_a_hybrid_checkpoint_stores_fronts_by_the_weighted_figure(tmp_path, embedded):
     """`pnmix tune` (the allocator, the default method) on a local hybrid checkpoint, end to end

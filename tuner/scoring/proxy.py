@@ -92,16 +92,20 @@ def proxy_kl_table(trace: Trace, configs: list[PNMixConfig], pairing: Pairing,
 
 
 def proxy_value_table(trace: Trace, formats: list[tuple[int, int]], shared: PNMixConfig,
-                      n_queries: int = 64) -> list[list[float]]:
+                      n_queries: int = 64, windows: Windows | None = None) -> list[list[float]]:
     """Each value format's (bits, group size) relative attention-output error per layer,
     `[format][layer]`, with the keys exact and the values of the packed region (`shared`'s token
-    schedule: sinks, G, residual) quantized per token as the cache stores them."""
+    schedule: sinks, G, residual) quantized per token as the cache stores them; a sliding-window
+    layer (`windows`) attends over its window only."""
     at = _Schedule.of(trace, shared, n_queries)
     out: list[list[float]] = [[] for _ in formats]
-    for q, k, v in zip(trace.queries, trace.keys, _values(trace), strict=True):
+    for li, (q, k, v) in enumerate(zip(trace.queries, trace.keys, _values(trace), strict=True)):
         group = q.shape[0] // k.shape[0]
         logits = torch.einsum("hqd,hsd->hqs", q[:, at.positions], k.repeat_interleave(group, 0)) * trace.scaling
-        p = logits.masked_fill(~at.causal, float("-inf")).softmax(-1)  # [Hq, Q, T]
+        window = windows[li] if windows is not None else None
+        seen = at.causal if window is None else at.causal & (
+            torch.arange(k.shape[1], device=k.device)[None, :] > at.positions[:, None] - window)
+        p = logits.masked_fill(~seen, float("-inf")).softmax(-1)  # [Hq, Q, T]
         v_rep = v.repeat_interleave(group, 0)
         o = p @ v_rep
         lo, hi = at.sinks, at.sinks + at.n_packed

@@ -120,10 +120,14 @@ class ProxyTables:
     def value_sensitivity(self, formats: list[tuple[int, int]],
                           shared: PNMixConfig) -> dict[tuple[int, int], list[float]]:
         """Each value format's (bits, group size) relative attention-output error per layer under
-        `shared`'s token schedule (`tuner.scoring.proxy.proxy_value_table`), cached like `sensitivity`."""
+        `shared`'s token schedule (`tuner.scoring.proxy.proxy_value_table`; a sliding layer over its
+        window), cached like `sensitivity`."""
         schedule = {f: getattr(shared, f) for f in ("n_sink", "group_size", "residual_len")}
-        rows = self.cached_table(["values", schedule, [list(f) for f in formats]], len(formats),
-                                  lambda: proxy_value_table(self.trace(), formats, shared))
+        what: list[Any] = ["values", schedule, [list(f) for f in formats]]
+        if self.plan.hybrid:  # a sliding layer's rows under its window, as `sensitivity`'s
+            what.append({"window": self.plan.window})
+        rows = self.cached_table(what, len(formats),
+                                  lambda: proxy_value_table(self.trace(), formats, shared, windows=self._windows()))
         return dict(zip(formats, rows, strict=True))
 
     def format_sensitivity(self, formats: list[KVFormat]) -> tuple[dict[KVFormat, list[float]],

@@ -20,11 +20,12 @@ scored by the proxy's relative attention-output error, so a layer's value format
 against the other layers' keys and values within the total KV bits; moves in the joint table may
 then trade a key step for a value step (`allocations` says why the KL allocation comes first).
 
-On a model with sliding-window layers (Gemma 3) the windows are in the keys' knapsack too, unless
-values are searched per layer: each window takes a candidate (quantized under it, its proxy KL
-measured under the sliding mask) or stays exact (`exact_window`: KL 0, 16 bits), every layer
-weighted by the elements it holds at 32K tokens, so the knapsack bounds the weighted figure the
-budget is on. The joint KV knapsack allocates the full-attention layers and keeps the windows exact.
+On a model with sliding-window layers (Gemma 3) the windows are in the knapsack too: each window
+takes a candidate (quantized under it, its proxy figure measured under the sliding mask) or stays
+exact (`exact_window`: 0, 16 bits), every layer weighted by the elements it holds at 32K tokens,
+so the knapsack bounds the weighted figure the budget is on. In the joint KV knapsack a window's
+keys and values are one choice (a key candidate with a value format, or exact), since a config
+quantizes a window whole or not at all.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from pnmix.tuner.search.layers import (
     joint_layers,
     joint_table,
     moves,
-    spread,
 )
 from pnmix.tuner.search.record import Origin, RunningTrial, running_trials, scored_configs
 from pnmix.tuner.search.space import BudgetOn, SearchSpace
@@ -79,12 +79,10 @@ class AllocatorLoop:
         self.sensitivity_seconds = 0.0
         self.joint = space.values_per_layer  # items: each layer's keys, then each layer's values
         self.plan = space.plan or LayerPlan.full(num_layers)
-        # The layers the knapsack allocates: every layer, windows included (`windows`), each weighted
-        # by the elements it holds, against the budget itself; or, in the joint KV knapsack, the
-        # full-attention ones, which hold as many elements each, so the knapsack bounds their plain
-        # mean, against the budget less what the exact windows hold (`_budget`).
-        self.windows = self.plan.hybrid and not self.joint
-        self.allocated = list(range(num_layers)) if self.windows else self.plan.full_layers
+        # The knapsack allocates every layer, a hybrid model's windows included (`windows`), each
+        # weighted by the elements it holds, against the budget itself.
+        self.windows = self.plan.hybrid
+        self._window_layers = [i for i, kind in enumerate(self.plan.kinds) if kind != FULL]
         self._plain = replace(space, plan=None)  # a full layer's own figure, not weighted
 
     def cost(self, config: AnyConfig) -> float:
@@ -97,13 +95,37 @@ class AllocatorLoop:
         2L items is the KV bits."""
         if isinstance(item, ValueFormat):
             return value_bits_total(item.on(base))
+        if not isinstance(item, PNMixConfig):
+            return 0.0
         return mean_key_bits(item, 1, self.head_dim) if self.joint else self._plain.cost(item, self.head_dim)
 
-    def _budget(self, budget: float, base: PNMixConfig) -> float:
-        """The bound on the knapsack's mean: the budget itself on a full-attention model or with the
-        windows in the knapsack, what the full-attention layers may take beside the exact windows
-        in the joint one."""
-        return budget if self.windows else self.plan.full_layer_budget(budget, base.n_sink)
+    def _joint_costs(self, base: PNMixConfig) -> dict[str, Any]:
+        """`allocate`'s and `moves`' cost arguments for the joint KV knapsack at `base`'s shared fields:
+        each item at `item_cost`; on a hybrid model per item and weighted by the elements its layer
+        holds, a window's keys item at its config's KV bits over both halves (`layer_figure`) and its
+        values item (`tuner.search.layers.TIED`) at nothing, so the weighted mean is the weighted KV bits."""
+        if not self.windows:
+            return {"cost": lambda item: self.item_cost(item, base)}
+        n = self.num_layers
+        seen = DEFAULT_QUANTIZED_TOKENS + base.n_sink
+        held = self.plan.held(seen)
+
+        def kv(c: PNMixConfig, t_q: int) -> float:
+            return (key_bits(c, self.head_dim, t_q).total + value_bits_total(c, t_q)) / 2
+
+        def item_cost(c: Candidate, i: int) -> float:
+            layer = i % n
+            if layer not in self._window_layers:
+                return self.item_cost(c, base)
+            if i >= n or not isinstance(c, PNMixConfig):
+                return 0.0
+            return layer_figure(c if c.keys_quantized else None, self.plan.kinds[layer], held[layer], seen,
+                                DEFAULT_QUANTIZED_TOKENS, kv)
+
+        weights = [float(held[i % n]) * (2 if i < n and i in self._window_layers else 1) for i in range(2 * n)]
+        for i in self._window_layers:
+            weights[n + i] = 0.0
+        return {"item_cost": item_cost, "weights": weights}
 
     def _knapsack_costs(self, base: PNMixConfig) -> dict[str, Any]:
         """`allocate`'s and `moves`' cost arguments for the keys' knapsack at `base`'s shared fields:
@@ -125,39 +147,41 @@ class AllocatorLoop:
 
         return {"item_cost": item_cost, "weights": [float(t) for t in held]}
 
-    def _rows(self, table: dict[Any, list[float]], base: PNMixConfig | None = None) -> dict[Any, list[float]]:
-        """A per-layer table restricted to the layers the knapsack allocates; with the windows in it,
-        every layer, and the exact window (`base`'s `exact_window`) beside the candidates."""
-        if not self.plan.hybrid:
+    def _with_exact(self, table: dict[Any, list[float]], base: PNMixConfig) -> dict[Any, list[float]]:
+        """The keys' per-layer table with, on a hybrid model, the exact window (`base`'s
+        `exact_window`) beside the candidates."""
+        if not self.windows:
             return table
-        rows = {c: [row[i] for i in self.allocated] for c, row in table.items()}
-        if self.windows and base is not None:
-            rows[exact_window(base)] = [0.0 if kind != FULL else math.inf for kind in self.plan.kinds]
-        return rows
+        return {**table, exact_window(base): [0.0 if kind != FULL else math.inf for kind in self.plan.kinds]}
 
     def _items(self, config: AnyConfig) -> list[Candidate]:
         """A config as the knapsack's items (`_config`'s inverse)."""
         lw = as_layerwise(config)
         every = lw.per_layer(self.num_layers)
+        key_values = ValueFormat(self.space.value_bits, self.space.value_group_size)
         if self.windows:
             exact = exact_window(self.space.shared_base(config))
+            if self.joint:
+                return joint_items(lw.held_configs(self.plan.kinds), key_values, self._window_layers, exact)
             return [c if c is not None else exact for c in lw.held_configs(self.plan.kinds)]
-        layers = [every[i] for i in self.allocated]
         if not self.joint:
-            return list(layers)
-        return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size))
+            return list(every)
+        return joint_items(every, key_values)
 
     def _config(self, items: Sequence[Candidate]) -> AnyConfig:
         """The config of the knapsack's items, in its simplest form."""
-        return self._layers_config(joint_layers(items) if self.joint else list(items))  # type: ignore[arg-type]
+        if not self.joint:
+            return self._layers_config(list(items))  # type: ignore[arg-type]
+        layers = joint_layers(items, self._window_layers)
+        exact = exact_window(PNMixConfig())
+        return self._layers_config([c if c is not None else exact for c in layers])
 
     def _layers_config(self, layers: list[PNMixConfig]) -> AnyConfig:
-        """The config of the allocated layers' configs. On a hybrid model, with the windows in the
-        knapsack: the windows quantized are listed in `windows`, and an exact one takes the quantized
-        layers' most common config (the default), so that no range names it; otherwise the windows
-        take the full layers' most common config (`spread`)."""
+        """The config of the layers' configs. On a hybrid model the windows quantized are listed in
+        `windows`, and an exact one takes the quantized layers' most common config (the default),
+        so that no range names it."""
         if not self.windows:
-            return simplest(LayerwiseConfig.from_layers(spread(layers, self.plan)))
+            return simplest(LayerwiseConfig.from_layers(layers))
         quantized = [c for c in layers if c.keys_quantized]
         default = max(dict.fromkeys(quantized), key=quantized.count)
         windows = [i for i, (c, kind) in enumerate(zip(layers, self.plan.kinds, strict=True))
@@ -198,7 +222,7 @@ class AllocatorLoop:
 
     def screen(self, budget: float) -> list[PNMixConfig]:
         """Shared-field settings (as base configs) ranked by how the proxy rates their allocation at
-        `budget`: the summed proxy KL over the allocated layers of the knapsack's choice, least
+        `budget`: the summed proxy KL over the layers of the knapsack's choice, least
         first (a setting where nothing fits last). Coordinate-wise, so that it costs a few tables,
         not one per combination: every sink count at the paper's G (128), then every G at the sink
         count that ranked first. Which of a budget's shared fields hold its best allocation is
@@ -219,7 +243,7 @@ class AllocatorLoop:
         """The proxy's figure for the keys' allocation at `base`'s shared fields: its summed KL."""
         table = self.table(base)
         try:
-            layers = allocate(table, self._budget(budget, base), self.head_dim, **self._knapsack_costs(base))
+            layers = allocate(table, budget, self.head_dim, **self._knapsack_costs(base))
         except EvalError:
             return math.inf
         return sum(table[c][i] for i, c in enumerate(layers))
@@ -251,10 +275,9 @@ class AllocatorLoop:
         best = self.best_scored(studies[0], base, budget)
         start = best if best is not None else allocations[0]
         table: Table = self.joint_table(base) if self.joint else {c: row for c, row in self.table(base).items()}
-        costs = {} if self.joint else self._knapsack_costs(base)
-        for changed in moves(self._items(start), table, self._budget(budget, base),
-                             lambda item: self.item_cost(item, base), item_cost=costs.get("item_cost"),
-                             weights=costs.get("weights")):
+        costs = self._joint_costs(base) if self.joint else self._knapsack_costs(base)
+        for changed in moves(self._items(start), table, budget, lambda item: self.item_cost(item, base),
+                             item_cost=costs.get("item_cost"), weights=costs.get("weights")):
             cfg = self._config(changed)
             if config_key(cfg.to_dict()) not in taken:
                 return cfg, Origin.MOVE
@@ -268,16 +291,15 @@ class AllocatorLoop:
         weighs value errors too lightly against key errors: alone it traded value bits for key
         bits that real scores did not repay. Empty when nothing fits."""
         out: list[AnyConfig] = []
-        within = self._budget(budget, base)
         try:
-            layers = allocate(self.table(base, running), within, self.head_dim, **self._knapsack_costs(base))
+            layers = allocate(self.table(base, running), budget, self.head_dim, **self._knapsack_costs(base))
             out.append(self._layers_config(layers))
         except EvalError:
             pass
         if self.joint:
             joint = self.joint_table(base, running)
             try:
-                items = allocate(joint, within, self.head_dim, cost=lambda item: self.item_cost(item, base))
+                items = allocate(joint, budget, self.head_dim, **self._joint_costs(base))
                 cfg = self._config(items)
                 if cfg not in out:
                     out.append(cfg)
@@ -287,11 +309,11 @@ class AllocatorLoop:
 
     def table(self, base: PNMixConfig, running: RunningTrial | None = None) -> dict[PNMixConfig, list[float]]:
         """The keys' sensitivity table at `base`'s shared fields: each candidate's proxy KL per
-        allocated layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with
+        layer (`Evaluator.sensitivity`, cached on disk per model, profile and seed), with
         `base`'s value format (with per-layer values, `base` holds the space's); computed once per
         loop, the seconds it took recorded on the trial that needed it (`sensitivity_s`)."""
         keys = self._keys_base(base)
-        rows = self._computed((keys, "kl"), running, lambda: self._rows(
+        rows = self._computed((keys, "kl"), running, lambda: self._with_exact(
             dict(self.evaluator.sensitivity(candidates_like(keys, self.space))), keys))
         values = {"value_bits": base.value_bits, "value_group_size": base.value_group_size}
         return {c.with_(**values): row for c, row in rows.items()}  # type: ignore[union-attr]
@@ -305,7 +327,8 @@ class AllocatorLoop:
             formats = self.space.value_choices(self.head_dim)
             values = self.evaluator.value_sensitivity(formats, keys)
             outputs = self.evaluator.sensitivity(candidates_like(keys, self.space), measure=ProxyMeasure.OUTPUT)
-            return joint_table(self._rows(outputs), self._rows({ValueFormat(*f): row for f, row in values.items()}))
+            return joint_table(outputs, {ValueFormat(*f): row for f, row in values.items()}, self._window_layers,
+                               exact_window(base))
 
         return self._computed((keys, "joint"), running, compute)
 

@@ -16,7 +16,9 @@ the same knapsack: item i < L is layer i's keys (a key candidate), item L + i it
 `ValueFormat`), both scored in one unit (the proxy's relative attention-output error) and both
 costed in bits per element, so the mean over the 2L items is the KV bits (`joint_table`). A
 candidate does not apply to the other kind's items: its row holds inf there, which neither the
-relaxation nor the slack step ever picks.
+relaxation nor the slack step ever picks. A sliding-window layer's window is quantized whole or
+kept exact, keys and values together: its keys item takes a key candidate with a value format (the
+two errors added) or the exact window, and its values item only `TIED`, which costs nothing.
 """
 
 from __future__ import annotations
@@ -47,33 +49,75 @@ class ValueFormat:
         return config.with_(value_bits=self.bits, value_group_size=self.group_size)
 
 
-Candidate = PNMixConfig | ValueFormat
+@dataclass(frozen=True)
+class Tied:
+    """A window's values item in the KV knapsack: set by its keys item's candidate (`TIED`)."""
 
 
-def joint_table(keys: Mapping[PNMixConfig, Sequence[float]],
-                values: Mapping[ValueFormat, Sequence[float]]) -> dict[Candidate, list[float]]:
+TIED = Tied()
+Candidate = PNMixConfig | ValueFormat | Tied
+
+
+def joint_table(keys: Mapping[PNMixConfig, Sequence[float]], values: Mapping[ValueFormat, Sequence[float]],
+                windows: Sequence[int] = (), exact: PNMixConfig | None = None) -> dict[Candidate, list[float]]:
     """The KV knapsack's table over 2L items: layer i's keys are item i, its values item L + i
-    (each candidate inf on the other kind's items). `keys` and `values` in one unit."""
+    (each candidate inf on the other kind's items). `keys` and `values` in one unit. A window
+    (`windows`: layer indices) is one choice for keys and values together: on its keys item each
+    key candidate with each value format (the sum of the two errors) and `exact` (0), on its
+    values item only `TIED` (0)."""
     n = len(next(iter(keys.values())))
     table: dict[Candidate, list[float]] = {c: list(row) + [math.inf] * n for c, row in keys.items()}
     table.update({f: [math.inf] * n + list(row) for f, row in values.items()})
+    if windows:
+        table[TIED] = [math.inf] * (2 * n)
+        if exact is not None:
+            table[exact] = [math.inf] * (2 * n)
+        for i in windows:
+            for c in keys:  # a key candidate alone leaves the window's values unsaid
+                table[c][i] = math.inf
+            for c, row in keys.items():
+                for f, value_row in values.items():
+                    table.setdefault(f.on(c), [math.inf] * (2 * n))[i] = row[i] + value_row[i]
+            for f in values:
+                table[f][n + i] = math.inf
+            table[TIED][n + i] = 0.0
+            if exact is not None:
+                table[exact][i] = 0.0
     return table
 
 
-def joint_layers(items: Sequence[Candidate]) -> list[PNMixConfig]:
-    """Each layer's config from the 2L items of `joint_table`: its key candidate with its value format."""
+def joint_layers(items: Sequence[Candidate], windows: Sequence[int] = ()) -> list[PNMixConfig | None]:
+    """Each layer's config from the 2L items of `joint_table`: its key candidate with its value
+    format; a window's keys item as it is (None for the exact window, whose keys are not quantized)."""
     n = len(items) // 2
-    out = []
-    for key, value in zip(items[:n], items[n:], strict=True):
-        assert isinstance(key, PNMixConfig) and isinstance(value, ValueFormat)
-        out.append(value.on(key))
+    out: list[PNMixConfig | None] = []
+    for i, (key, value) in enumerate(zip(items[:n], items[n:], strict=True)):
+        assert isinstance(key, PNMixConfig)
+        if i in windows:
+            out.append(key if key.keys_quantized else None)
+        else:
+            assert isinstance(value, ValueFormat)
+            out.append(value.on(key))
     return out
 
 
-def joint_items(layers: Sequence[PNMixConfig], key_values: ValueFormat) -> list[Candidate]:
+def joint_items(layers: Sequence[PNMixConfig | None], key_values: ValueFormat, windows: Sequence[int] = (),
+                exact: PNMixConfig | None = None) -> list[Candidate]:
     """The 2L items of per-layer configs (the inverse of `joint_layers`): each layer's keys as the
-    key candidate with `key_values` (the value format the key candidates carry), then its values."""
-    return [key_values.on(c) for c in layers] + [ValueFormat(c.value_bits, c.value_group_size) for c in layers]
+    key candidate with `key_values` (the value format the key candidates carry), then its values;
+    a window's keys item its config (`exact` where it is None), its values item `TIED`."""
+    keys: list[Candidate] = []
+    values: list[Candidate] = []
+    for i, c in enumerate(layers):
+        if i in windows:
+            assert c is not None or exact is not None
+            keys.append(c if c is not None else exact)  # type: ignore[arg-type]
+            values.append(TIED)
+        else:
+            assert c is not None
+            keys.append(key_values.on(c))
+            values.append(ValueFormat(c.value_bits, c.value_group_size))
+    return keys + values
 
 
 def candidates_like(base: PNMixConfig, space: SearchSpace) -> list[PNMixConfig]:
@@ -195,13 +239,17 @@ def grouped_for_budget(space: Any, kl_of: Mapping[PNMixConfig, Sequence[float]],
 def _step_apart(a: Candidate, b: Candidate) -> bool:
     """Whether `b` is one step from `a`: one bit of b_high or b_low, or one salient-ratio step
     (0.1), with the other knobs kept (a uniform pair's ratio counts as 0); between value formats,
-    the next value bits or the next value group size, the other kept."""
-    if isinstance(a, ValueFormat) or isinstance(b, ValueFormat):
+    the next value bits or the next value group size, the other kept; between two configs whose
+    value formats differ (a window's choices in the KV knapsack), such a value step alone."""
+    if not (isinstance(a, PNMixConfig) and isinstance(b, PNMixConfig)):
         if not (isinstance(a, ValueFormat) and isinstance(b, ValueFormat)):
             return False
         bits = a.group_size == b.group_size and abs(VALUE_BITS.index(a.bits) - VALUE_BITS.index(b.bits)) == 1
         groups = a.bits == b.bits and abs(VALUE_GROUPS.index(a.group_size) - VALUE_GROUPS.index(b.group_size)) == 1
         return bits or groups
+    va, vb = ValueFormat(a.value_bits, a.value_group_size), ValueFormat(b.value_bits, b.value_group_size)
+    if va != vb:  # a window's keys and values together: a value step with the keys kept
+        return a.with_(value_bits=b.value_bits, value_group_size=b.value_group_size) == b and _step_apart(va, vb)
     n_bits = abs(a.b_high - b.b_high) + abs(a.b_low - b.b_low)
     ratio = abs(a.salient_ratio - b.salient_ratio)
     return (n_bits == 1 and ratio < 0.1 + 1e-9) or (n_bits == 0 and abs(ratio - 0.1) < 1e-9)

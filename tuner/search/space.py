@@ -152,7 +152,7 @@ class SearchSpace:
 
     def cost(self, config: Answer, head_dim: int) -> float:
         """The figure a budget bounds: key bits (layers' mean) or KV bits, metadata included; on a
-        hybrid model (`plan`), weighted by the elements each layer holds, windows at 16 bits. An
+        hybrid model (`plan`), weighted by the elements each layer holds, an exact window at 16 bits. An
         engine recipe's: its effective KV bits, weighted alike (its windows in their formats)."""
         from pnmix.bits import kv_bits, mean_key_bits, weighted_key_bits, weighted_kv_bits
 
@@ -387,9 +387,8 @@ class SearchSpace:
 
     @property
     def windows_searched(self) -> bool:
-        """Whether the allocator may quantize a hybrid model's windows (the keys' knapsack:
-        `tuner.search.allocation`); the joint KV knapsack, with values per layer, keeps them exact."""
-        return self.allocated and not self.recipes and not self.values_per_layer and self.plan is not None
+        """Whether the allocator may quantize a hybrid model's windows (`tuner.search.allocation`)."""
+        return self.allocated and not self.recipes and self.plan is not None
 
     # -- records -----------------------------------------------------------------------------------
 
