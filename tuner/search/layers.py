@@ -147,28 +147,31 @@ def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
     not even the cheapest candidate everywhere fits.
     """
     cands = list(kl)
-    n = len(next(iter(kl.values())))
+    rows = [kl[c] for c in cands]
+    n = len(rows[0])
     w = list(weights) if weights is not None else [1.0] * n
-    if item_cost is None:
-        one = {c: (cost(c) if cost else key_bits(c, head_dim).total) for c in cands}
-        bits = {c: [one[c]] * n for c in cands}
-    else:
-        bits = {c: [item_cost(c, i) for i in range(n)] for c in cands}
+    # Per item, the candidates (by index) where its KL is finite (all of them where none is): an inf
+    # candidate is never chosen, and each item of the joint KV knapsack takes a small share of them.
+    usable = [[j for j, row in enumerate(rows) if row[i] != math.inf] or list(range(len(cands))) for i in range(n)]
+    one = [cost(c) if cost else key_bits(c, head_dim).total for c in cands] if item_cost is None else []
+    bits = [[item_cost(cands[j], i) if item_cost is not None else one[j] for j in usable[i]] for i in range(n)]
+    kls = [[rows[j][i] for j in usable[i]] for i in range(n)]
     limit = budget * sum(w) + 1e-9
 
-    def choose(lam: float) -> list[Any]:
-        return [min(cands, key=lambda c: (kl[c][i] + lam * w[i] * bits[c][i], bits[c][i])) for i in range(n)]
+    def choose(lam: float) -> list[int]:  # per item, the position of its choice in `usable[i]`
+        return [min(range(len(kls[i])), key=lambda k, i=i: (kls[i][k] + lam * w[i] * bits[i][k], bits[i][k]))
+                for i in range(n)]
 
-    def total(choice: list[Any]) -> float:
-        return sum(wi * bits[c][i] for i, (wi, c) in enumerate(zip(w, choice, strict=True)))
+    def total(choice: list[int]) -> float:
+        return sum(w[i] * bits[i][k] for i, k in enumerate(choice))
 
     if total(choice := choose(0.0)) > limit:
         lo, hi = 0.0, 1.0
         while total(choose(hi)) > limit:
             hi *= 2
             if hi > 1e12:
-                cheapest = min(min(row) for row in bits.values())
-                raise EvalError(f"no allocation fits {budget:g} key bits: the cheapest candidate needs {cheapest:.3f}")
+                cheapest = sum(wi * min(row) for wi, row in zip(w, bits, strict=True)) / sum(w)
+                raise EvalError(f"no allocation fits {budget:g} bits: the cheapest candidates need {cheapest:.3f}")
         for _ in range(BISECTION_STEPS):
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if total(choose(mid)) <= limit else (mid, hi)
@@ -176,15 +179,15 @@ def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
     # Spend the slack: the upgrade with the most KL saved per added bit, while it fits.
     while True:
         spare = limit - total(choice)
-        best: tuple[float, int, Any] | None = None
+        best: tuple[float, int, int] | None = None
         for i, cur in enumerate(choice):
-            for c in cands:
-                extra = w[i] * (bits[c][i] - bits[cur][i])
-                saved = kl[cur][i] - kl[c][i]
+            for k in range(len(kls[i])):
+                extra = w[i] * (bits[i][k] - bits[i][cur])
+                saved = kls[i][cur] - kls[i][k]
                 if 0 < extra <= spare and saved > 0 and (best is None or saved / extra > best[0]):
-                    best = (saved / extra, i, c)
+                    best = (saved / extra, i, k)
         if best is None:
-            return choice
+            return [cands[usable[i][k]] for i, k in enumerate(choice)]
         choice[best[1]] = best[2]
 
 
