@@ -158,9 +158,11 @@ def allocate(kl: Mapping[Any, Sequence[float]], budget: float, head_dim: int,
     kls = [[rows[j][i] for j in usable[i]] for i in range(n)]
     limit = budget * sum(w) + 1e-9
 
-    def choose(lam: float) -> list[int]:  # per item, the position of its choice in `usable[i]`
-        return [min(range(len(kls[i])), key=lambda k, i=i: (kls[i][k] + lam * w[i] * bits[i][k], bits[i][k]))
-                for i in range(n)]
+    def pick(i: int, lam: float) -> int:  # item i's choice, as its position in `usable[i]`
+        return min(range(len(kls[i])), key=lambda k: (kls[i][k] + lam * w[i] * bits[i][k], bits[i][k]))
+
+    def choose(lam: float) -> list[int]:
+        return [pick(i, lam) for i in range(n)]
 
     def total(choice: list[int]) -> float:
         return sum(w[i] * bits[i][k] for i, k in enumerate(choice))
