@@ -173,7 +173,7 @@ class AllocatorLoop:
         if not self.joint:
             return self._layers_config(list(items))  # type: ignore[arg-type]
         layers = joint_layers(items, self._window_layers)
-        exact = exact_window(PNMixConfig())
+        exact = exact_window(PNMixConfig())  # its keys unquantized: what `_layers_config` reads as exact
         return self._layers_config([c if c is not None else exact for c in layers])
 
     def _layers_config(self, layers: list[PNMixConfig]) -> AnyConfig:
