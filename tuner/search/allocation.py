@@ -99,53 +99,51 @@ class AllocatorLoop:
             return 0.0
         return mean_key_bits(item, 1, self.head_dim) if self.joint else self._plain.cost(item, self.head_dim)
 
-    def _joint_costs(self, base: PNMixConfig) -> dict[str, Any]:
-        """`allocate`'s and `moves`' cost arguments for the joint KV knapsack at `base`'s shared fields:
-        each item at `item_cost`; on a hybrid model per item and weighted by the elements its layer
-        holds, a window's keys item at its config's KV bits over both halves (`layer_figure`) and its
-        values item (`tuner.search.layers.TIED`) at nothing, so the weighted mean is the weighted KV bits."""
-        if not self.windows:
-            return {"cost": lambda item: self.item_cost(item, base)}
-        n = self.num_layers
+    def _layer_cost(self, base: PNMixConfig, kv: bool) -> tuple[Callable[[PNMixConfig, int], float], list[int]]:
+        """On a hybrid model at `base`'s shared fields: a config's bits per element in layer i (key
+        bits, or `kv` the mean of key and value bits; a window at its `window_config`, an exact one,
+        keys unquantized as `exact_window`'s, at 16) and the tokens each layer holds at 32K."""
         seen = DEFAULT_QUANTIZED_TOKENS + base.n_sink
         held = self.plan.held(seen)
-
-        def kv(c: PNMixConfig, t_q: int) -> float:
-            return (key_bits(c, self.head_dim, t_q).total + value_bits_total(c, t_q)) / 2
-
-        def item_cost(c: Candidate, i: int) -> float:
-            layer = i % n
-            if layer not in self._window_layers:
-                return self.item_cost(c, base)
-            if i >= n or not isinstance(c, PNMixConfig):
-                return 0.0
-            return layer_figure(c if c.keys_quantized else None, self.plan.kinds[layer], held[layer], seen,
-                                DEFAULT_QUANTIZED_TOKENS, kv)
-
-        weights = [float(held[i % n]) * (2 if i < n and i in self._window_layers else 1) for i in range(2 * n)]
-        for i in self._window_layers:
-            weights[n + i] = 0.0
-        return {"item_cost": item_cost, "weights": weights}
-
-    def _knapsack_costs(self, base: PNMixConfig) -> dict[str, Any]:
-        """`allocate`'s and `moves`' cost arguments for the keys' knapsack at `base`'s shared fields:
-        a candidate's bits under the budget kind; with the windows in it, per layer (a window at its
-        `window_config`, an exact one at 16 bits) and each layer weighted by what it holds."""
-        if not self.windows:
-            return {"cost": lambda c: self._plain.cost(c, self.head_dim)}
-        seen = DEFAULT_QUANTIZED_TOKENS + base.n_sink
-        held = self.plan.held(seen)
-        kv = self.space.budget_on == BudgetOn.KV
 
         def bits(c: PNMixConfig, t_q: int) -> float:
             keys = key_bits(c, self.head_dim, t_q).total
             return (keys + value_bits_total(c, t_q)) / 2 if kv else keys
 
-        def item_cost(c: PNMixConfig, i: int) -> float:  # `exact_window` stands for an exact window
+        def cost(c: PNMixConfig, i: int) -> float:
             return layer_figure(c if c.keys_quantized else None, self.plan.kinds[i], held[i], seen,
                                 DEFAULT_QUANTIZED_TOKENS, bits)
 
-        return {"item_cost": item_cost, "weights": [float(t) for t in held]}
+        return cost, held
+
+    def _joint_costs(self, base: PNMixConfig) -> dict[str, Any]:
+        """`allocate`'s and `moves`' cost arguments for the joint KV knapsack at `base`'s shared fields:
+        each item at `item_cost`; on a hybrid model per item and weighted by the elements its layer
+        holds, a window's keys item at its config's KV bits over both halves (`_layer_cost`, weighed
+        twice) and its values item (`tuner.search.layers.TIED`) at nothing, so the weighted mean is
+        the weighted KV bits."""
+        if not self.windows:
+            return {"cost": lambda item: self.item_cost(item, base)}
+        n = self.num_layers
+        layer_cost, held = self._layer_cost(base, kv=True)
+
+        def item_cost(c: Candidate, i: int) -> float:
+            if i % n not in self._window_layers:
+                return self.item_cost(c, base)
+            return layer_cost(c, i) if i < n and isinstance(c, PNMixConfig) else 0.0
+
+        keys = [held[i] * (2.0 if i in self._window_layers else 1.0) for i in range(n)]
+        values = [0.0 if i in self._window_layers else float(held[i]) for i in range(n)]
+        return {"item_cost": item_cost, "weights": keys + values}
+
+    def _knapsack_costs(self, base: PNMixConfig) -> dict[str, Any]:
+        """`allocate`'s and `moves`' cost arguments for the keys' knapsack at `base`'s shared fields:
+        a candidate's bits under the budget kind; with the windows in it, per layer (`_layer_cost`)
+        and each layer weighted by what it holds."""
+        if not self.windows:
+            return {"cost": lambda c: self._plain.cost(c, self.head_dim)}
+        cost, held = self._layer_cost(base, kv=self.space.budget_on == BudgetOn.KV)
+        return {"item_cost": cost, "weights": [float(t) for t in held]}
 
     def _with_exact(self, table: dict[Any, list[float]], base: PNMixConfig) -> dict[Any, list[float]]:
         """The keys' per-layer table with, on a hybrid model, the exact window (`base`'s
@@ -157,24 +155,20 @@ class AllocatorLoop:
     def _items(self, config: AnyConfig) -> list[Candidate]:
         """A config as the knapsack's items (`_config`'s inverse)."""
         lw = as_layerwise(config)
-        every = lw.per_layer(self.num_layers)
-        key_values = ValueFormat(self.space.value_bits, self.space.value_group_size)
         if self.windows:
             exact = exact_window(self.space.shared_base(config))
-            if self.joint:
-                return joint_items(lw.held_configs(self.plan.kinds), key_values, self._window_layers, exact)
-            return [c if c is not None else exact for c in lw.held_configs(self.plan.kinds)]
+            layers = [c if c is not None else exact for c in lw.held_configs(self.plan.kinds)]
+        else:
+            layers = lw.per_layer(self.num_layers)
         if not self.joint:
-            return list(every)
-        return joint_items(every, key_values)
+            return list(layers)
+        return joint_items(layers, ValueFormat(self.space.value_bits, self.space.value_group_size),
+                           self._window_layers)
 
     def _config(self, items: Sequence[Candidate]) -> AnyConfig:
         """The config of the knapsack's items, in its simplest form."""
-        if not self.joint:
-            return self._layers_config(list(items))  # type: ignore[arg-type]
-        layers = joint_layers(items, self._window_layers)
-        exact = exact_window(PNMixConfig())  # its keys unquantized: what `_layers_config` reads as exact
-        return self._layers_config([c if c is not None else exact for c in layers])
+        return self._layers_config(joint_layers(items, self._window_layers) if self.joint
+                                   else list(items))  # type: ignore[arg-type]
 
     def _layers_config(self, layers: list[PNMixConfig]) -> AnyConfig:
         """The config of the layers' configs. On a hybrid model the windows quantized are listed in

@@ -86,37 +86,28 @@ def joint_table(keys: Mapping[PNMixConfig, Sequence[float]], values: Mapping[Val
     return table
 
 
-def joint_layers(items: Sequence[Candidate], windows: Sequence[int] = ()) -> list[PNMixConfig | None]:
+def joint_layers(items: Sequence[Candidate], windows: Sequence[int] = ()) -> list[PNMixConfig]:
     """Each layer's config from the 2L items of `joint_table`: its key candidate with its value
-    format; a window's keys item as it is (None for the exact window, whose keys are not quantized)."""
+    format; a window's keys item as it is (keys and values, or the exact window)."""
     n = len(items) // 2
-    out: list[PNMixConfig | None] = []
+    out = []
     for i, (key, value) in enumerate(zip(items[:n], items[n:], strict=True)):
         assert isinstance(key, PNMixConfig)
         if i in windows:
-            out.append(key if key.keys_quantized else None)
+            out.append(key)
         else:
             assert isinstance(value, ValueFormat)
             out.append(value.on(key))
     return out
 
 
-def joint_items(layers: Sequence[PNMixConfig | None], key_values: ValueFormat, windows: Sequence[int] = (),
-                exact: PNMixConfig | None = None) -> list[Candidate]:
+def joint_items(layers: Sequence[PNMixConfig], key_values: ValueFormat, windows: Sequence[int] = ()) -> list[Candidate]:
     """The 2L items of per-layer configs (the inverse of `joint_layers`): each layer's keys as the
     key candidate with `key_values` (the value format the key candidates carry), then its values;
-    a window's keys item its config (`exact` where it is None), its values item `TIED`."""
-    keys: list[Candidate] = []
-    values: list[Candidate] = []
-    for i, c in enumerate(layers):
-        if i in windows:
-            assert c is not None or exact is not None
-            keys.append(c if c is not None else exact)  # type: ignore[arg-type]
-            values.append(TIED)
-        else:
-            assert c is not None
-            keys.append(key_values.on(c))
-            values.append(ValueFormat(c.value_bits, c.value_group_size))
+    a window's keys item its config as it is, its values item `TIED`."""
+    keys: list[Candidate] = [c if i in windows else key_values.on(c) for i, c in enumerate(layers)]
+    values: list[Candidate] = [TIED if i in windows else ValueFormat(c.value_bits, c.value_group_size)
+                               for i, c in enumerate(layers)]
     return keys + values
 
 
