@@ -24,7 +24,8 @@ Three cache kinds, same driver:
 - `StaticWindowLayer`: a sliding-window layer of a hybrid model (Gemma 3), in the model's dtype:
   a ring of `window` slots per sequence, position p in slot p mod window, so that after a step's
   append it holds exactly the last `window` positions the model's sliding mask lets the new token
-  see; attended by SDPA over the slots filled. The step computes one RoPE table per layer kind.
+  see; attended over the slots filled by the full layers' decode kernel (SDPA with a mask off
+  CUDA). The step computes one RoPE table per layer kind.
 
 Off CUDA (tests, CPU) the same step runs eagerly: attention is the fp32 dequantize-then-attend
 reference for quantized layers and masked SDPA for full ones (PNMIX_BACKEND=triton runs the
@@ -291,7 +292,13 @@ class StaticWindowLayer(_StaticLayer):
             self.k[row, :, slots] = keys[row, :, t - m : t]
             self.v[row, :, slots] = values[row, :, t - m : t]
         self.lengths = torch.tensor(seen, dtype=torch.int64, device=keys.device)
+        # The slots in use after a step, min(positions seen, window): the ring holds exactly the
+        # positions the sliding mask admits, and attention does not depend on their order (RoPE is
+        # already in the keys), so the fp16 decode kernel of the full layers attends over slots
+        # 0 .. filled - 1 as over a sequence of that length, with no mask.
+        self.filled = self.lengths.clamp(max=window).to(torch.int32)
         self.rows = torch.arange(b, device=keys.device)
+        self.use_kernels = backend.kernels_enabled(keys.device) and backend.head_dim_supported(d)
         self.is_sliding = True
         self.is_initialized = True
 
@@ -302,6 +309,13 @@ class StaticWindowLayer(_StaticLayer):
         self.k[self.rows, :, slot] = key[:, :, 0].to(self.k.dtype)
         self.v[self.rows, :, slot] = value[:, :, 0].to(self.v.dtype)
         self.lengths += 1
+        self.filled.copy_(self.lengths.clamp(max=self.window))
+        if self.use_kernels:
+            from pnmix.kernels.decode_full import full_decode_attention
+
+            bound = self.window if self.plan_tokens is None else min(self.window, self.plan_tokens)
+            return full_decode_attention(query[:, :, 0], self.k, self.v, self.filled, scaling,
+                                         max_tokens=bound).unsqueeze(1)
         b, hq, _, d = query.shape
         h = self.k.shape[1]
         mask = (torch.arange(self.window, device=query.device)[None, :] < self.lengths[:, None])[:, None, None]

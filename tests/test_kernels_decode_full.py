@@ -51,3 +51,27 @@ def test_full_decode_plans_for_a_bound_on_the_lengths():
     bounded = full_decode_attention(q, k, v, lengths, d**-0.5, num_splits=2, block_n=16, max_tokens=80)
     assert torch.isfinite(bounded).all()
     assert ((bounded - whole).norm() / whole.norm()).item() <= 1e-3  # the same sums, merged from other splits
+
+
+def test_a_window_ring_on_the_kernel_attends_as_the_sliding_mask():
+    # StaticWindowLayer (a hybrid's sliding layer on the static path) through this kernel over its
+    # ring's filled slots, against the same ring under masked SDPA, step by step while the rings
+    # fill and wrap: sequences that start below, at and past the window.
+    from pnmix.static import StaticWindowLayer
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    bsz, hkv, gqa, d, window, t = 3, 2, 2, 64, 24, 40
+    keys = torch.randn((bsz, hkv, t, d), generator=gen)
+    values = torch.randn((bsz, hkv, t, d), generator=gen)
+    held, seen = [5, 24, 40], [5, 24, 61]
+    ring = StaticWindowLayer(keys, values, held, seen, window, 0)
+    masked = StaticWindowLayer(keys, values, held, seen, window, 0)
+    ring.use_kernels, masked.use_kernels = True, False
+    for step in range(30):
+        k, v = torch.randn((2, bsz, hkv, 1, d), generator=gen)
+        q = torch.randn((bsz, hkv * gqa, 1, d), generator=gen)
+        ring.plan_tokens = None if step % 2 else 61 + step + 1
+        got, want = ring.append_attend(k, v, q, d**-0.5), masked.append_attend(k, v, q, d**-0.5)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err <= 1e-3, f"step {step}: relative error {err:.2e}"  # a slot out of the window: ~0.1
+    assert ring.filled.tolist() == [window, window, window] and ring.lengths.tolist() == [35, 54, 91]
