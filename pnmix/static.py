@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from pnmix import backend
-from pnmix.cache import PNMixLayer, StaticStep, attend_view
+from pnmix import backend, packing
+from pnmix.cache import PNMixLayer, StaticStep, attend_view, masked_attention
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.families import FULL, layer_kinds, sliding_window
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
@@ -51,17 +51,23 @@ from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.projections import fuse_siblings, swapped, with_merged_linears
 
 
+def put_slots(t: torch.Tensor, at: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
+    """t[b, :, at[b, i]] = value[b, :, i] where where[b], else unchanged; no host sync.
+
+    t [B, H, N, ...], at int [B, n] (device), value [B, H, n, ...], where bool [B].
+    """
+    b = torch.arange(t.shape[0], device=t.device)[:, None]
+    old = t[b, :, at]  # [B, n, H, ...]
+    keep = where.view(-1, *([1] * (old.dim() - 1)))
+    t[b, :, at] = torch.where(keep, value.transpose(1, 2).to(t.dtype), old)
+
+
 def put_block(t: torch.Tensor, start: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
     """t[b, :, start[b] : start[b] + n] = value[b] where where[b], else unchanged; no host sync.
 
     t [B, H, N, ...], start int [B] (device), value [B, H, n, ...], where bool [B].
     """
-    n = value.shape[2]
-    b = torch.arange(t.shape[0], device=t.device)[:, None]
-    idx = start.long()[:, None] + torch.arange(n, device=t.device)[None, :]  # [B, n]
-    old = t[b, :, idx]  # advanced indices first: [B, n, H, ...]
-    keep = where.view(-1, *([1] * (old.dim() - 1)))
-    t[b, :, idx] = torch.where(keep, value.transpose(1, 2).to(t.dtype), old)
+    put_slots(t, start.long()[:, None] + torch.arange(value.shape[2], device=t.device), value, where)
 
 
 def append_reference(key: torch.Tensor, value: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
@@ -140,32 +146,35 @@ class StaticQuantLayer(_StaticLayer):
         b, h, d, dev, dt = dyn.batch, dyn.kv_heads, dyn.head_dim, dyn.device, dyn.dtype
         g, r = cfg.group_size, cfg.residual_len
         self.groups_per_flush = r // g
-        # One flush's worth of spare groups: a flush step writes every sequence's slot past its
-        # last group and commits only the full ones.
-        ng_cap = math.ceil(max(0, max_len - cfg.n_sink) / g) + self.groups_per_flush
-        if max(dyn.n_groups, default=0) > ng_cap:
+        ng_cap = self._group_slots(max_len)
+        if max(dyn.n_groups, default=0) > ng_cap and not dyn.window:
             raise ValueError(f"prefill already holds more than max_len={max_len} tokens")
         src = backend.layer_decode_cache(dyn)
         n_sc, vg = src.n_salient_channels, d // cfg.value_group_size
+        n_groups = src.n_groups.tolist()
 
         def buf(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, n_held: int) -> torch.Tensor:
             out = torch.zeros(shape, dtype=dtype, device=dev)
             out[:, :, :n_held] = like[:, :, :n_held]
             return out
 
-        held = src.k_low.shape[2]
+        def groups(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, per_group: int) -> torch.Tensor:
+            out = torch.zeros(shape, dtype=dtype, device=dev)
+            self._copy_groups(out, like, n_groups, per_group)
+            return out
+
         u8, f16 = torch.uint8, torch.float16
         self.k_sink = buf(src.k_sink.shape, dt, src.k_sink, cfg.n_sink)
         self.v_sink = buf(src.v_sink.shape, dt, src.v_sink, cfg.n_sink)
         self.k_res = buf((b, h, r, d), dt, src.k_res, min(r, src.k_res.shape[2]))
         self.v_res = buf((b, h, r, d), dt, src.v_res, min(r, src.v_res.shape[2]))
-        self.k_low = buf((b, h, ng_cap, cfg.b_low, d, g // 8), u8, src.k_low, held)
-        self.k_high = buf((b, h, ng_cap, cfg.high_planes, n_sc, g // 8), u8, src.k_high, held)
-        self.k_scale = buf((b, h, ng_cap, d), f16, src.k_scale, held)
-        self.k_zero = buf((b, h, ng_cap, d), f16, src.k_zero, held)
-        self.v_packed = buf((b, h, ng_cap * g, d * cfg.value_bits // 8), u8, src.v_packed, held * g)
-        self.v_scale = buf((b, h, ng_cap * g, vg), f16, src.v_scale, held * g)
-        self.v_zero = buf((b, h, ng_cap * g, vg), f16, src.v_zero, held * g)
+        self.k_low = groups((b, h, ng_cap, cfg.b_low, d, g // 8), u8, src.k_low, 1)
+        self.k_high = groups((b, h, ng_cap, cfg.high_planes, n_sc, g // 8), u8, src.k_high, 1)
+        self.k_scale = groups((b, h, ng_cap, d), f16, src.k_scale, 1)
+        self.k_zero = groups((b, h, ng_cap, d), f16, src.k_zero, 1)
+        self.v_packed = groups((b, h, ng_cap * g, d * cfg.value_bits // 8), u8, src.v_packed, g)
+        self.v_scale = groups((b, h, ng_cap * g, vg), f16, src.v_scale, g)
+        self.v_zero = groups((b, h, ng_cap * g, vg), f16, src.v_zero, g)
         order = src.channel_order if src.channel_order is not None else backend.channel_order(
             dyn.salient_channels_all(), d)
         self.channel_order = order.to(torch.int32).contiguous()
@@ -176,6 +185,18 @@ class StaticQuantLayer(_StaticLayer):
         self.use_kernels = backend.use_triton(dev, cfg, d)
         self.flush_now = False  # set by the driver for the step that fills some residual buffer
         self.is_initialized = True
+
+    def _group_slots(self, max_len: int) -> int:
+        """Packed groups a sequence has room for: every group of max_len tokens, and one flush's
+        worth more (a flush step writes every sequence's slots past its last group and commits
+        only the full ones)."""
+        cfg = self.config
+        return math.ceil(max(0, max_len - cfg.n_sink) / cfg.group_size) + self.groups_per_flush
+
+    def _copy_groups(self, out: torch.Tensor, like: torch.Tensor, n_groups: list[int], per_group: int) -> None:
+        """The prefill's packed groups (`per_group` slots each along dim 2) into their slots."""
+        held = like.shape[2]
+        out[:, :, :held] = like
 
     def decode_cache(self) -> Any:
         # The packed buffers are attributes named as the kernels' fields (k_low, ..., v_zero).
@@ -213,16 +234,91 @@ class StaticQuantLayer(_StaticLayer):
         quantize_keys, quantize_values = backend.quantizers(self.use_kernels)
         pk = quantize_keys(self.k_res, self.salient_channels, cfg.b_low, cfg.b_high, g)
         pv = quantize_values(self.v_res, cfg.value_bits, cfg.value_group_size)
+        slot = self._slots(self.n_groups[:, None].long() + torch.arange(n, device=full.device))  # [B, n]
         for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
-            put_block(getattr(self, name), self.n_groups, new, full)
+            put_slots(getattr(self, name), slot, new, full)
+        tokens = (slot[:, :, None] * g + torch.arange(g, device=full.device)).flatten(1)  # [B, n * G]
         for name, new in (("v_packed", pv.packed), ("v_scale", pv.scale), ("v_zero", pv.zero)):
-            put_block(getattr(self, name), self.n_groups * g, new, full)
+            put_slots(getattr(self, name), tokens, new, full)
         self.n_groups += full.to(torch.int32) * n
         self.res_len.masked_fill_(full, 0)
+
+    def _slots(self, groups: torch.Tensor) -> torch.Tensor:
+        """The slots of these groups' (their indices') packed bytes: group j in slot j."""
+        return groups
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k_sink, self.v_sink, self.k_res, self.v_res, self.k_low, self.k_high,
                                       self.k_scale, self.k_zero, self.v_packed, self.v_scale, self.v_zero))
+
+
+class StaticQuantWindowLayer(StaticQuantLayer):
+    """A sliding-window layer whose window is quantized (a layer-wise config's `windows`): PN-Mix's
+    store (fp16 sinks, packed groups, fp16 residual) with a ring of packed groups instead of a
+    capacity of max_len: group j in slot j mod `slots`, enough slots for every group a window of
+    positions overlaps. A query attends over the positions its sliding mask admits (> its own -
+    window), sinks, groups and residual alike, so it sees what the dynamic cache's windowed
+    `PNMixLayer` shows it: the window's last window - 1 tokens as their stored bytes decode, and
+    its own. Attention is dequantize-then-attend (masked SDPA, device work only): no decode kernel
+    masks a window's first group, so the packed groups are decoded every step."""
+
+    def __init__(self, dyn: PNMixLayer, window: int) -> None:
+        self.window = window
+        super().__init__(dyn, max_len=0)
+        self.is_sliding = True
+
+    def _group_slots(self, max_len: int) -> int:
+        # The groups that positions p - window + 1 .. p overlap: at most ceil(window / G) + 1.
+        self.slots = math.ceil(self.window / self.config.group_size) + 1
+        return self.slots
+
+    def _copy_groups(self, out: torch.Tensor, like: torch.Tensor, n_groups: list[int], per_group: int) -> None:
+        for b, ng in enumerate(n_groups):  # each sequence's newest groups, group j in slot j mod slots
+            for j in range(max(0, ng - self.slots), ng):
+                at = (j % self.slots) * per_group
+                out[b, :, at : at + per_group] = like[b, :, j * per_group : (j + 1) * per_group]
+
+    def _slots(self, groups: torch.Tensor) -> torch.Tensor:
+        return groups.remainder(self.slots)
+
+    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+        """Append one token per sequence, flush if due, attend over the window: [B, 1, H_q, d]."""
+        _appender(self.use_kernels)(key, value, self.k_res, self.v_res, self.res_len, self.k_sink, self.v_sink,
+                                    self.sink_len)
+        if self.flush_now:
+            self._flush()
+        k, v, admitted = self.window_view(query.dtype)
+        return masked_attention(query, k, v, admitted[:, None], scaling)
+
+    def window_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v [B, H_kv, n_sink + slots * G + R, d] in `dtype`, in position order (sinks, the
+        ring's groups oldest first, residual), and which slots the newest query sees [B, L]."""
+        cfg = self.config
+        g, s, dev = cfg.group_size, self.slots, self.n_groups.device
+        n_groups = self.n_groups.long()
+        seen = self.sink_len.long() + n_groups * g + self.res_len.long()  # positions, the new token's included
+        first = seen - self.window  # the oldest position the newest query sees (its own is seen - 1)
+        j = n_groups[:, None] - s + torch.arange(s, device=dev)  # [B, s]: the groups the ring may hold, in order
+        order = j.remainder(s)
+        keys = packing.dequantize_keys(packing.PackedKeys(self.k_low, self.k_high, self.k_scale, self.k_zero),
+                                       self.salient_channels, cfg.b_low)
+        values = packing.dequantize_values(packing.PackedValues(self.v_packed, self.v_scale, self.v_zero),
+                                           cfg.value_bits, cfg.value_group_size)
+        b, h, _, d = keys.shape
+        at = order[:, None, :, None, None].expand(b, h, s, g, d)
+        keys = keys.view(b, h, s, g, d).gather(2, at).view(b, h, s * g, d)
+        values = values.view(b, h, s, g, d).gather(2, at).view(b, h, s * g, d)
+        t = torch.arange(g, device=dev)
+        sink_pos = torch.arange(cfg.n_sink, device=dev).expand(b, -1)
+        group_pos = (cfg.n_sink + j[:, :, None] * g + t).flatten(1)
+        res_pos = cfg.n_sink + n_groups[:, None] * g + torch.arange(cfg.residual_len, device=dev)
+        held = torch.cat([sink_pos < self.sink_len[:, None], (j >= 0).repeat_interleave(g, dim=1),
+                          res_pos < seen[:, None]], dim=1)
+        pos = torch.cat([sink_pos, group_pos, res_pos], dim=1)
+        k = torch.cat([self.k_sink.to(dtype), keys.to(dtype), self.k_res.to(dtype)], dim=2)
+        v = torch.cat([self.v_sink.to(dtype), values.to(dtype), self.v_res.to(dtype)], dim=2)
+        return k, v, held & (pos >= first[:, None])
 
 
 class StaticFullLayer(_StaticLayer):
@@ -413,10 +509,6 @@ def method_config(method: str | PNMixConfig | LayerwiseConfig) -> LayerwiseConfi
     if not (layerwise.keys_quantized and layerwise.values_quantized):
         raise ConfigError("method", method.to_dict(), "'fp16' or a config with quantized keys and values in "
                                                       "every layer (the static path has no mixed mode)")
-    if layerwise.windows:
-        raise ConfigError("windows", list(layerwise.windows),
-                          "none on the static path, whose windows stay in the model's dtype (quantized windows "
-                          "decode on the dynamic cache)")
     return layerwise
 
 
@@ -503,7 +595,9 @@ class StaticGenerator:
         held, seen = n_real.tolist(), n_real.tolist()
         layers: list[Any] = []
         for i, (kind, cl) in enumerate(zip(self.kinds, cache.layers, strict=True)):
-            if kind != FULL:  # the prefill's last columns are every row's newest real tokens
+            if isinstance(cl, PNMixLayer) and kind != FULL:  # a window the config quantizes
+                layers.append(StaticQuantWindowLayer(cl, self.window or 0))
+            elif kind != FULL:  # the prefill's last columns are every row's newest real tokens
                 layers.append(StaticWindowLayer(cl.keys, cl.values, held, seen, self.window or 0, i))
             elif self.config is not None:
                 layers.append(StaticQuantLayer(cl, self.max_len))
@@ -534,7 +628,9 @@ class StaticGenerator:
         real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
         layers: list[Any] = []
         for i, (kind, la) in enumerate(zip(self.kinds, cache.layers, strict=True)):
-            if kind != FULL:  # a `BatchWindowLayer`: row b's newest tokens end at its slot count[b]
+            if isinstance(la, PNMixLayer) and kind != FULL:  # a window the config quantizes
+                layers.append(StaticQuantWindowLayer(la, self.window or 0))
+            elif kind != FULL:  # a `BatchWindowLayer`: row b's newest tokens end at its slot count[b]
                 layers.append(self._window_from_batch(la, i))
             elif self.config is not None:
                 layers.append(StaticQuantLayer(la, self.max_len))
@@ -662,8 +758,6 @@ def static_method(config: AnyConfig, device: torch.device, head_dim: int) -> str
     """What the static path runs for `config` on `device`: "fp16" (nothing quantized), the config
     (keys and values quantized, decode kernels available), or None (not covered: mixed configs,
     or a quantized config whose attention would take the torch path, which syncs with the host)."""
-    if isinstance(config, LayerwiseConfig) and config.windows:
-        return None  # its rings hold windows in the model's dtype only
     if not (config.keys_quantized or config.values_quantized):
         return "fp16"
     if backend.use_triton(device, config, head_dim):  # the kernels need both keys and values quantized

@@ -189,11 +189,6 @@ def test_windows_in_a_config_are_checked_against_the_model_in_one_line():
     assert isinstance(PNMixCache(model.config, config).layers[2], PNMixLayer)
     assert "windows" not in LayerwiseConfig(SMALL).to_dict() and as_layerwise(SMALL).uniform
     assert not WINDOWS.uniform and "5 windows quantized" in WINDOWS.label
-    from pnmix.static import StaticGenerator, static_method
-
-    assert static_method(WINDOWS, torch.device("cpu"), 16) is None
-    with pytest.raises(ConfigError, match="invalid windows=.*none on the static path"):
-        StaticGenerator(model, WINDOWS, max_len=64)
 
 
 def test_bytes_weighted_key_bits_equal_a_hand_count_of_the_cache():

@@ -179,6 +179,71 @@ def test_static_tokens_equal_generate_embedded(embedded):
         assert until_eos(got, eos) == until_eos(want, eos), f"{method} differs"
 
 
+@pytest.mark.parametrize("window", [8, 40])
+def test_static_quantized_windows_tokens_equal_generate(window):
+    """A layer-wise config that quantizes every window (Gemma 3's five sliding layers): the static
+    rings of packed groups give `generate`'s tokens, a window of 8 (inside one group of 32: sinks and
+    residual only) and of 40 (three ring slots, wrapped many times over by 120 steps; the rows' first
+    groups leave the window as it passes, the short row's sinks too)."""
+    from pnmix.layerwise import LayerwiseConfig
+    from pnmix.static import StaticQuantWindowLayer
+
+    model = tiny_gemma3(window=window, vocab_size=4096)
+    config = LayerwiseConfig(SMALL, windows=(0, 1, 2, 3, 4))
+    ids, mask = batch_of_three(model.config.vocab_size, seed=7)
+    n = 120
+    want = reference(model, ids, mask, config, n)
+    gen = StaticGenerator(model, config, max_len=200)
+    got = gen.generate(ids, mask, max_new_tokens=n)
+    eos = model.generation_config.eos_token_id
+    assert until_eos(got, eos) == until_eos(want, eos)
+    kinds = [type(layer) for layer in gen.layers]
+    assert kinds == [StaticQuantWindowLayer] * 5 + [StaticQuantLayer]
+    assert gen.layers[0].slots == -(-window // SMALL.group_size) + 1
+    assert gen.layers[0].nbytes() < gen.layers[5].nbytes()  # a ring, not max_len's groups
+
+
+def test_a_quantized_window_ring_attends_as_the_dynamic_windowed_layer():
+    """Fed the same keys, values and queries, a `StaticQuantWindowLayer` (3 ring slots of 32
+    tokens, a window of 70) answers every step as the dynamic cache's windowed `PNMixLayer`, which
+    stores every token and masks by position, through prefill tokens, several flushes and a row
+    that fills its sinks during decode; and its ring holds the dynamic layer's newest groups."""
+    from pnmix.layerwise import LayerwiseConfig
+    from pnmix.static import StaticQuantWindowLayer
+
+    gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    b, h, d, t, window = 3, 1, 16, 90, 70
+    model = tiny_gemma3(window=window)
+    dyn = new_cache(model, LayerwiseConfig(SMALL, windows=(0,))).layers[0]
+    assert dyn.window == window
+    keys = torch.randn((b, h, t, d), generator=gen)
+    values = torch.randn((b, h, t, d), generator=gen)
+    real = torch.ones((b, t), dtype=torch.bool)
+    real[1, :40] = False
+    real[2, :87] = False  # 3 real tokens: fewer than the 4 sinks
+    dyn.update(keys, values)
+    dyn.prefill(torch.randn((b, 4 * h, t, d), generator=gen), keys, values, real)
+    st = StaticQuantWindowLayer(dyn, window)
+    assert st.slots == 4 and st.k_low.shape[2] == 4
+    for _ in range(200):
+        k = torch.randn((b, h, 1, d), generator=gen)
+        v = torch.randn((b, h, 1, d), generator=gen)
+        q = torch.randn((b, 4 * h, 1, d), generator=gen)
+        st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
+                           for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
+        got = st.append_attend(k, v, q, d**-0.5)
+        dyn.append(k, v)
+        want = dyn.attend(q, d**-0.5)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    assert st.n_groups.tolist() == dyn.n_groups and st.res_len.tolist() == dyn.res_len
+    assert min(dyn.n_groups) > st.slots  # every row's ring wrapped
+    for i in range(b):
+        for j in range(dyn.n_groups[i] - st.slots, dyn.n_groups[i]):
+            s = j % st.slots
+            assert torch.equal(st.k_low[i, :, s], dyn.packed["k_low"][i, :, j])
+            assert torch.equal(st.v_packed[i, :, s * 32 : (s + 1) * 32], dyn.packed["v_packed"][i, :, j * 32 : (j + 1) * 32])
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("method", ["fp16", SMALL], ids=["fp16", "pnmix"])
 def test_compiled_step_equals_eager_step(method, family):
