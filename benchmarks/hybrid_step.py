@@ -8,7 +8,10 @@ path (`pnmix.static`'s `StaticWindowLayer` rings), what a trial on the GPU runs.
 difference of two decodes of different lengths over the number of extra steps, so the prefill and
 the cache's construction cancel.
 
-    python -P benchmarks/hybrid_step.py --batch 32 --prompt 1024 [--config fp16]
+    python -P benchmarks/hybrid_step.py --batch 32 --prompt 1024 [--config fp16] [--windows]
+
+`--windows` quantizes the sliding layers' windows too, under the config (a layer-wise config's
+`windows`: on the static path `StaticQuantWindowLayer` rings of packed groups).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from pnmix.config import preset
+from pnmix.layerwise import LayerwiseConfig
 from pnmix.tuner.scoring import cost
 from pnmix.tuner.scoring.engine import ScoringEngine
 
@@ -38,12 +42,15 @@ def model_of(hybrid: bool) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
 
 
-def step_ms(model: Any, config_name: str, batch: int, prompt: int, short: int, long: int) -> float:
+def step_ms(model: Any, config_name: str, batch: int, prompt: int, short: int, long: int, windows: bool) -> float:
     engine = ScoringEngine(model, None)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 4000, (1, prompt - 8 * (i % 4)), generator=gen) for i in range(batch)]
     states = engine._prefill(prompts)
-    config = preset(config_name)
+    config: Any = preset(config_name)
+    sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
+    if windows and sliding:
+        config = LayerwiseConfig(config, windows=tuple(sliding))
     engine.greedy(config, states, 4, stop=False)  # warm: allocator, kernels
     took = {}
     for n in (short, long):
@@ -60,6 +67,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--config", default="fp16", help="a preset (fp16, pnmix-paper, kivi2, ...)")
+    ap.add_argument("--windows", action="store_true", help="quantize the sliding layers' windows too")
     args = ap.parse_args()
     static_path_of = cost.static_path_of
     short, long = 17, 81
@@ -68,11 +76,11 @@ def main() -> None:
         model = model_of(hybrid)
         for path in ("dynamic", "static"):
             cost.static_path_of = static_path_of if path == "static" else (lambda *a, **k: None)
-            ms[path, hybrid] = step_ms(model, args.config, args.batch, args.prompt, short, long)
+            ms[path, hybrid] = step_ms(model, args.config, args.batch, args.prompt, short, long, args.windows)
         del model
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch}, prompt {args.prompt}, "
-          f"{args.config}")
+          f"{args.config}{', windows quantized' if args.windows else ''}")
     for path in ("dynamic", "static"):
         hyb, full = ms[path, True], ms[path, False]
         print(f"  {path}: hybrid {hyb:.1f} ms a step, all full attention {full:.1f} ms, ratio {hyb / full:.2f}")
