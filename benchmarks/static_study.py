@@ -21,7 +21,8 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
   profile     where a batch-1 step's time goes at 8K tokens: kernels of one replay, busy vs idle
               time, and the same step without torch.compile.
   maxbatch    (b) alone, for fp16, pnmix-paper and each `--config NAME=FILE` (a config JSON, e.g. a
-              KV-budget campaign's pick from budget_study.py): the largest feasible batch at 8K.
+              KV-budget campaign's pick from budget_study.py): the largest feasible batch at 8K
+              generated tokens (`--generated N`: at N; throughput then generates N too).
   layerwise   each layer-wise `--config` (every layer its own kernel constants in one CUDA graph)
               against its uniform equivalent of the same mean key bits (`uniform_equivalent`):
               step times paired at batch 32 and 64 and three cache lengths. `throughput` also
@@ -73,6 +74,7 @@ EXTRA: dict[str, Any] = {}  # --config NAME=FILE: configs measured beside the pr
 COMPILE = True  # --no-compile: static steps without torch.compile
 RESULTS: Path | None = None  # the JSON the run writes: after each part, and after each throughput row
 MODEL = "qwen3-8b-shape"  # --model: a shape model of pnmix.models.SHAPE_MODELS
+GENERATED = 8192  # --generated: the tokens generated after the prompt in maxbatch and throughput
 
 
 def quantized_layer(gen: Any) -> Any:
@@ -264,12 +266,13 @@ def part_memory(model: Any, res: dict) -> None:
 
 
 def largest_batch(model: Any, method: str, batches: tuple[int, ...], res: dict) -> int:
-    """The largest batch of `method` feasible at 8K generated tokens: `batches` up to the first that
+    """The largest batch of `method` feasible at GENERATED tokens: `batches` up to the first that
     fails, then bisection between the last that fit and it (rows into res["memory_vs_batch"])."""
     last_ok, first_bad = 0, None
     for b in batches:
-        row = try_config(model, method, b, 8192)
-        log(f"[b] {method:12s} B={b:4d} N=8192: feasible {row['feasible']}  peak {row['peak_bytes'] / 2**30:.2f} GiB")
+        row = try_config(model, method, b, GENERATED)
+        log(f"[b] {method:12s} B={b:4d} N={GENERATED}: feasible {row['feasible']}  "
+            f"peak {row['peak_bytes'] / 2**30:.2f} GiB")
         res.setdefault("memory_vs_batch", []).append(row)
         if not row["feasible"]:
             first_bad = b
@@ -278,32 +281,33 @@ def largest_batch(model: Any, method: str, batches: tuple[int, ...], res: dict) 
     hi = first_bad if first_bad is not None else last_ok
     while first_bad is not None and hi - last_ok > 1:  # bisect the largest feasible batch
         mid = (last_ok + hi) // 2
-        row = try_config(model, method, mid, 8192)
+        row = try_config(model, method, mid, GENERATED)
         res["memory_vs_batch"].append(row)
         last_ok, hi = (mid, hi) if row["feasible"] else (last_ok, mid)
     res.setdefault("max_batch", {})[method] = last_ok
-    log(f"[b] {method}: largest feasible batch at 8K = {last_ok}")
+    log(f"[b] {method}: largest feasible batch at {GENERATED} generated tokens = {last_ok}")
     return last_ok
 
 
 def part_max_batch(model: Any, res: dict) -> None:
     """(b) alone, coarse steps then bisection: fp16, pnmix-paper and the --config ones, with the KV bytes
-    a sequence holds at 8K (formula) beside each."""
+    a sequence holds at the end of the generation (formula) beside each."""
     res.setdefault("max_batch_configs", {})
     for method in ("fp16", "pnmix-paper", *EXTRA):
         arg = method_arg(method)
         if arg != "fp16":
             res["max_batch_configs"][method] = {"config": arg.to_dict(),
-                                                "bytes_8k": kv_bytes(arg, 1, PROMPT + 8192)}
+                                                "bytes_per_sequence": kv_bytes(arg, 1, PROMPT + GENERATED)}
         if method in res.get("max_batch", {}):  # measured by the run that --merge extends
             continue
         if method == "fp16":
             coarse: tuple[int, ...] = (8, 16, 24)
         elif method == "pnmix-paper" or "pnmix-paper" not in res.get("max_batch", {}):
             coarse = (64, 96, 112, 128, 144, 160, 192, 256)
-        else:  # start near pnmix-paper's batch scaled by the bytes a sequence holds at 8K
-            paper = res["max_batch_configs"]["pnmix-paper"]["bytes_8k"]
-            guess = int(res["max_batch"]["pnmix-paper"] * paper / res["max_batch_configs"][method]["bytes_8k"])
+        else:  # start near pnmix-paper's batch scaled by the bytes a sequence holds
+            paper = res["max_batch_configs"]["pnmix-paper"]["bytes_per_sequence"]
+            mine = res["max_batch_configs"][method]["bytes_per_sequence"]
+            guess = int(res["max_batch"]["pnmix-paper"] * paper / mine)
             coarse = tuple(b for b in (guess - 8, guess + 4, guess + 32, guess + 128) if b > 0)
         largest_batch(model, method, coarse, res)
         if RESULTS:  # a cut run keeps the batches it measured
@@ -385,7 +389,8 @@ def part_throughput(model: Any, res: dict) -> None:
     # A step's launch plans are made for its length rounded up to a power of two (pnmix/static.py),
     # so t(L) jumps where L passes one: each bucket is timed near both of its ends (a group past
     # its lower end: `set_fill` holds up to a group less than asked).
-    fills = (PROMPT + 1, 384, 512, 640, 1024, 1152, 2048, 2176, 4096, 4224, PROMPT + 8192)
+    fills = tuple(f for f in (PROMPT + 1, 384, 512, 640, 1024, 1152, 2048, 2176, 4096, 4224, 8192, 8320, 16384,
+                              16512) if f < PROMPT + GENERATED) + (PROMPT + GENERATED,)
     res.setdefault("throughput", [])
     if "copy_gbps" not in res:  # the bytes bounds' memory speed, measured once per study
         res["copy_gbps"] = sibling("bench_decode").copy_bandwidth()
@@ -401,12 +406,12 @@ def part_throughput(model: Any, res: dict) -> None:
         for b in batches:
             if b in done:  # measured by an earlier run (--merge)
                 continue
-            row = try_config(model, method, b, 8192, fills)
+            row = try_config(model, method, b, GENERATED, fills)
             if row["feasible"]:
-                flushes = 0.0 if method == "fp16" else 8192 / as_layerwise(method_arg(method)).default.residual_len
-                secs = decode_seconds(row, PROMPT, PROMPT + 8192, flushes)
-                row["decode_s"], row["tok_s"] = secs, b * 8192 / secs
-                row["bound_tok_s"] = bytes_bound_tok_s(method, b, res["weight_bytes"], res["copy_gbps"])
+                flushes = 0.0 if method == "fp16" else GENERATED / as_layerwise(method_arg(method)).default.residual_len
+                secs = decode_seconds(row, PROMPT, PROMPT + GENERATED, flushes)
+                row["decode_s"], row["tok_s"] = secs, b * GENERATED / secs
+                row["bound_tok_s"] = bytes_bound_tok_s(method, b, res["weight_bytes"], res["copy_gbps"], GENERATED)
                 log(f"[c] {method:12s} B={b:4d}: {row['tok_s']:8.1f} tok/s ({row['tok_s'] / row['bound_tok_s']:.0%} of "
                     f"the bytes bound {row['bound_tok_s']:.0f})  step ms at fills "
                     + " ".join(f"{v:.2f}" for v in row["step_ms"].values()))
@@ -682,14 +687,16 @@ def main() -> None:
                     help="--part maxbatch, throughput, layerwise: a config JSON (single or layer-wise) to "
                          "measure beside the presets")
     ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
+    ap.add_argument("--generated", type=int, default=GENERATED,
+                    help="--part maxbatch, throughput: tokens generated after the 141-token prompt (default 8192)")
     ap.add_argument("--model", default="qwen3-8b-shape",
                     help="a shape model: qwen3-8b-shape, llama3-8b-shape, gemma3-12b-shape")
     args = ap.parse_args()
     from pnmix.layerwise import load_config
 
-    global COMPILE, RESULTS, MODEL
+    global COMPILE, RESULTS, MODEL, GENERATED
     COMPILE = not args.no_compile
-    MODEL = args.model
+    MODEL, GENERATED = args.model, args.generated
     for item in args.config:
         name, _, file = item.partition("=")
         EXTRA[name] = load_config(Path(file).read_text())
@@ -717,7 +724,7 @@ def main() -> None:
 
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(BUDGET_BYTES / total)
-        res["budget_bytes"] = BUDGET_BYTES
+        res["budget_bytes"], res["generated"] = BUDGET_BYTES, GENERATED
         model = models.load(MODEL, purpose="performance", dtype=torch.bfloat16, device="cuda").model
         res["model"], res["weight_bytes"] = MODEL, sum(p.nbytes for p in model.parameters())
         log(f"{MODEL} weights {res['weight_bytes'] / 2**30:.2f} GiB; budget {BUDGET_BYTES / 2**30:.0f} GiB")
