@@ -21,9 +21,13 @@
 #                         only, since it measures memory
 #   engS engG             the engine study of SmolLM2 (after alloc1 and alloc2, when they run) and Gemma 3
 #   modelG                the model study of Gemma 3 (budgets 2.5 and 3.0 weighted key bits)
+#   hyb                   the hybrid figures (random weights, no GGUF): `hybrid_step.py` for fp16, pnmix-paper
+#                         and pnmix-paper with its windows quantized, then `static_study.py --model
+#                         gemma3-12b-shape --part maxbatch,throughput` at 8K and 32K generated tokens with
+#                         the same three; alone on the GPU only (it times steps and measures memory)
 set -u
 K=/tmp/pnmix-jobs
-JOBS=${JOBS:-alloc0 alloc1 alloc2 maxb engS engG modelG}
+JOBS=${JOBS:-alloc0 alloc1 alloc2 maxb engS engG modelG hyb}
 mkdir -p "$K/parts" "$K/files" "$K/jobs" "$K/out" "$K/logs"
 [ -n "${PART:-}" ] && cp "$PART" "$K/parts/"
 cp .carry/manifest "$K/manifest"
@@ -54,11 +58,12 @@ if [ ! -e "$K/repo/.done" ]; then  # the benchmarks as the first call carried th
   mkdir -p "$K/repo" && tar cf - --exclude=./.carry --exclude=./.pnw . | tar xf - -C "$K/repo" && touch "$K/repo/.done"
 fi
 
-launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and its model is whole
+launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and its model is whole ("-": none)
   local name=$1 model=$2 path; shift 2
   case " $JOBS " in *" $name "*) ;; *) return ;; esac
   [ -e "$K/jobs/$name" ] && return
-  [ -e "$K/files/$model.gguf" ] && [ -e "$K/site-base/.done" ] && [ -e "$K/site-pnw/.done" ] || return
+  { [ "$model" = - ] || [ -e "$K/files/$model.gguf" ]; } && [ -e "$K/site-base/.done" ] && [ -e "$K/site-pnw/.done" ] \
+    || return
   path=$K/site-pnw:$K/site-base
   if [ "$model" = gemma3-270m ]; then  # transformers 5.25: the image's 5.17 cuts Gemma 3's tokenizer
     [ -e "$K/site-tf525/.done" ] || return
@@ -90,6 +95,14 @@ launch_all() {
     --trials 6 --pnmix-trials 3 --out "$K/out/engine"
   launch modelG gemma3-270m $p benchmarks/model_study.py --model gemma3-270m --device cuda --profile full \
     --trials 8 --budgets 2.5,3.0 --out "$K/out/model"
+  local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput"
+  launch hyb - "mkdir -p $h && $p -c \"from pnmix.config import preset; from pnmix.layerwise import LayerwiseConfig; \
+from pnmix.models import layer_plan; plan = layer_plan('gemma3-12b-shape'); \
+print(LayerwiseConfig(preset('pnmix-paper'), windows=tuple(i for i, k in enumerate(plan.kinds) \
+if k != 'full_attention')).to_json())\" > $h/windows.json && \
+for c in fp16 pnmix-paper 'pnmix-paper --windows'; do $p benchmarks/hybrid_step.py --config \$c; done \
+> $h/hybrid_step.log 2>&1; $s --config pnmix-paper-windows=$h/windows.json --out $h/8k; \
+$s --generated 32768 --config pnmix-paper-windows=$h/windows.json --out $h/32k"
 }
 
 start=$(date +%s)

@@ -136,12 +136,13 @@ def set_fill(gen: Any, length: int, held: int | None = None) -> int:
     `length` is not within a group above a power of two)."""
     total = length
     for layer in gen.layers:
-        if getattr(layer, "is_sliding", False) or gen.config is None:  # a window's ring, or fp16
+        if hasattr(layer, "lengths"):  # fp16: a full layer or a window's ring
             layer.lengths.fill_(length - 1)  # the step appends the length-th token
         else:
             cfg = layer.config
             sinks = min(cfg.n_sink, length)
-            cap = layer.k_low.shape[2] - layer.groups_per_flush
+            # A quantized window's ring takes any group count (group j in slot j mod its slots).
+            cap = length if layer.is_sliding else layer.k_low.shape[2] - layer.groups_per_flush
             if held is None:
                 groups = min((length - sinks) // cfg.group_size, cap)
                 held = min(length - sinks - groups * cfg.group_size, cfg.residual_len - 1)
@@ -677,6 +678,7 @@ def part_equality(res: dict, gguf: str) -> None:
 
 @torch.inference_mode()  # the static generator's buffers are inference tensors
 def main() -> None:
+    global COMPILE, RESULTS, MODEL, GENERATED
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="memory,throughput,latency")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -694,7 +696,6 @@ def main() -> None:
     args = ap.parse_args()
     from pnmix.layerwise import load_config
 
-    global COMPILE, RESULTS, MODEL, GENERATED
     COMPILE = not args.no_compile
     MODEL, GENERATED = args.model, args.generated
     for item in args.config:
