@@ -8,7 +8,7 @@ graph and replayed. Prefill runs eagerly through the ordinary path (`PNMixCache`
 attention, or a DynamicCache for fp16), and its state is then copied into the static buffers, so
 the static path stores exactly what `generate` would.
 
-Three cache kinds, same driver:
+Four cache kinds, same driver:
 - `StaticQuantLayer`: PN-Mix and KIVI (keys and values quantized). Buffers are the decode kernel's
   operands (`kernels.layout.DecodeCache`) at full capacity. A step appends the new token (to the
   sinks while a sequence holds fewer than `n_sink`, else to the residual buffer) with predicated
@@ -26,6 +26,9 @@ Three cache kinds, same driver:
   append it holds exactly the last `window` positions the model's sliding mask lets the new token
   see; attended over the slots filled by the full layers' decode kernel (SDPA with a mask off
   CUDA). The step computes one RoPE table per layer kind.
+- `StaticQuantWindowLayer`: a sliding-window layer whose window the config quantizes: the
+  quantized layer's store with a ring of packed groups (as many as a window of positions
+  overlaps), attended by masked SDPA over its decoded groups, sinks and residual.
 
 Off CUDA (tests, CPU) the same step runs eagerly: attention is the fp32 dequantize-then-attend
 reference for quantized layers and masked SDPA for full ones (PNMIX_BACKEND=triton runs the
