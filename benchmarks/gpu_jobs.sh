@@ -24,7 +24,8 @@
 #   hyb                   the hybrid figures (random weights, no GGUF): `hybrid_step.py` for fp16, pnmix-paper
 #                         and pnmix-paper with its windows quantized, then `static_study.py --model
 #                         gemma3-12b-shape --part maxbatch,throughput` at 8K and 32K generated tokens with
-#                         the same three; alone on the GPU only (it times steps and measures memory)
+#                         the same three; it times steps and measures memory, so it starts once every
+#                         other job asked for has finished
 set -u
 K=/tmp/pnmix-jobs
 JOBS=${JOBS:-alloc0 alloc1 alloc2 maxb engS engG modelG hyb}
@@ -76,6 +77,10 @@ launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and 
   echo "started $name"
 }
 finished() { [ -e "$K/jobs/$1.rc" ] || case " $JOBS " in *" $1 "*) false ;; *) true ;; esac; }
+others_done() {  # every job asked for but hyb has finished
+  local j
+  for j in $JOBS; do [ "$j" = hyb ] || finished "$j" || return 1; done
+}
 
 launch_all() {
   local p="python3 -P" a="benchmarks/allocation_study.py --device cuda --trials 5" picks=$K/out/alloc0/picks n args
@@ -96,6 +101,7 @@ launch_all() {
   launch modelG gemma3-270m $p benchmarks/model_study.py --model gemma3-270m --device cuda --profile full \
     --trials 8 --budgets 2.5,3.0 --out "$K/out/model"
   local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput"
+  others_done || return
   launch hyb - "mkdir -p $h && $p -c \"from pnmix.config import preset; from pnmix.layerwise import LayerwiseConfig; \
 from pnmix.models import layer_plan; plan = layer_plan('gemma3-12b-shape'); \
 print(LayerwiseConfig(preset('pnmix-paper'), windows=tuple(i for i, k in enumerate(plan.kinds) \
