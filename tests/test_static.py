@@ -74,20 +74,27 @@ def test_static_tokens_equal_generate_tiny(family, method):
     assert until_eos(got, eos) == until_eos(want, eos)
 
 
+def prefill_rows(dyn, gen, shape, padding, q_heads):  # type: ignore[no-untyped-def]
+    """Prefills the dynamic layer `dyn` with random keys and values of `shape` (B, H_kv, T, d),
+    rows 1, 2, ... left-padded by `padding`'s counts, and random queries of q_heads heads."""
+    b, h, t, d = shape
+    keys = torch.randn((b, h, t, d), generator=gen)
+    values = torch.randn((b, h, t, d), generator=gen)
+    real = torch.ones((b, t), dtype=torch.bool)
+    for row, n in enumerate(padding, start=1):
+        real[row, :n] = False
+    dyn.update(keys, values)
+    dyn.prefill(torch.randn((b, q_heads, t, d), generator=gen), keys, values, real)
+
+
 def test_static_layer_bytes_equal_dynamic_layer():
     """Fed the same keys and values, a static layer ends with the dynamic layer's bytes and counters
     (sinks filled during decode, several flushes, rows at different phases)."""
     gen = torch.Generator().manual_seed(11)
-    b, h, d, t = 3, 2, 16, 70
+    b, h, d = 3, 2, 16
     model = tiny_model("llama")
     dyn = new_cache(model, SMALL).layers[0]
-    keys = torch.randn((b, h, t, d), generator=gen)
-    values = torch.randn((b, h, t, d), generator=gen)
-    real = torch.ones((b, t), dtype=torch.bool)
-    real[1, :30] = False
-    real[2, :67] = False  # 3 real tokens: fewer than the 4 sinks
-    dyn.update(keys, values)
-    dyn.prefill(torch.randn((b, 2 * h, t, d), generator=gen), keys, values, real)
+    prefill_rows(dyn, gen, (b, h, 70, d), (30, 67), q_heads=2 * h)  # 70, 40 and 3 real tokens (fewer than the 4 sinks)
     st = StaticQuantLayer(dyn, max_len=200)
     for _ in range(75):
         k = torch.randn((b, h, 1, d), generator=gen)
@@ -216,13 +223,7 @@ def test_a_quantized_window_ring_attends_as_the_dynamic_windowed_layer():
     model = tiny_gemma3(window=window)
     dyn = new_cache(model, LayerwiseConfig(SMALL, windows=(0,))).layers[0]
     assert dyn.window == window
-    keys = torch.randn((b, h, t, d), generator=gen)
-    values = torch.randn((b, h, t, d), generator=gen)
-    real = torch.ones((b, t), dtype=torch.bool)
-    real[1, :40] = False
-    real[2, :87] = False  # 3 real tokens: fewer than the 4 sinks
-    dyn.update(keys, values)
-    dyn.prefill(torch.randn((b, 4 * h, t, d), generator=gen), keys, values, real)
+    prefill_rows(dyn, gen, (b, h, t, d), (40, 87), q_heads=4 * h)  # 90, 50 and 3 real tokens (fewer than the 4 sinks)
     st = StaticQuantWindowLayer(dyn, window)
     assert st.slots == 4 and st.k_low.shape[2] == 4
     for _ in range(200):
