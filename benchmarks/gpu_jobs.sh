@@ -100,15 +100,12 @@ launch_all() {
     --trials 6 --pnmix-trials 3 --out "$K/out/engine"
   launch modelG gemma3-270m $p benchmarks/model_study.py --model gemma3-270m --device cuda --profile full \
     --trials 8 --budgets 2.5,3.0 --out "$K/out/model"
-  local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput"
+  local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput \
+--windows pnmix-paper-windows=pnmix-paper"
   others_done || return
-  launch hyb - "mkdir -p $h && $p -c \"from pnmix.config import preset; from pnmix.layerwise import LayerwiseConfig; \
-from pnmix.models import layer_plan; plan = layer_plan('gemma3-12b-shape'); \
-print(LayerwiseConfig(preset('pnmix-paper'), windows=tuple(i for i, k in enumerate(plan.kinds) \
-if k != 'full_attention')).to_json())\" > $h/windows.json && \
-for c in fp16 pnmix-paper 'pnmix-paper --windows'; do $p benchmarks/hybrid_step.py --config \$c; done \
-> $h/hybrid_step.log 2>&1; $s --config pnmix-paper-windows=$h/windows.json --out $h/8k; \
-$s --generated 32768 --config pnmix-paper-windows=$h/windows.json --out $h/32k"
+  launch hyb - "mkdir -p $h && for c in fp16 pnmix-paper 'pnmix-paper --windows'; do \
+$p benchmarks/hybrid_step.py --config \$c; done > $h/hybrid_step.log 2>&1; $s --out $h/8k; \
+$s --generated 32768 --out $h/32k"
 }
 
 start=$(date +%s)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pnmix.config import preset
+from pnmix.families import plan_of_config
 from pnmix.layerwise import LayerwiseConfig
 from pnmix.tuner.scoring import cost
 from pnmix.tuner.scoring.engine import ScoringEngine
@@ -48,9 +49,9 @@ def step_ms(model: Any, config_name: str, batch: int, prompt: int, short: int, l
     prompts = [torch.randint(3, 4000, (1, prompt - 8 * (i % 4)), generator=gen) for i in range(batch)]
     states = engine._prefill(prompts)
     config: Any = preset(config_name)
-    sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
+    sliding = plan_of_config(model.config).window_layers
     if windows and sliding:
-        config = LayerwiseConfig(config, windows=tuple(sliding))
+        config = LayerwiseConfig(config, windows=sliding)
     engine.greedy(config, states, 4, stop=False)  # warm: allocator, kernels
     took = {}
     for n in (short, long):

@@ -21,7 +21,8 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
   profile     where a batch-1 step's time goes at 8K tokens: kernels of one replay, busy vs idle
               time, and the same step without torch.compile.
   maxbatch    (b) alone, for fp16, pnmix-paper and each `--config NAME=FILE` (a config JSON, e.g. a
-              KV-budget campaign's pick from budget_study.py): the largest feasible batch at 8K
+              KV-budget campaign's pick from budget_study.py) or `--windows NAME=PRESET` (a preset
+              with every window of a hybrid --model quantized): the largest feasible batch at 8K
               generated tokens (`--generated N`: at N; throughput then generates N too).
   layerwise   each layer-wise `--config` (every layer its own kernel constants in one CUDA graph)
               against its uniform equivalent of the same mean key bits (`uniform_equivalent`):
@@ -688,19 +689,26 @@ def main() -> None:
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
                     help="--part maxbatch, throughput, layerwise: a config JSON (single or layer-wise) to "
                          "measure beside the presets")
+    ap.add_argument("--windows", action="append", default=[], metavar="NAME=PRESET",
+                    help="like --config: a preset with every sliding-window layer of --model quantized under it")
     ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
     ap.add_argument("--generated", type=int, default=GENERATED,
                     help="--part maxbatch, throughput: tokens generated after the 141-token prompt (default 8192)")
     ap.add_argument("--model", default="qwen3-8b-shape",
                     help="a shape model: qwen3-8b-shape, llama3-8b-shape, gemma3-12b-shape")
     args = ap.parse_args()
-    from pnmix.layerwise import load_config
+    from pnmix.config import preset
+    from pnmix.layerwise import LayerwiseConfig, load_config
+    from pnmix.models import layer_plan
 
     COMPILE = not args.no_compile
     MODEL, GENERATED = args.model, args.generated
     for item in args.config:
         name, _, file = item.partition("=")
         EXTRA[name] = load_config(Path(file).read_text())
+    for item in args.windows:
+        name, _, base = item.partition("=")
+        EXTRA[name] = LayerwiseConfig(preset(base), windows=layer_plan(MODEL).window_layers)
     if args.plot:
         plot(Path(args.plot))
         return

@@ -63,6 +63,11 @@ class LayerPlan:
         """The full-attention layers: the ones a PN-Mix config applies to."""
         return [i for i, kind in enumerate(self.kinds) if kind == FULL]
 
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """The sliding-window layers: the ones a layer-wise config's `windows` may list."""
+        return tuple(i for i, kind in enumerate(self.kinds) if kind != FULL)
+
     def held(self, tokens: int) -> list[int]:
         return held_tokens(self.kinds, self.window, tokens)
 

@@ -82,7 +82,7 @@ class AllocatorLoop:
         # The knapsack allocates every layer, a hybrid model's windows included (`windows`), each
         # weighted by the elements it holds, against the budget itself.
         self.windows = self.plan.hybrid
-        self._window_layers = [i for i, kind in enumerate(self.plan.kinds) if kind != FULL]
+        self._window_layers = self.plan.window_layers
         self._plain = replace(space, plan=None)  # a full layer's own figure, not weighted
 
     def cost(self, config: AnyConfig) -> float:

@@ -381,8 +381,7 @@ class SearchSpace:
         values = min(self.value_choices(head_dim), key=self.value_cost)
         cheapest: AnyConfig = self.config(hi, lo, max(GROUP_SIZES), ratio, min(self.sinks()), *values)
         if self.windows_searched:  # every window quantized too
-            windows = [i for i, kind in enumerate(self.plan.kinds) if kind != FULL]  # type: ignore[union-attr]
-            cheapest = LayerwiseConfig(cheapest, windows=tuple(windows))  # type: ignore[arg-type]
+            cheapest = LayerwiseConfig(cheapest, windows=self.plan.window_layers)  # type: ignore[arg-type,union-attr]
         return self.cost(cheapest, head_dim)
 
     @property
