@@ -215,6 +215,10 @@ class StaticQuantLayer(_StaticLayer):
                                     self.sink_len)
         if self.flush_now:
             self._flush()
+        return self.attend(query, scaling)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The newest token's attention over the cache as it stands: [B, 1, H_q, d]."""
         if self.use_kernels:
             return backend.fused_decode(query[:, :, 0], self.decode_cache(), scaling, self.groups_bound()).unsqueeze(1)
         # The torch path (eager only: it reads lengths on the host) attends exactly as the dynamic
@@ -284,13 +288,8 @@ class StaticQuantWindowLayer(StaticQuantLayer):
     def _slots(self, groups: torch.Tensor) -> torch.Tensor:
         return groups.remainder(self.slots)
 
-    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
-        """Append one token per sequence, flush if due, attend over the window: [B, 1, H_q, d]."""
-        _appender(self.use_kernels)(key, value, self.k_res, self.v_res, self.res_len, self.k_sink, self.v_sink,
-                                    self.sink_len)
-        if self.flush_now:
-            self._flush()
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The newest token's attention over the window: [B, 1, H_q, d]."""
         k, v, admitted = self.window_view(query.dtype)
         return masked_attention(query, k, v, admitted[:, None], scaling)
 
@@ -324,6 +323,24 @@ class StaticQuantWindowLayer(StaticQuantLayer):
         return k, v, held & (pos >= first[:, None])
 
 
+def attend_prefix(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scaling: float,
+                  use_kernels: bool, max_tokens: int | None) -> torch.Tensor:
+    """query [B, H_q, 1, d] over slots 0 .. lengths[b] - 1 of k/v [B, H_kv, capacity, d] (lengths
+    int32, on the device): [B, 1, H_q, d]. The flash-decoding kernel (kernels/decode_full.py, its
+    plan for at most `max_tokens`) with kernels, else SDPA with a length mask (with a mask SDPA
+    does not split long sequences)."""
+    b, hq, _, d = query.shape
+    if use_kernels:
+        from pnmix.kernels.decode_full import full_decode_attention
+
+        return full_decode_attention(query[:, :, 0], k, v, lengths, scaling, max_tokens=max_tokens).unsqueeze(1)
+    h = k.shape[1]
+    mask = (torch.arange(k.shape[2], device=query.device)[None, :] < lengths[:, None])[:, None, None]
+    q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.reshape(b, 1, hq, d)
+
+
 class StaticFullLayer(_StaticLayer):
     """One layer's unquantized cache (the fp16 baseline): [B, H_kv, max_len, d] keys and values."""
 
@@ -346,8 +363,7 @@ class StaticFullLayer(_StaticLayer):
                 self.k[i, :, : cols.numel()] = keys[i][:, cols]
                 self.v[i, :, : cols.numel()] = values[i][:, cols]
         self.lengths = real.sum(-1).to(torch.int32)
-        # The flash-decoding kernel (kernels/decode_full.py) where the quantized layers use theirs;
-        # SDPA with a length mask otherwise (with a mask SDPA does not split long sequences).
+        # The flash-decoding kernel where the quantized layers use theirs (`attend_prefix`).
         self.use_kernels = backend.kernels_enabled(keys.device) and backend.head_dim_supported(d)
         self.is_initialized = True
 
@@ -355,17 +371,7 @@ class StaticFullLayer(_StaticLayer):
                       scaling: float) -> torch.Tensor:
         """Append one token per sequence and attend over each sequence's tokens: [B, 1, H_q, d]."""
         _appender(self.use_kernels)(key, value, self.k, self.v, self.lengths)
-        b, hq, _, d = query.shape
-        if self.use_kernels:
-            from pnmix.kernels.decode_full import full_decode_attention
-
-            return full_decode_attention(query[:, :, 0], self.k, self.v, self.lengths, scaling,
-                                         max_tokens=self.plan_tokens).unsqueeze(1)
-        h = self.k.shape[1]
-        mask = (torch.arange(self.k.shape[2], device=query.device)[None, :] < self.lengths[:, None])[:, None, None]
-        q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
-        out = torch.nn.functional.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scaling)
-        return out.reshape(b, 1, hq, d)
+        return attend_prefix(query, self.k, self.v, self.lengths, scaling, self.use_kernels, self.plan_tokens)
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -409,18 +415,8 @@ class StaticWindowLayer(_StaticLayer):
         self.v[self.rows, :, slot] = value[:, :, 0].to(self.v.dtype)
         self.lengths += 1
         self.filled.copy_(self.lengths.clamp(max=self.window))
-        if self.use_kernels:
-            from pnmix.kernels.decode_full import full_decode_attention
-
-            bound = self.window if self.plan_tokens is None else min(self.window, self.plan_tokens)
-            return full_decode_attention(query[:, :, 0], self.k, self.v, self.filled, scaling,
-                                         max_tokens=bound).unsqueeze(1)
-        b, hq, _, d = query.shape
-        h = self.k.shape[1]
-        mask = (torch.arange(self.window, device=query.device)[None, :] < self.lengths[:, None])[:, None, None]
-        q = query.reshape(b, h, hq // h, d)  # query head j reads KV head j // (hq // h)
-        out = torch.nn.functional.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scaling)
-        return out.reshape(b, 1, hq, d)
+        bound = self.window if self.plan_tokens is None else min(self.window, self.plan_tokens)
+        return attend_prefix(query, self.k, self.v, self.filled, scaling, self.use_kernels, bound)
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
