@@ -21,8 +21,9 @@
 #                         only, since it measures memory
 #   engS engG             the engine study of SmolLM2 (after alloc1 and alloc2, when they run) and Gemma 3
 #   modelG                the model study of Gemma 3 (budgets 2.5 and 3.0 weighted key bits)
-#   hyb                   the hybrid figures (random weights, no GGUF): `hybrid_step.py` for fp16, pnmix-paper
-#                         and pnmix-paper with its windows quantized, then `static_study.py --model
+#   hyb                   the hybrid figures: `static_study.py --part equality` on Gemma 3 270M (tokens against
+#                         `generate`), then on random weights `hybrid_step.py` for fp16, pnmix-paper
+#                         and pnmix-paper with its windows quantized, and `static_study.py --model
 #                         gemma3-12b-shape --part maxbatch,throughput` at 8K and 32K generated tokens with
 #                         the same three; it times steps and measures memory, so it starts once every
 #                         other job asked for has finished
@@ -103,7 +104,8 @@ launch_all() {
   local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput \
 --windows pnmix-paper-windows=pnmix-paper"
   others_done || return
-  launch hyb - "mkdir -p $h && for c in fp16 pnmix-paper 'pnmix-paper --windows'; do \
+  launch hyb gemma3-270m "mkdir -p $h && $p benchmarks/static_study.py --part equality --equality-model gemma3-270m \
+--gguf $K/files/gemma3-270m.gguf --out $h/equality > $h/equality.log 2>&1; for c in fp16 pnmix-paper 'pnmix-paper --windows'; do \
 $p benchmarks/hybrid_step.py --config \$c; done > $h/hybrid_step.log 2>&1; $s --out $h/8k; \
 $s --generated 32768 --out $h/32k"
 }

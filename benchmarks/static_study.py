@@ -16,7 +16,9 @@ every decode step replayed as a CUDA graph (pnmix/static.py):
               own QuantizedCache (optimum-quanto, 2 and 4 bits): what users run without this tool.
   latency     (d) per-step latency along a 32K generation at batch 1; slope over 11K-31K.
   equality    greedy tokens of the static path (graphs, kernels, bf16) vs `generate` on the
-              embedded model (needs the GGUF: --gguf), and the tuner's cost measurement there.
+              embedded model (needs the GGUF: --gguf), and the tuner's cost measurement there;
+              `--equality-model gemma3-270m` on the hybrid (its windows wrap), where pnmix-paper
+              also runs with every window quantized.
   fullkernel  the fp16 baseline's decode kernel (kernels/decode_full.py) vs SDPA without a mask.
   profile     where a batch-1 step's time goes at 8K tokens: kernels of one replay, busy vs idle
               time, and the same step without torch.compile.
@@ -614,16 +616,20 @@ def part_tuner_cost(res: dict, model: Any) -> None:
         log(f"[tuner] {name}: kv {kv_bytes / 1024:.0f} KiB, {tok_s:.1f} tok/s, peak {(peak or 0) / 2**20:.0f} MiB")
 
 
-def part_equality(res: dict, gguf: str) -> None:
-    """Static path (CUDA graphs, kernels, bf16) vs `generate` on the embedded model."""
+def part_equality(res: dict, gguf: str, model_name: str) -> None:
+    """Static path (CUDA graphs, kernels, bf16) vs `generate` on an embedded model (smollm2-135m,
+    or the hybrid gemma3-270m, where pnmix-paper also runs with every window quantized)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from pnmix import models
+    from pnmix.config import preset
+    from pnmix.families import plan_of_config
     from pnmix.generation import generate, use_pnmix_attention
+    from pnmix.layerwise import LayerwiseConfig
     from pnmix.static import StaticGenerator
 
-    os.environ["PNMIX_SMOLLM2_GGUF"] = gguf
-    loaded = models.load("smollm2-135m", dtype=torch.bfloat16, device="cuda")
+    os.environ[models.EMBEDDED[model_name].env_var] = gguf
+    loaded = models.load(model_name, dtype=torch.bfloat16, device="cuda")
     tok, model = loaded.tokenizer, loaded.model
     texts = ["Write a detailed essay about the history of the bicycle. " * 40,
              "Explain how photosynthesis works, step by step, for a student. " * 12]
@@ -650,9 +656,12 @@ def part_equality(res: dict, gguf: str) -> None:
             return scores
 
     key = "equality" if COMPILE else "equality_eager"  # --no-compile keeps its own record beside the compiled one
-    res[key] = {}
-    for name in METHODS:
-        method = method_arg(name)
+    res[key] = {"model": model_name}
+    methods = {m: method_arg(m) for m in METHODS}
+    windows = plan_of_config(model.config).window_layers
+    if windows:
+        methods["pnmix-paper-windows"] = LayerwiseConfig(preset("pnmix-paper"), windows=windows)
+    for name, method in methods.items():
         margins = Margins()
         kw = {"logits_processor": LogitsProcessorList([margins])}
         if method == "fp16":
@@ -685,6 +694,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--merge", help="an earlier static_study.json to extend")
     ap.add_argument("--gguf", help="the embedded model's GGUF (for --part equality)")
+    ap.add_argument("--equality-model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"),
+                    help="--part equality: the embedded model the GGUF holds")
     ap.add_argument("--plot", metavar="JSON", help="draw the PNGs and print the RESULTS table from a JSON")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
                     help="--part maxbatch, throughput, layerwise: a config JSON (single or layer-wise) to "
@@ -725,7 +736,7 @@ def main() -> None:
     }
     parts = args.part.split(",")
     if "equality" in parts:
-        part_equality(res, args.gguf)
+        part_equality(res, args.gguf, args.equality_model)
     if "fullkernel" in parts:
         part_fullkernel(res)
     if set(parts) - {"equality", "fullkernel"}:
