@@ -144,16 +144,19 @@ def set_fill(gen: Any, length: int, held: int | None = None) -> int:
         else:
             cfg = layer.config
             sinks = min(cfg.n_sink, length)
-            # A quantized window's ring takes any group count (group j in slot j mod its slots).
+            # A quantized window takes any group count (a ring: group j in slot j mod its slots; a bag).
             cap = length if layer.is_sliding else layer.k_low.shape[2] - layer.groups_per_flush
             if held is None:
                 groups = min((length - sinks) // cfg.group_size, cap)
                 held = min(length - sinks - groups * cfg.group_size, cfg.residual_len - 1)
             else:
                 groups = min((length - sinks - held) // cfg.group_size, cap)
-            layer.sink_len.fill_(sinks)
-            layer.n_groups.fill_(groups)
-            layer.res_len.fill_(max(0, held - 1))
+            if hasattr(layer, "hold"):  # a quantized window's bag: its edge and bag follow the counters
+                layer.hold(sinks, groups, max(0, held - 1))
+            else:
+                layer.sink_len.fill_(sinks)
+                layer.n_groups.fill_(groups)
+                layer.res_len.fill_(max(0, held - 1))
             total = sinks + groups * cfg.group_size + held
     return total
 

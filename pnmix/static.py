@@ -37,6 +37,7 @@ kernels there too, in Triton's interpreter).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from typing import Any
@@ -323,6 +324,182 @@ class StaticQuantWindowLayer(StaticQuantLayer):
         return k, v, held & (pos >= first[:, None])
 
 
+class StaticQuantBagWindowLayer(StaticQuantLayer):
+    """A quantized sliding window that the decode kernels attend: what the window admits, kept so
+    that the kernels read it without a mask. Attention does not depend on the order of the tokens
+    (RoPE is in the keys), so the layer keeps two regions the kernels read from their start:
+
+    - a bag of packed group slots (the kernels' groups, `bag_len` of them): every group the
+      window admits whole, in any order. A flush appends its groups; when the window's start
+      enters a group, that group leaves the bag (the bag's last slot moves into its place);
+    - an edge of fp16 tokens (the kernels' sinks, `edge_len` of them), newest first: the group
+      the window's start is in, decoded when the start enters it, or while the start is before
+      the first group, the sinks. Newest first, the tokens the window still admits are its first
+      `edge_len`, which shrinks by one a step.
+
+    The residual is admitted whole. This holds when every group the start can be in is packed
+    before the start reaches it: window >= residual_len + G (`fits`); shorter windows take the
+    ring (`StaticQuantWindowLayer`). `n_groups` counts the groups flushed so far (positions),
+    `straddle` the group the start is in (-1: before the first), `slot_of[b, j % slots]` the bag
+    slot of group j and `group_at` the group of each bag slot."""
+
+    @staticmethod
+    def fits(config: PNMixConfig, window: int) -> bool:
+        return window >= config.residual_len + config.group_size
+
+    def __init__(self, dyn: PNMixLayer, window: int) -> None:
+        cfg = dyn.config
+        if not self.fits(cfg, window):
+            raise ValueError(f"window {window} < residual_len + G = {cfg.residual_len + cfg.group_size}: "
+                             "allowed a larger window (smaller ones take StaticQuantWindowLayer)")
+        self.window = window
+        g = cfg.group_size
+        seen = list(dyn.lengths)
+        # The group each row's window starts in after the prefill; the bag starts with it and
+        # every later group, and `_window_step` then moves it to the edge as a step would.
+        self._first_bag = [max(0, (n - window - cfg.n_sink) // g) if n - window >= cfg.n_sink else 0 for n in seen]
+        super().__init__(dyn, max_len=0)
+        self.is_sliding = True
+        b, h, _, d = self.k_sink.shape
+        dev, n_groups = self.n_groups.device, self.n_groups.tolist()
+        self.k_edge = self.k_sink.new_zeros((b, h, max(cfg.n_sink, g), d))
+        self.v_edge = torch.zeros_like(self.k_edge)
+        self.edge_len = torch.zeros_like(self.sink_len)
+        held = [max(0, ng - f) for ng, f in zip(n_groups, self._first_bag, strict=True)]
+        self.bag_len = torch.tensor(held, dtype=torch.int32, device=dev)
+        group_at = [[f + i for i in range(self.slots)] for f in self._first_bag]
+        self.group_at = torch.tensor(group_at, dtype=torch.long, device=dev)
+        slot_of = [[0] * self.slots for _ in n_groups]
+        for row, groups in enumerate(group_at):
+            for i, j in enumerate(groups):
+                slot_of[row][j % self.slots] = i
+        self.slot_of = torch.tensor(slot_of, dtype=torch.long, device=dev)
+        self.straddle = torch.tensor([f - 1 for f in self._first_bag], dtype=torch.long, device=dev)
+        self._window_step()
+
+    def _group_slots(self, max_len: int) -> int:
+        # Whole groups in a window, and one flush's worth more: a flush appends its groups before
+        # the step moves the one the start entered out of the bag.
+        cfg = self.config
+        self.slots = self.window // cfg.group_size + self.groups_per_flush + 1
+        return self.slots
+
+    def _copy_groups(self, out: torch.Tensor, like: torch.Tensor, n_groups: list[int], per_group: int) -> None:
+        for b, (ng, first) in enumerate(zip(n_groups, self._first_bag, strict=True)):
+            n = max(0, ng - first)  # groups first .. ng - 1 in slots 0 .. n - 1
+            out[b, :, : n * per_group] = like[b, :, first * per_group : ng * per_group]
+
+    def _slots(self, groups: torch.Tensor) -> torch.Tensor:
+        # A flush's groups n_groups .. n_groups + k - 1 go to the bag's next slots.
+        return self.bag_len[:, None].long() + (groups - self.n_groups[:, None].long())
+
+    def _flush(self) -> None:
+        n = self.groups_per_flush
+        full = self.res_len == self.config.residual_len
+        step = torch.arange(n, device=full.device)
+        slot = self.bag_len[:, None].long() + step
+        group = self.n_groups[:, None].long() + step
+        super()._flush()
+        _put_index(self.group_at, slot, group, full)
+        _put_index(self.slot_of, group.remainder(self.slots), slot, full)
+        self.bag_len += full.to(torch.int32) * n
+
+    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+        _appender(self.use_kernels)(key, value, self.k_res, self.v_res, self.res_len, self.k_sink, self.v_sink,
+                                    self.sink_len)
+        if self.flush_now:
+            self._flush()
+        self._window_step()
+        return self.attend(query, scaling)
+
+    def _window_step(self) -> None:
+        """Moves the window's start to the newest token's (positions > seen - 1 - window): where it
+        entered a group, that group leaves the bag for the edge; sets the edge's admitted length.
+        Device work only."""
+        cfg = self.config
+        g, dev = cfg.group_size, self.n_groups.device
+        seen = (self.sink_len + self.n_groups * g + self.res_len).long()
+        first = seen - self.window  # the oldest position the newest query sees
+        cur = torch.where(first >= cfg.n_sink, torch.div(first - cfg.n_sink, g, rounding_mode="floor"), -1)
+        cross = cur > self.straddle  # by one group at most: the start moves one position a step
+        rows = torch.arange(seen.shape[0], device=dev)[:, None]
+        at = self.slot_of.gather(1, cur.clamp(min=0).remainder(self.slots)[:, None])  # [B, 1]
+        keys = packing.dequantize_keys(packing.PackedKeys(*(getattr(self, f)[rows, :, at].transpose(1, 2) for f in
+                                                            ("k_low", "k_high", "k_scale", "k_zero"))),
+                                       self.salient_channels, cfg.b_low)  # [B, H, G, d]
+        tokens = (at * g + torch.arange(g, device=dev)).long()  # [B, G]
+        values = packing.dequantize_values(packing.PackedValues(*(getattr(self, f)[rows, :, tokens].transpose(1, 2)
+                                                                  for f in ("v_packed", "v_scale", "v_zero"))),
+                                           cfg.value_bits, cfg.value_group_size)
+        zero = torch.zeros_like(self.edge_len)
+        put_block(self.k_edge, zero, keys.flip(2), cross)  # newest first
+        put_block(self.v_edge, zero, values.flip(2), cross)
+        # The group leaves the bag: the bag's last slot moves into its slot.
+        last = (self.bag_len.long() - 1).clamp(min=0)[:, None]
+        moved = self.group_at.gather(1, last)
+        for name in ("k_low", "k_high", "k_scale", "k_zero"):
+            t = getattr(self, name)
+            put_slots(t, at, t[rows, :, last].transpose(1, 2), cross)
+        last_tokens = (last * g + torch.arange(g, device=dev)).long()
+        for name in ("v_packed", "v_scale", "v_zero"):
+            t = getattr(self, name)
+            put_slots(t, tokens, t[rows, :, last_tokens].transpose(1, 2), cross)
+        _put_index(self.group_at, at, moved, cross)
+        _put_index(self.slot_of, moved.remainder(self.slots), at, cross)
+        self.bag_len -= cross.to(torch.int32)
+        self.straddle.copy_(torch.maximum(self.straddle, cur))
+        # Before the first group the edge is the sinks, newest first.
+        sinks = cfg.n_sink
+        before = cur < 0
+        if sinks:
+            order = (self.sink_len[:, None].long() - 1 - torch.arange(sinks, device=dev)).clamp(min=0)
+            put_block(self.k_edge, zero, self.k_sink[rows, :, order].transpose(1, 2), before)
+            put_block(self.v_edge, zero, self.v_sink[rows, :, order].transpose(1, 2), before)
+        admitted = torch.where(before, self.sink_len.long() - first.clamp(min=0), sinks + (cur + 1) * g - first)
+        self.edge_len.copy_(admitted.clamp(min=0).to(torch.int32))
+
+    def decode_cache(self) -> Any:
+        return dataclasses.replace(super().decode_cache(), k_sink=self.k_edge, v_sink=self.v_edge,
+                                   sink_len=self.edge_len, n_groups=self.bag_len)
+
+    def groups_bound(self) -> int | None:
+        bound = super().groups_bound()
+        return self.slots if bound is None else min(bound, self.slots)
+
+    def hold(self, sinks: int, groups: int, residual: int) -> None:
+        """Every sequence's counters set to hold `sinks` sinks, `groups` flushed groups and
+        `residual` residual tokens, the bag and edge as the window then admits them (the stored
+        bytes as they are: for timing)."""
+        cfg = self.config
+        self.sink_len.fill_(sinks)
+        self.n_groups.fill_(groups)
+        self.res_len.fill_(residual)
+        first = sinks + groups * cfg.group_size + residual - self.window
+        cur = (first - cfg.n_sink) // cfg.group_size if first >= cfg.n_sink else -1
+        self.straddle.fill_(cur)
+        self.bag_len.fill_(max(0, groups - cur - 1))
+        self.group_at.copy_(cur + 1 + torch.arange(self.slots, device=self.group_at.device).expand_as(self.group_at))
+        slots = torch.arange(self.slots, device=self.slot_of.device).expand_as(self.slot_of).contiguous()
+        self.slot_of.scatter_(1, self.group_at.remainder(self.slots), slots)
+        self._window_step()
+
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(t.nbytes for t in (self.k_edge, self.v_edge, self.slot_of, self.group_at))
+
+
+def _put_index(t: torch.Tensor, at: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
+    """t[b, at[b, i]] = value[b, i] where where[b], else unchanged; t [B, N], at/value [B, n]."""
+    t.scatter_(1, at, torch.where(where[:, None], value, t.gather(1, at)))
+
+
+def quant_window_layer(dyn: PNMixLayer, window: int) -> StaticQuantLayer:
+    """The static layer of a quantized window: the kernels' bag where it fits, else the ring."""
+    if StaticQuantBagWindowLayer.fits(dyn.config, window):
+        return StaticQuantBagWindowLayer(dyn, window)
+    return StaticQuantWindowLayer(dyn, window)
+
+
 def attend_prefix(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scaling: float,
                   use_kernels: bool, max_tokens: int | None) -> torch.Tensor:
     """query [B, H_q, 1, d] over slots 0 .. lengths[b] - 1 of k/v [B, H_kv, capacity, d] (lengths
@@ -595,7 +772,7 @@ class StaticGenerator:
         layers: list[Any] = []
         for i, (kind, cl) in enumerate(zip(self.kinds, cache.layers, strict=True)):
             if isinstance(cl, PNMixLayer) and kind != FULL:  # a window the config quantizes
-                layers.append(StaticQuantWindowLayer(cl, self.window or 0))
+                layers.append(quant_window_layer(cl, self.window or 0))
             elif kind != FULL:  # the prefill's last columns are every row's newest real tokens
                 layers.append(StaticWindowLayer(cl.keys, cl.values, held, seen, self.window or 0, i))
             elif self.config is not None:
@@ -628,7 +805,7 @@ class StaticGenerator:
         layers: list[Any] = []
         for i, (kind, la) in enumerate(zip(self.kinds, cache.layers, strict=True)):
             if isinstance(la, PNMixLayer) and kind != FULL:  # a window the config quantizes
-                layers.append(StaticQuantWindowLayer(la, self.window or 0))
+                layers.append(quant_window_layer(la, self.window or 0))
             elif kind != FULL:  # a `BatchWindowLayer`: row b's newest tokens end at its slot count[b]
                 layers.append(self._window_from_batch(la, i))
             elif self.config is not None:

@@ -114,13 +114,16 @@ def test_static_path_started_from_a_built_cache_equals_generate():
             assert torch.equal(got[row, : len(want)], want), (config, row)
 
 
-@pytest.mark.parametrize("windows", [False, True], ids=["exact-windows", "quantized-windows"])
-def test_static_path_started_from_a_built_cache_on_a_hybrid_equals_generate(windows):
+@pytest.mark.parametrize(("windows", "window", "kind"), [
+    (False, 40, "StaticWindowLayer"), (True, 40, "StaticQuantWindowLayer"), (True, 70, "StaticQuantBagWindowLayer")],
+    ids=["exact-windows", "quantized-ring", "quantized-bag"])
+def test_static_path_started_from_a_built_cache_on_a_hybrid_equals_generate(windows, window, kind):
     # What a GPU trial of a hybrid model decodes on: the static path started from the batched
-    # cache, its windows as rings (in fp32, or of packed groups where the config quantizes them).
+    # cache, its windows as rings (in fp32, or of packed groups where the config quantizes them),
+    # or, for a quantized window of at least R + G, the kernels' bag.
     from pnmix.layerwise import LayerwiseConfig
 
-    model = tiny_gemma3(window=40, vocab_size=4096)
+    model = tiny_gemma3(window=window, vocab_size=4096)
     prompts = _prompts((45, 80, 33), seed=4)
     config = LayerwiseConfig(SMALL, windows=(0, 1, 2, 3, 4)) if windows else SMALL
     states = [record_prefill(model, p) for p in prompts]
@@ -128,8 +131,7 @@ def test_static_path_started_from_a_built_cache_on_a_hybrid_equals_generate(wind
     first = torch.stack([s.logits for s in states]).argmax(-1)
     gen = StaticGenerator(model, config, max_len=101 + 60, graphs=False)
     gen.start(cache, first)
-    assert [type(layer).__name__ for layer in gen.layers[:5]] == (
-        ["StaticQuantWindowLayer"] * 5 if windows else ["StaticWindowLayer"] * 5)
+    assert [type(layer).__name__ for layer in gen.layers[:5]] == [kind] * 5
     got = torch.stack([first] + [gen.step().clone() for _ in range(59)], dim=1)
     for row, p in enumerate(prompts):
         want = generate(model, p, config, max_new_tokens=60)[0][0]  # stops at end-of-sequence

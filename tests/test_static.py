@@ -186,14 +186,15 @@ def test_static_tokens_equal_generate_embedded(embedded):
         assert until_eos(got, eos) == until_eos(want, eos), f"{method} differs"
 
 
-@pytest.mark.parametrize("window", [8, 40])
+@pytest.mark.parametrize("window", [8, 40, 70])
 def test_static_quantized_windows_tokens_equal_generate(window):
     """A layer-wise config that quantizes every window (Gemma 3's five sliding layers): the static
-    rings of packed groups give `generate`'s tokens, a window of 8 (inside one group of 32: sinks and
-    residual only) and of 40 (three ring slots, wrapped many times over by 120 steps; the rows' first
-    groups leave the window as it passes, the short row's sinks too)."""
+    windows give `generate`'s tokens over 120 steps. Windows of 8 (inside one group of 32: sinks and
+    residual only) and 40 (three ring slots, wrapped many times over; the rows' first groups leave
+    the window as it passes, the short row's sinks too) are rings of packed groups; 70 (>= R + G)
+    is the kernels' bag, its start entering a group every 32 steps."""
     from pnmix.layerwise import LayerwiseConfig
-    from pnmix.static import StaticQuantWindowLayer
+    from pnmix.static import StaticQuantBagWindowLayer, StaticQuantWindowLayer
 
     model = tiny_gemma3(window=window, vocab_size=4096)
     config = LayerwiseConfig(SMALL, windows=(0, 1, 2, 3, 4))
@@ -204,10 +205,11 @@ def test_static_quantized_windows_tokens_equal_generate(window):
     got = gen.generate(ids, mask, max_new_tokens=n)
     eos = model.generation_config.eos_token_id
     assert until_eos(got, eos) == until_eos(want, eos)
-    kinds = [type(layer) for layer in gen.layers]
-    assert kinds == [StaticQuantWindowLayer] * 5 + [StaticQuantLayer]
-    assert gen.layers[0].slots == -(-window // SMALL.group_size) + 1
-    assert gen.layers[0].nbytes() < gen.layers[5].nbytes()  # a ring, not max_len's groups
+    kind = StaticQuantBagWindowLayer if window >= SMALL.residual_len + SMALL.group_size else StaticQuantWindowLayer
+    assert [type(layer) for layer in gen.layers] == [kind] * 5 + [StaticQuantLayer]
+    if kind is StaticQuantWindowLayer:
+        assert gen.layers[0].slots == -(-window // SMALL.group_size) + 1
+    assert gen.layers[0].k_low.shape[2] < gen.layers[5].k_low.shape[2]  # a window's groups, not max_len's
 
 
 def test_a_quantized_window_ring_attends_as_the_dynamic_windowed_layer():
@@ -245,6 +247,58 @@ def test_a_quantized_window_ring_attends_as_the_dynamic_windowed_layer():
             g = SMALL.group_size
             want = dyn.packed["v_packed"][i, :, j * g : (j + 1) * g]
             assert torch.equal(st.v_packed[i, :, s * g : (s + 1) * g], want)
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_a_quantized_window_bag_attends_as_the_dynamic_windowed_layer(path):
+    """Fed the same keys, values and queries, a `StaticQuantBagWindowLayer` (window 70 >= R + G:
+    the groups the window admits whole in an unordered bag, the group its start is in decoded into
+    the edge, newest first) answers every step as the dynamic cache's windowed `PNMixLayer`, which
+    stores every token and masks by position: rows of 90, 50 and 3 real tokens (the last fills its
+    sinks during decode, then its window's start passes them), 200 steps, groups entering and
+    leaving the bag; on the torch path and on the decode kernels (interpreted). The bag then holds
+    exactly the groups the window admits whole, as their stored bytes."""
+    from pnmix.layerwise import LayerwiseConfig
+    from pnmix.static import StaticQuantBagWindowLayer, quant_window_layer
+
+    gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    b, h, d, t, window = 3, 1, 16, 90, 70
+    g = SMALL.group_size
+    model = tiny_gemma3(window=window)
+    dyn = new_cache(model, LayerwiseConfig(SMALL, windows=(0,))).layers[0]
+    prefill_rows(dyn, gen, (b, h, t, d), (40, 87), q_heads=4 * h)
+    backend.set_backend("triton" if path == "kernels" else None)
+    try:
+        st = quant_window_layer(dyn, window)
+        assert isinstance(st, StaticQuantBagWindowLayer) and st.use_kernels == (path == "kernels")
+        assert st.slots == window // g + 1 + 1
+        crossed = 0
+        for _ in range(200):
+            k = torch.randn((b, h, 1, d), generator=gen)
+            v = torch.randn((b, h, 1, d), generator=gen)
+            q = torch.randn((b, 4 * h, 1, d), generator=gen)
+            st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
+                               for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
+            before = st.straddle.clone()
+            got = st.append_attend(k, v, q, d**-0.5)
+            crossed += int((st.straddle > before).sum())
+            dyn.append(k, v)
+            want = dyn.attend(q, d**-0.5)
+            tol = {"rtol": 1e-5, "atol": 1e-5} if path == "torch" else {"rtol": 2e-3, "atol": 2e-3}
+            assert torch.allclose(got, want, **tol), (got - want).abs().max()
+    finally:
+        backend.set_backend(None)
+    assert crossed > 3 * b  # the start entered many groups on every row
+    assert st.n_groups.tolist() == dyn.n_groups and st.res_len.tolist() == dyn.res_len
+    for i in range(b):
+        seen = dyn.lengths[i]
+        first_whole = -(-(seen - window - SMALL.n_sink) // g) if seen - window > SMALL.n_sink else 0
+        whole = list(range(first_whole, dyn.n_groups[i]))
+        n = int(st.bag_len[i])
+        assert sorted(st.group_at[i, :n].tolist()) == whole
+        for s, j in enumerate(st.group_at[i, :n].tolist()):
+            assert torch.equal(st.k_low[i, :, s], dyn.packed["k_low"][i, :, j])
+            assert torch.equal(st.v_packed[i, :, s * g : (s + 1) * g], dyn.packed["v_packed"][i, :, j * g : (j + 1) * g])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
