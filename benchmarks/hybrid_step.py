@@ -11,7 +11,7 @@ the cache's construction cancel.
     python -P benchmarks/hybrid_step.py --batch 32 --prompt 1024 [--config fp16] [--windows]
 
 `--windows` quantizes the sliding layers' windows too, under the config (a layer-wise config's
-`windows`: on the static path `StaticQuantWindowLayer` rings of packed groups).
+`windows`: on the static path the decode kernels' bags of packed groups, `StaticQuantBagWindowLayer`).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ graph and replayed. Prefill runs eagerly through the ordinary path (`PNMixCache`
 attention, or a DynamicCache for fp16), and its state is then copied into the static buffers, so
 the static path stores exactly what `generate` would.
 
-Four cache kinds, same driver:
+Five cache kinds, same driver:
 - `StaticQuantLayer`: PN-Mix and KIVI (keys and values quantized). Buffers are the decode kernel's
   operands (`kernels.layout.DecodeCache`) at full capacity. A step appends the new token (to the
   sinks while a sequence holds fewer than `n_sink`, else to the residual buffer) with predicated
@@ -26,9 +26,13 @@ Four cache kinds, same driver:
   append it holds exactly the last `window` positions the model's sliding mask lets the new token
   see; attended over the slots filled by the full layers' decode kernel (SDPA with a mask off
   CUDA). The step computes one RoPE table per layer kind.
-- `StaticQuantWindowLayer`: a sliding-window layer whose window the config quantizes: the
-  quantized layer's store with a ring of packed groups (as many as a window of positions
-  overlaps), attended by masked SDPA over its decoded groups, sinks and residual.
+- `StaticQuantBagWindowLayer`: a sliding-window layer whose window the config quantizes, window
+  >= residual_len + G: the groups the window admits whole as an unordered bag of packed groups
+  and the group its start is in as an fp16 edge, which the decode kernels read as groups and
+  sinks, with no mask.
+- `StaticQuantWindowLayer`: a shorter quantized window: the quantized layer's store with a ring
+  of packed groups (as many as a window of positions overlaps), attended by masked SDPA over its
+  decoded groups, sinks and residual.
 
 Off CUDA (tests, CPU) the same step runs eagerly: attention is the fp32 dequantize-then-attend
 reference for quantized layers and masked SDPA for full ones (PNMIX_BACKEND=triton runs the
@@ -267,8 +271,9 @@ class StaticQuantWindowLayer(StaticQuantLayer):
     positions overlaps. A query attends over the positions its sliding mask admits (> its own -
     window), sinks, groups and residual alike, so it sees what the dynamic cache's windowed
     `PNMixLayer` shows it: the window's last window - 1 tokens as their stored bytes decode, and
-    its own. Attention is dequantize-then-attend (masked SDPA, device work only): no decode kernel
-    masks a window's first group, so the packed groups are decoded every step."""
+    its own. Attention is dequantize-then-attend (masked SDPA, device work only), every packed group
+    decoded every step: the form for windows shorter than residual_len + G, which the kernels'
+    bag (`StaticQuantBagWindowLayer`) cannot hold."""
 
     def __init__(self, dyn: PNMixLayer, window: int) -> None:
         self.window = window

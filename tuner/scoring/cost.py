@@ -151,7 +151,7 @@ def static_path_of(model: Any, plan: LayerPlan, config: Answer, head_dim: int) -
     """What the static path runs for `config` (`pnmix.static.static_method`); None on the CPU and
     for an engine recipe, which decode on the batched dynamic cache. A model with sliding-window
     layers takes the static path too (its windows as `pnmix.static.StaticWindowLayer` rings, or
-    `StaticQuantWindowLayer` rings of packed groups where the config quantizes them)."""
+    where the config quantizes them `quant_window_layer`'s bag or ring of packed groups)."""
     if model.device.type != "cuda" or isinstance(config, EngineRecipe):
         return None
     return static_method(config, model.device, head_dim)
