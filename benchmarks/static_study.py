@@ -164,7 +164,9 @@ def set_fill(gen: Any, length: int, held: int | None = None) -> int:
 def graph_for(gen: Any, length: int, held: int | None = None, flush: bool = False) -> tuple[Any, int]:
     """The captured step for a cache filled by `set_fill(gen, length, held)` (captured on first use,
     after one eager warm-up that compiles its kernels) and the tokens it holds. The generator picks
-    the graph as a real generation would (`StaticGenerator.arm`: flush or not, the plan bucket)."""
+    the graph as a real generation would (`StaticGenerator.arm`: flush or not, the plan bucket),
+    with a quantized window's start entering a group in some sequence, as at nearly every step of a
+    large batch of independent sequences (the upper bound at small batches)."""
     total = set_fill(gen, length, held)
     key = gen.arm(flush, total)
     if key not in gen._graphs:

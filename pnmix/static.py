@@ -348,6 +348,10 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
     `straddle` the group the start is in (-1: before the first), `slot_of[b, j % slots]` the bag
     slot of group j and `group_at` the group of each bag slot."""
 
+    # Set by the driver: False for a step at which no sequence's window start enters a group
+    # (known from its host counters), which then skips decoding a group into the edge.
+    enters_now = True
+
     @staticmethod
     def fits(config: PNMixConfig, window: int) -> bool:
         return window >= config.residual_len + config.group_size
@@ -427,8 +431,26 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
         seen = (self.sink_len + self.n_groups * g + self.res_len).long()
         first = seen - self.window  # the oldest position the newest query sees
         cur = torch.where(first >= cfg.n_sink, torch.div(first - cfg.n_sink, g, rounding_mode="floor"), -1)
-        cross = cur > self.straddle  # by one group at most: the start moves one position a step
         rows = torch.arange(seen.shape[0], device=dev)[:, None]
+        zero = torch.zeros_like(self.edge_len)
+        if self.enters_now:
+            self._enter_group(cur, rows, zero)
+        # Before the first group the edge is the sinks, newest first.
+        sinks = cfg.n_sink
+        before = cur < 0
+        if sinks:
+            order = (self.sink_len[:, None].long() - 1 - torch.arange(sinks, device=dev)).clamp(min=0)
+            put_block(self.k_edge, zero, self.k_sink[rows, :, order].transpose(1, 2), before)
+            put_block(self.v_edge, zero, self.v_sink[rows, :, order].transpose(1, 2), before)
+        admitted = torch.where(before, self.sink_len.long() - first.clamp(min=0), sinks + (cur + 1) * g - first)
+        self.edge_len.copy_(admitted.clamp(min=0).to(torch.int32))
+
+    def _enter_group(self, cur: torch.Tensor, rows: torch.Tensor, zero: torch.Tensor) -> None:
+        """Where a sequence's window start entered group `cur` [B] this step: the group's tokens
+        decoded into the edge, newest first, and the group out of the bag."""
+        cfg = self.config
+        g, dev = cfg.group_size, self.n_groups.device
+        cross = cur > self.straddle  # by one group at most: the start moves one position a step
         at = self.slot_of.gather(1, cur.clamp(min=0).remainder(self.slots)[:, None])  # [B, 1]
         keys = packing.dequantize_keys(packing.PackedKeys(*(getattr(self, f)[rows, :, at].transpose(1, 2) for f in
                                                             ("k_low", "k_high", "k_scale", "k_zero"))),
@@ -437,7 +459,6 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
         values = packing.dequantize_values(packing.PackedValues(*(getattr(self, f)[rows, :, tokens].transpose(1, 2)
                                                                   for f in ("v_packed", "v_scale", "v_zero"))),
                                            cfg.value_bits, cfg.value_group_size)
-        zero = torch.zeros_like(self.edge_len)
         put_block(self.k_edge, zero, keys.flip(2), cross)  # newest first
         put_block(self.v_edge, zero, values.flip(2), cross)
         # The group leaves the bag: the bag's last slot moves into its slot.
@@ -454,15 +475,6 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
         _put_index(self.slot_of, moved.remainder(self.slots), at, cross)
         self.bag_len -= cross.to(torch.int32)
         self.straddle.copy_(torch.maximum(self.straddle, cur))
-        # Before the first group the edge is the sinks, newest first.
-        sinks = cfg.n_sink
-        before = cur < 0
-        if sinks:
-            order = (self.sink_len[:, None].long() - 1 - torch.arange(sinks, device=dev)).clamp(min=0)
-            put_block(self.k_edge, zero, self.k_sink[rows, :, order].transpose(1, 2), before)
-            put_block(self.v_edge, zero, self.v_sink[rows, :, order].transpose(1, 2), before)
-        admitted = torch.where(before, self.sink_len.long() - first.clamp(min=0), sinks + (cur + 1) * g - first)
-        self.edge_len.copy_(admitted.clamp(min=0).to(torch.int32))
 
     def decode_cache(self) -> Any:
         return dataclasses.replace(super().decode_cache(), k_sink=self.k_edge, v_sink=self.v_edge,
@@ -868,21 +880,37 @@ class StaticGenerator:
                     self.host_res[b] += 1
                     if self.host_res[b] == cfg.residual_len:
                         self.host_res[b], flush = 0, True
-        return self.arm(flush, max(self.host_len))
+        return self.arm(flush, max(self.host_len), self._window_enters_group())
 
-    def arm(self, flush: bool, tokens: int) -> tuple[bool, int]:
+    def _window_enters_group(self) -> bool:
+        """Whether some sequence's window start enters a packed group this step (its bag layers
+        then move that group to their edge): the start, positions held - window, is a group's first
+        position. Every layer shares the sinks and G (`self.config`)."""
+        bag = next((la for la in self.layers if isinstance(la, StaticQuantBagWindowLayer)), None)
+        if bag is None:
+            return False
+        n_sink, g = bag.config.n_sink, bag.config.group_size
+        return any(n - bag.window >= n_sink and (n - bag.window - n_sink) % g == 0 for n in self.host_len)
+
+    def arm(self, flush: bool, tokens: int, enters: bool = True) -> tuple[bool, int, bool]:
         """Sets the host-side choices of the next step on every layer and returns its graph's key:
-        whether it flushes (quantized layers; fp16 never does) and the bound its launch plans are
+        whether it flushes (quantized layers; fp16 never does), the bound its launch plans are
         made for, `tokens` (the most any sequence holds after the step) rounded up to a power of
-        two (`kernels.plan.length_bucket`). A plan made for the capacity would split a short cache
-        as a full one; a bucket's graph serves every step up to its bound."""
+        two (`kernels.plan.length_bucket`; a plan made for the capacity would split a short cache
+        as a full one, and a bucket's graph serves every step up to its bound), and whether a
+        quantized window's start may enter a group (`StaticQuantBagWindowLayer.enters_now`; only
+        where the model has such windows)."""
         bound = length_bucket(tokens, self.max_len)
         flush = flush and self.config is not None
+        bags = [la for la in self.layers if isinstance(la, StaticQuantBagWindowLayer)]
+        enters = enters and bool(bags)
         for layer in self.layers:
             layer.plan_tokens = bound
             if self.config is not None:
                 layer.flush_now = flush
-        return (flush, bound)
+        for layer in bags:
+            layer.enters_now = enters
+        return (flush, bound, enters)
 
     def _step_body(self) -> None:
         """One decode step on the static buffers: device work only."""

@@ -150,7 +150,7 @@ def test_steps_are_planned_for_their_length_bucket(method):
     gen = StaticGenerator(model, method, max_len=300)
     keys = []
     arm = gen.arm
-    gen.arm = lambda flush, tokens: keys.append(arm(flush, tokens)) or keys[-1]  # type: ignore[method-assign]
+    gen.arm = lambda *args: keys.append(arm(*args)) or keys[-1]  # type: ignore[method-assign]
     gen.prefill(ids, mask)
     for _ in range(70):
         gen.step()
@@ -161,8 +161,9 @@ def test_steps_are_planned_for_their_length_bucket(method):
             longest = int((layer.sink_len + layer.n_groups * SMALL.group_size + layer.res_len).max())
             assert layer.groups_bound() >= int(layer.n_groups.max())
         assert keys[-1][1] == layer.plan_tokens == length_bucket(longest, 300) >= longest
-    assert {bound for _, bound in keys} == {128, 256}
-    assert any(flush for flush, _ in keys) == (method != "fp16")
+    assert {bound for _, bound, _ in keys} == {128, 256}
+    assert any(flush for flush, _, _ in keys) == (method != "fp16")
+    assert not any(enters for _, _, enters in keys)  # no quantized window
 
 
 def test_static_tokens_equal_generate_embedded(embedded):
@@ -192,7 +193,8 @@ def test_static_quantized_windows_tokens_equal_generate(window):
     windows give `generate`'s tokens over 120 steps. Windows of 8 (inside one group of 32: sinks and
     residual only) and 40 (three ring slots, wrapped many times over; the rows' first groups leave
     the window as it passes, the short row's sinks too) are rings of packed groups; 70 (>= R + G)
-    is the kernels' bag, its start entering a group every 32 steps."""
+    is the kernels' bag, its start entering a group every 32 steps, a row at a time: the steps
+    where none enters one skip that work (`StaticGenerator._window_enters_group`)."""
     from pnmix.layerwise import LayerwiseConfig
     from pnmix.static import StaticQuantBagWindowLayer, StaticQuantWindowLayer
 
@@ -202,10 +204,18 @@ def test_static_quantized_windows_tokens_equal_generate(window):
     n = 120
     want = reference(model, ids, mask, config, n)
     gen = StaticGenerator(model, config, max_len=200)
+    keys = []
+    arm = gen.arm
+    gen.arm = lambda *args: keys.append(arm(*args)) or keys[-1]  # type: ignore[method-assign]
     got = gen.generate(ids, mask, max_new_tokens=n)
     eos = model.generation_config.eos_token_id
     assert until_eos(got, eos) == until_eos(want, eos)
-    kind = StaticQuantBagWindowLayer if window >= SMALL.residual_len + SMALL.group_size else StaticQuantWindowLayer
+    bag = window >= SMALL.residual_len + SMALL.group_size
+    enters = [e for _, _, e in keys]
+    # Bag: a row holding n tokens enters a group where (n - 70 - 4 sinks) % 32 == 0; rows of 70,
+    # 40 and 3 tokens, after step s: s = 4, 36, 68, 100; 34, 66, 98; 71, 103.
+    assert sum(enters) == (9 if bag else 0) and not all(enters)
+    kind = StaticQuantBagWindowLayer if bag else StaticQuantWindowLayer
     assert [type(layer) for layer in gen.layers] == [kind] * 5 + [StaticQuantLayer]
     if kind is StaticQuantWindowLayer:
         assert gen.layers[0].slots == -(-window // SMALL.group_size) + 1
