@@ -54,9 +54,13 @@ from pnmix.cache import PNMixLayer, StaticStep, attend_view, masked_attention
 from pnmix.config import ConfigError, PNMixConfig
 from pnmix.families import FULL, layer_kinds, sliding_window
 from pnmix.generation import cache_kwargs, new_cache, use_pnmix_attention
+from pnmix.kernels.layout import DecodeCache
 from pnmix.kernels.plan import length_bucket, packed_groups_bound
 from pnmix.layerwise import AnyConfig, LayerwiseConfig, as_layerwise
 from pnmix.projections import fuse_siblings, swapped, with_merged_linears
+
+# The packed fields indexed by group (keys) and by token (values).
+KEY_FIELDS, VALUE_FIELDS = DecodeCache.PACKED[:4], DecodeCache.PACKED[4:]
 
 
 def put_slots(t: torch.Tensor, at: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
@@ -216,11 +220,15 @@ class StaticQuantLayer(_StaticLayer):
 
         query [B, H_q, 1, d] -> [B, 1, H_q, d]. Device work only (graph-capturable).
         """
+        self._append(key, value)
+        return self.attend(query, scaling)
+
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append one token per sequence; quantize the residual buffers if the driver says it is due."""
         _appender(self.use_kernels)(key, value, self.k_res, self.v_res, self.res_len, self.k_sink, self.v_sink,
                                     self.sink_len)
         if self.flush_now:
             self._flush()
-        return self.attend(query, scaling)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The newest token's attention over the cache as it stands: [B, 1, H_q, d]."""
@@ -249,7 +257,7 @@ class StaticQuantLayer(_StaticLayer):
         slot = self._slots(self.n_groups[:, None].long() + torch.arange(n, device=full.device))  # [B, n]
         for name, new in (("k_low", pk.low), ("k_high", pk.high), ("k_scale", pk.scale), ("k_zero", pk.zero)):
             put_slots(getattr(self, name), slot, new, full)
-        tokens = (slot[:, :, None] * g + torch.arange(g, device=full.device)).flatten(1)  # [B, n * G]
+        tokens = self._token_slots(slot)
         for name, new in (("v_packed", pv.packed), ("v_scale", pv.scale), ("v_zero", pv.zero)):
             put_slots(getattr(self, name), tokens, new, full)
         self.n_groups += full.to(torch.int32) * n
@@ -258,6 +266,11 @@ class StaticQuantLayer(_StaticLayer):
     def _slots(self, groups: torch.Tensor) -> torch.Tensor:
         """The slots of these groups' (their indices') packed bytes: group j in slot j."""
         return groups
+
+    def _token_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The per-token slots (of the value fields) of group slots [B, n]: [B, n * G]."""
+        g = self.config.group_size
+        return (slots[:, :, None] * g + torch.arange(g, device=slots.device)).flatten(1)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k_sink, self.v_sink, self.k_res, self.v_res, self.k_low, self.k_high,
@@ -356,35 +369,43 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
     def fits(config: PNMixConfig, window: int) -> bool:
         return window >= config.residual_len + config.group_size
 
+    @staticmethod
+    def start_group(config: PNMixConfig, window: int, held: int) -> int:
+        """The packed group that a sequence holding `held` positions has its window's start in
+        (positions > held - 1 - window), -1 while the start is before the first group. `_window_step`
+        computes the same on the device."""
+        first = held - window
+        return (first - config.n_sink) // config.group_size if first >= config.n_sink else -1
+
     def __init__(self, dyn: PNMixLayer, window: int) -> None:
         cfg = dyn.config
         if not self.fits(cfg, window):
             raise ValueError(f"window {window} < residual_len + G = {cfg.residual_len + cfg.group_size}: "
                              "allowed a larger window (smaller ones take StaticQuantWindowLayer)")
         self.window = window
-        g = cfg.group_size
-        seen = list(dyn.lengths)
         # The group each row's window starts in after the prefill; the bag starts with it and
         # every later group, and `_window_step` then moves it to the edge as a step would.
-        self._first_bag = [max(0, (n - window - cfg.n_sink) // g) if n - window >= cfg.n_sink else 0 for n in seen]
+        self._first_bag = [max(0, self.start_group(cfg, window, n)) for n in dyn.lengths]
         super().__init__(dyn, max_len=0)
         self.is_sliding = True
         b, h, _, d = self.k_sink.shape
-        dev, n_groups = self.n_groups.device, self.n_groups.tolist()
-        self.k_edge = self.k_sink.new_zeros((b, h, max(cfg.n_sink, g), d))
+        dev = self.n_groups.device
+        self.k_edge = self.k_sink.new_zeros((b, h, max(cfg.n_sink, cfg.group_size), d))
         self.v_edge = torch.zeros_like(self.k_edge)
         self.edge_len = torch.zeros_like(self.sink_len)
-        held = [max(0, ng - f) for ng, f in zip(n_groups, self._first_bag, strict=True)]
-        self.bag_len = torch.tensor(held, dtype=torch.int32, device=dev)
-        group_at = [[f + i for i in range(self.slots)] for f in self._first_bag]
-        self.group_at = torch.tensor(group_at, dtype=torch.long, device=dev)
-        slot_of = [[0] * self.slots for _ in n_groups]
-        for row, groups in enumerate(group_at):
-            for i, j in enumerate(groups):
-                slot_of[row][j % self.slots] = i
-        self.slot_of = torch.tensor(slot_of, dtype=torch.long, device=dev)
-        self.straddle = torch.tensor([f - 1 for f in self._first_bag], dtype=torch.long, device=dev)
+        first = torch.tensor(self._first_bag, dtype=torch.long, device=dev)
+        self.bag_len = (self.n_groups.long() - first).clamp(min=0).to(torch.int32)
+        self.group_at = torch.empty((b, self.slots), dtype=torch.long, device=dev)
+        self.slot_of = torch.empty_like(self.group_at)
+        self._bag_from(first)
+        self.straddle = first - 1
         self._window_step()
+
+    def _bag_from(self, first: torch.Tensor) -> None:
+        """Slot maps of a bag whose slot i holds group first[b] + i: `group_at` and `slot_of`."""
+        slots = torch.arange(self.slots, device=first.device).expand_as(self.group_at).contiguous()
+        self.group_at.copy_(first[:, None] + slots)
+        self.slot_of.scatter_(1, self.group_at.remainder(self.slots), slots)
 
     def _group_slots(self, max_len: int) -> int:
         # Whole groups in a window, and one flush's worth more: a flush appends its groups before
@@ -413,14 +434,9 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
         _put_index(self.slot_of, group.remainder(self.slots), slot, full)
         self.bag_len += full.to(torch.int32) * n
 
-    def append_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
-        _appender(self.use_kernels)(key, value, self.k_res, self.v_res, self.res_len, self.k_sink, self.v_sink,
-                                    self.sink_len)
-        if self.flush_now:
-            self._flush()
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        super()._append(key, value)
         self._window_step()
-        return self.attend(query, scaling)
 
     def _window_step(self) -> None:
         """Moves the window's start to the newest token's (positions > seen - 1 - window): where it
@@ -449,28 +465,24 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
         """Where a sequence's window start entered group `cur` [B] this step: the group's tokens
         decoded into the edge, newest first, and the group out of the bag."""
         cfg = self.config
-        g, dev = cfg.group_size, self.n_groups.device
         cross = cur > self.straddle  # by one group at most: the start moves one position a step
         at = self.slot_of.gather(1, cur.clamp(min=0).remainder(self.slots)[:, None])  # [B, 1]
         keys = packing.dequantize_keys(packing.PackedKeys(*(getattr(self, f)[rows, :, at].transpose(1, 2) for f in
-                                                            ("k_low", "k_high", "k_scale", "k_zero"))),
+                                                            KEY_FIELDS)),
                                        self.salient_channels, cfg.b_low)  # [B, H, G, d]
-        tokens = (at * g + torch.arange(g, device=dev)).long()  # [B, G]
+        tokens = self._token_slots(at)  # [B, G]
         values = packing.dequantize_values(packing.PackedValues(*(getattr(self, f)[rows, :, tokens].transpose(1, 2)
-                                                                  for f in ("v_packed", "v_scale", "v_zero"))),
+                                                                  for f in VALUE_FIELDS)),
                                            cfg.value_bits, cfg.value_group_size)
         put_block(self.k_edge, zero, keys.flip(2), cross)  # newest first
         put_block(self.v_edge, zero, values.flip(2), cross)
         # The group leaves the bag: the bag's last slot moves into its slot.
         last = (self.bag_len.long() - 1).clamp(min=0)[:, None]
         moved = self.group_at.gather(1, last)
-        for name in ("k_low", "k_high", "k_scale", "k_zero"):
-            t = getattr(self, name)
-            put_slots(t, at, t[rows, :, last].transpose(1, 2), cross)
-        last_tokens = (last * g + torch.arange(g, device=dev)).long()
-        for name in ("v_packed", "v_scale", "v_zero"):
-            t = getattr(self, name)
-            put_slots(t, tokens, t[rows, :, last_tokens].transpose(1, 2), cross)
+        for names, dst, src in ((KEY_FIELDS, at, last), (VALUE_FIELDS, tokens, self._token_slots(last))):
+            for name in names:
+                t = getattr(self, name)
+                put_slots(t, dst, t[rows, :, src].transpose(1, 2), cross)
         _put_index(self.group_at, at, moved, cross)
         _put_index(self.slot_of, moved.remainder(self.slots), at, cross)
         self.bag_len -= cross.to(torch.int32)
@@ -488,17 +500,13 @@ class StaticQuantBagWindowLayer(StaticQuantLayer):
         """Every sequence's counters set to hold `sinks` sinks, `groups` flushed groups and
         `residual` residual tokens, the bag and edge as the window then admits them (the stored
         bytes as they are: for timing)."""
-        cfg = self.config
         self.sink_len.fill_(sinks)
         self.n_groups.fill_(groups)
         self.res_len.fill_(residual)
-        first = sinks + groups * cfg.group_size + residual - self.window
-        cur = (first - cfg.n_sink) // cfg.group_size if first >= cfg.n_sink else -1
+        cur = self.start_group(self.config, self.window, sinks + groups * self.config.group_size + residual)
         self.straddle.fill_(cur)
         self.bag_len.fill_(max(0, groups - cur - 1))
-        self.group_at.copy_(cur + 1 + torch.arange(self.slots, device=self.group_at.device).expand_as(self.group_at))
-        slots = torch.arange(self.slots, device=self.slot_of.device).expand_as(self.slot_of).contiguous()
-        self.slot_of.scatter_(1, self.group_at.remainder(self.slots), slots)
+        self._bag_from(torch.full_like(self.straddle, cur + 1))
         self._window_step()
 
     def nbytes(self) -> int:
@@ -755,6 +763,7 @@ class StaticGenerator:
         self._swaps = fuse_siblings(self.decoder) if compile else []
         self.cache: StaticCache | None = None
         self.layers: list[Any] = []
+        self._bags: list[StaticQuantBagWindowLayer] = []  # the layers `arm` tells whether a window enters a group
         self._graphs: dict[Any, torch.cuda.CUDAGraph] = {}
         self._warm: set[Any] = set()
         self._pool: Any = None
@@ -849,6 +858,7 @@ class StaticGenerator:
         """Installs the static layers and the next step's inputs; first [B], n_real [B] (device)."""
         self.cache = StaticCache(layers)
         self.layers = layers
+        self._bags = [la for la in layers if isinstance(la, StaticQuantBagWindowLayer)]
         # Decoder layers take the cache as `cache` on newer transformers, `past_key_values` on 5.17.
         params = inspect.signature(self.decoder.layers[0].forward).parameters
         self._cache_kw = {"cache" if "cache" in params else "past_key_values": self.cache}
@@ -886,11 +896,11 @@ class StaticGenerator:
         """Whether some sequence's window start enters a packed group this step (its bag layers
         then move that group to their edge): the start, positions held - window, is a group's first
         position. Every layer shares the sinks and G (`self.config`)."""
-        bag = next((la for la in self.layers if isinstance(la, StaticQuantBagWindowLayer)), None)
-        if bag is None:
+        if not self._bags:
             return False
-        n_sink, g = bag.config.n_sink, bag.config.group_size
-        return any(n - bag.window >= n_sink and (n - bag.window - n_sink) % g == 0 for n in self.host_len)
+        bag = self._bags[0]
+        return any(bag.start_group(bag.config, bag.window, n) > bag.start_group(bag.config, bag.window, n - 1)
+                   for n in self.host_len)
 
     def arm(self, flush: bool, tokens: int, enters: bool = True) -> tuple[bool, int, bool]:
         """Sets the host-side choices of the next step on every layer and returns its graph's key:
@@ -902,13 +912,12 @@ class StaticGenerator:
         where the model has such windows)."""
         bound = length_bucket(tokens, self.max_len)
         flush = flush and self.config is not None
-        bags = [la for la in self.layers if isinstance(la, StaticQuantBagWindowLayer)]
-        enters = enters and bool(bags)
+        enters = enters and bool(self._bags)
         for layer in self.layers:
             layer.plan_tokens = bound
             if self.config is not None:
                 layer.flush_now = flush
-        for layer in bags:
+        for layer in self._bags:
             layer.enters_now = enters
         return (flush, bound, enters)
 

@@ -87,6 +87,24 @@ def prefill_rows(dyn, gen, shape, padding, q_heads):  # type: ignore[no-untyped-
     dyn.prefill(torch.randn((b, q_heads, t, d), generator=gen), keys, values, real)
 
 
+def flush_due(dyn) -> bool:  # type: ignore[no-untyped-def]
+    """The driver's rule: the next step flushes if it fills some row's residual buffer."""
+    return any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
+
+
+def step_both(st, dyn, gen, q_heads):  # type: ignore[no-untyped-def]
+    """Feeds the static layer `st` and the dynamic layer `dyn` the same random key, value and
+    query (`st` flushing by `flush_due`); returns both attention outputs."""
+    b, h, _, d = dyn.k_res.shape
+    k = torch.randn((b, h, 1, d), generator=gen)
+    v = torch.randn((b, h, 1, d), generator=gen)
+    q = torch.randn((b, q_heads, 1, d), generator=gen)
+    st.flush_now = flush_due(dyn)
+    got = st.append_attend(k, v, q, d**-0.5)
+    dyn.append(k, v)
+    return got, dyn.attend(q, d**-0.5)
+
+
 def test_static_layer_bytes_equal_dynamic_layer():
     """Fed the same keys and values, a static layer ends with the dynamic layer's bytes and counters
     (sinks filled during decode, several flushes, rows at different phases)."""
@@ -99,9 +117,7 @@ def test_static_layer_bytes_equal_dynamic_layer():
     for _ in range(75):
         k = torch.randn((b, h, 1, d), generator=gen)
         v = torch.randn((b, h, 1, d), generator=gen)
-        # The driver's rule: this step flushes if it fills some row's residual buffer.
-        st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
-                           for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
+        st.flush_now = flush_due(dyn)
         st.append_attend(k, v, torch.randn((b, 2 * h, 1, d), generator=gen), d**-0.5)
         dyn.append(k, v)
     assert st.n_groups.tolist() == dyn.n_groups
@@ -239,14 +255,7 @@ def test_a_quantized_window_ring_attends_as_the_dynamic_windowed_layer():
     st = StaticQuantWindowLayer(dyn, window)
     assert st.slots == 4 and st.k_low.shape[2] == 4
     for _ in range(200):
-        k = torch.randn((b, h, 1, d), generator=gen)
-        v = torch.randn((b, h, 1, d), generator=gen)
-        q = torch.randn((b, 4 * h, 1, d), generator=gen)
-        st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
-                           for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
-        got = st.append_attend(k, v, q, d**-0.5)
-        dyn.append(k, v)
-        want = dyn.attend(q, d**-0.5)
+        got, want = step_both(st, dyn, gen, q_heads=4 * h)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     assert st.n_groups.tolist() == dyn.n_groups and st.res_len.tolist() == dyn.res_len
     assert min(dyn.n_groups) > st.slots  # every row's ring wrapped
@@ -284,16 +293,9 @@ def test_a_quantized_window_bag_attends_as_the_dynamic_windowed_layer(path):
         assert st.slots == window // g + 1 + 1
         crossed = 0
         for _ in range(200):
-            k = torch.randn((b, h, 1, d), generator=gen)
-            v = torch.randn((b, h, 1, d), generator=gen)
-            q = torch.randn((b, 4 * h, 1, d), generator=gen)
-            st.flush_now = any(n >= SMALL.n_sink and r + 1 == SMALL.residual_len
-                               for n, r in zip(dyn.lengths, dyn.res_len, strict=True))
             before = st.straddle.clone()
-            got = st.append_attend(k, v, q, d**-0.5)
+            got, want = step_both(st, dyn, gen, q_heads=4 * h)
             crossed += int((st.straddle > before).sum())
-            dyn.append(k, v)
-            want = dyn.attend(q, d**-0.5)
             tol = {"rtol": 1e-5, "atol": 1e-5} if path == "torch" else {"rtol": 2e-3, "atol": 2e-3}
             assert torch.allclose(got, want, **tol), (got - want).abs().max()
     finally:
