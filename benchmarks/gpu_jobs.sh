@@ -21,15 +21,15 @@
 #                         only, since it measures memory
 #   engS engG             the engine study of SmolLM2 (after alloc1 and alloc2, when they run) and Gemma 3
 #   modelG                the model study of Gemma 3 (budgets 2.5 and 3.0 weighted key bits)
-#   hyb                   the hybrid figures: `static_study.py --part equality` on Gemma 3 270M (tokens against
-#                         `generate`), then on random weights `hybrid_step.py` for fp16, pnmix-paper
-#                         and pnmix-paper with its windows quantized, and `static_study.py --model
-#                         gemma3-12b-shape --part maxbatch,throughput` at 8K and 32K generated tokens with
-#                         the same three; it times steps and measures memory, so it starts once every
-#                         other job asked for has finished
+#   hybT                  the hybrid timings on random weights (no GGUF): `hybrid_step.py` for pnmix-paper
+#                         with its windows quantized, fp16 and pnmix-paper, then `static_study.py --model
+#                         gemma3-12b-shape --part maxbatch,throughput` at 8K and 32K generated tokens for
+#                         fp16, pnmix-paper and pnmix-paper with its windows quantized; it times steps and
+#                         measures memory, so every other job waits until it has finished
+#   hybE                  `static_study.py --part equality` on Gemma 3 270M (tokens against `generate`)
 set -u
 K=/tmp/pnmix-jobs
-JOBS=${JOBS:-alloc0 alloc1 alloc2 maxb engS engG modelG hyb}
+JOBS=${JOBS:-hybT alloc0 alloc1 alloc2 maxb engS engG modelG hybE}
 mkdir -p "$K/parts" "$K/files" "$K/jobs" "$K/out" "$K/logs"
 [ -n "${PART:-}" ] && cp "$PART" "$K/parts/"
 cp .carry/manifest "$K/manifest"
@@ -64,6 +64,7 @@ launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and 
   local name=$1 model=$2 path; shift 2
   case " $JOBS " in *" $name "*) ;; *) return ;; esac
   [ -e "$K/jobs/$name" ] && return
+  [ "$name" = hybT ] || finished hybT || return  # the timings run alone
   { [ "$model" = - ] || [ -e "$K/files/$model.gguf" ]; } && [ -e "$K/site-base/.done" ] && [ -e "$K/site-pnw/.done" ] \
     || return
   path=$K/site-pnw:$K/site-base
@@ -78,11 +79,6 @@ launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and 
   echo "started $name"
 }
 finished() { [ -e "$K/jobs/$1.rc" ] || case " $JOBS " in *" $1 "*) false ;; *) true ;; esac; }
-others_done() {  # every job asked for but hyb has finished
-  local j
-  for j in $JOBS; do [ "$j" = hyb ] || finished "$j" || return 1; done
-}
-
 launch_all() {
   local p="python3 -P" a="benchmarks/allocation_study.py --device cuda --trials 5" picks=$K/out/alloc0/picks n args
   launch alloc0 smollm2-135m $p $a --parts key,kv,compare --seeds 0 --out "$K/out/alloc0"
@@ -102,12 +98,12 @@ launch_all() {
   launch modelG gemma3-270m $p benchmarks/model_study.py --model gemma3-270m --device cuda --profile full \
     --trials 8 --budgets 2.5,3.0 --out "$K/out/model"
   local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput \
---windows pnmix-paper-windows=pnmix-paper"
-  others_done || return
-  launch hyb gemma3-270m "mkdir -p $h && $p benchmarks/static_study.py --part equality --equality-model gemma3-270m \
---gguf $K/files/gemma3-270m.gguf --out $h/equality > $h/equality.log 2>&1; for c in fp16 pnmix-paper 'pnmix-paper --windows'; do \
+--methods fp16,pnmix-paper --batches 1,16 --windows pnmix-paper-windows=pnmix-paper"
+  launch hybT - "mkdir -p $h && for c in 'pnmix-paper --windows' fp16 pnmix-paper; do \
 $p benchmarks/hybrid_step.py --config \$c; done > $h/hybrid_step.log 2>&1; $s --out $h/8k; \
 $s --generated 32768 --out $h/32k"
+  launch hybE gemma3-270m "mkdir -p $h && $p benchmarks/static_study.py --part equality --equality-model gemma3-270m \
+--gguf $K/files/gemma3-270m.gguf --out $h/equality > $h/equality.log 2>&1"
 }
 
 start=$(date +%s)

@@ -64,9 +64,10 @@ import torch
 
 PROMPT = 141
 BUDGET_BYTES = 40 * 2**30
-METHODS = ("fp16", "kivi2", "pnmix-paper")
+METHODS: tuple[str, ...] = ("fp16", "kivi2", "pnmix-paper")  # --methods: the presets measured
 GEN_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 BATCHES = (1, 8, 16, 20, 24, 32, 48, 64, 80, 96, 110, 128, 160, 192)
+THROUGHPUT_BATCHES: tuple[int, ...] = (1, 8, 16, 32, 64, 96, 128)  # --batches: below each method's largest
 
 
 def log(msg: str) -> None:
@@ -410,7 +411,7 @@ def part_throughput(model: Any, res: dict) -> None:
     for method in (*METHODS, *extra):
         top = res.get("max_batch", {}).get(method) or {"fp16": 20, "kivi2": 104, "pnmix-paper": 102}[method]
         # every method also at fp16's largest batch, the equal-batch comparison
-        batches = sorted({b for b in (1, 8, 16, 32, 64, 96, 128) if b < top} | {top, min(top, fp16_top)})
+        batches = sorted({b for b in THROUGHPUT_BATCHES if b < top} | {top, min(top, fp16_top)})
         done = {r["batch"] for r in res["throughput"] if r["method"] == method}
         for b in batches:
             if b in done:  # measured by an earlier run (--merge)
@@ -693,7 +694,7 @@ def part_equality(res: dict, gguf: str, model_name: str) -> None:
 
 @torch.inference_mode()  # the static generator's buffers are inference tensors
 def main() -> None:
-    global COMPILE, RESULTS, MODEL, GENERATED
+    global COMPILE, RESULTS, MODEL, GENERATED, METHODS, THROUGHPUT_BATCHES
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="memory,throughput,latency")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -710,6 +711,11 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="static steps without torch.compile")
     ap.add_argument("--generated", type=int, default=GENERATED,
                     help="--part maxbatch, throughput: tokens generated after the 141-token prompt (default 8192)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="the presets measured in memory and throughput, comma-separated (fp16 is the baseline)")
+    ap.add_argument("--batches", default=",".join(map(str, THROUGHPUT_BATCHES)),
+                    help="--part throughput: the batches timed below each method's largest (which, and fp16's "
+                         "largest, are always timed)")
     ap.add_argument("--model", default="qwen3-8b-shape",
                     help="a shape model: qwen3-8b-shape, llama3-8b-shape, gemma3-12b-shape")
     args = ap.parse_args()
@@ -719,6 +725,8 @@ def main() -> None:
 
     COMPILE = not args.no_compile
     MODEL, GENERATED = args.model, args.generated
+    METHODS = tuple(m for m in args.methods.split(",") if m)
+    THROUGHPUT_BATCHES = tuple(int(b) for b in args.batches.split(",") if b)
     for item in args.config:
         name, _, file = item.partition("=")
         EXTRA[name] = load_config(Path(file).read_text())
