@@ -21,15 +21,17 @@
 #                         only, since it measures memory
 #   engS engG             the engine study of SmolLM2 (after alloc1 and alloc2, when they run) and Gemma 3
 #   modelG                the model study of Gemma 3 (budgets 2.5 and 3.0 weighted key bits)
-#   hybT                  the hybrid timings on random weights (no GGUF): `hybrid_step.py` for pnmix-paper
-#                         with its windows quantized, fp16 and pnmix-paper, then `static_study.py --model
-#                         gemma3-12b-shape --part maxbatch,throughput` at 8K and 32K generated tokens for
-#                         fp16, pnmix-paper and pnmix-paper with its windows quantized; it times steps and
-#                         measures memory, so every other job waits until it has finished
+#   hybS                  the scoring engine's decode step on Gemma 3 270M's shape with random weights
+#                         (`hybrid_step.py`: pnmix-paper with its windows quantized, fp16, pnmix-paper); it
+#                         times steps, so it runs first and every other job waits until it has finished
 #   hybE                  `static_study.py --part equality` on Gemma 3 270M (tokens against `generate`)
+#   hybT                  serving a hybrid: `static_study.py --model gemma3-12b-shape --part
+#                         maxbatch,throughput` at 8K, then 32K generated tokens, for fp16, pnmix-paper and
+#                         pnmix-paper with its windows quantized; it times steps and measures memory, so it
+#                         starts once every other job asked for has finished
 set -u
 K=/tmp/pnmix-jobs
-JOBS=${JOBS:-hybT alloc0 alloc1 alloc2 maxb engS engG modelG hybE}
+JOBS=${JOBS:-hybS alloc0 alloc1 alloc2 maxb engS engG modelG hybE hybT}
 mkdir -p "$K/parts" "$K/files" "$K/jobs" "$K/out" "$K/logs"
 [ -n "${PART:-}" ] && cp "$PART" "$K/parts/"
 cp .carry/manifest "$K/manifest"
@@ -64,7 +66,8 @@ launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and 
   local name=$1 model=$2 path; shift 2
   case " $JOBS " in *" $name "*) ;; *) return ;; esac
   [ -e "$K/jobs/$name" ] && return
-  [ "$name" = hybT ] || finished hybT || return  # the timings run alone
+  [ "$name" = hybS ] || finished hybS || return  # the step timings run alone, first
+  [ "$name" != hybT ] || others_done || return  # the serving figures alone, last
   { [ "$model" = - ] || [ -e "$K/files/$model.gguf" ]; } && [ -e "$K/site-base/.done" ] && [ -e "$K/site-pnw/.done" ] \
     || return
   path=$K/site-pnw:$K/site-base
@@ -79,6 +82,10 @@ launch() {  # NAME MODEL COMMAND...: start a job once, when it is asked for and 
   echo "started $name"
 }
 finished() { [ -e "$K/jobs/$1.rc" ] || case " $JOBS " in *" $1 "*) false ;; *) true ;; esac; }
+others_done() {  # every job asked for but hybT has finished
+  local j
+  for j in $JOBS; do [ "$j" = hybT ] || finished "$j" || return 1; done
+}
 launch_all() {
   local p="python3 -P" a="benchmarks/allocation_study.py --device cuda --trials 5" picks=$K/out/alloc0/picks n args
   launch alloc0 smollm2-135m $p $a --parts key,kv,compare --seeds 0 --out "$K/out/alloc0"
@@ -98,10 +105,10 @@ launch_all() {
   launch modelG gemma3-270m $p benchmarks/model_study.py --model gemma3-270m --device cuda --profile full \
     --trials 8 --budgets 2.5,3.0 --out "$K/out/model"
   local h=$K/out/hybrid s="$p benchmarks/static_study.py --model gemma3-12b-shape --part maxbatch,throughput \
---methods fp16,pnmix-paper --batches 1,16 --windows pnmix-paper-windows=pnmix-paper"
-  launch hybT - "mkdir -p $h && for c in 'pnmix-paper --windows' fp16 pnmix-paper; do \
-$p benchmarks/hybrid_step.py --config \$c; done > $h/hybrid_step.log 2>&1; $s --out $h/8k; \
-$s --generated 32768 --out $h/32k"
+--methods fp16,pnmix-paper --batches 1 --windows pnmix-paper-windows=pnmix-paper"
+  launch hybS - "mkdir -p $h && for c in 'pnmix-paper --windows' fp16 pnmix-paper; do \
+$p benchmarks/hybrid_step.py --config \$c; done > $h/hybrid_step.log 2>&1"
+  launch hybT - "$s --out $h/8k; $s --generated 32768 --out $h/32k"
   launch hybE gemma3-270m "mkdir -p $h && $p benchmarks/static_study.py --part equality --equality-model gemma3-270m \
 --gguf $K/files/gemma3-270m.gguf --out $h/equality > $h/equality.log 2>&1"
 }
