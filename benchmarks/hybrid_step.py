@@ -6,7 +6,12 @@ with every layer full attention, which holds at least the hybrid's bytes; on two
 dynamic cache (`pnmix.cache`'s `BatchWindowLayer` for each sliding layer) and the static CUDA-graph
 path (`pnmix.static`'s `StaticWindowLayer` rings), what a trial on the GPU runs. The step is the
 difference of two decodes of different lengths over the number of extra steps, so the prefill and
-the cache's construction cancel.
+the cache's construction cancel. On the static path each graph key (`StaticGenerator.arm`: a flush,
+a window start entering a group, the length bucket) costs one eager step and one capture in every
+decode that meets it, so its two decodes are 145 and 273 steps: past the first 128, every row has
+flushed its residual and every window start has entered a group, so the longer decode meets no
+key the shorter one has not (unless a flush and an entry fall on one step only in it), and the 128
+steps between them are replays: a whole residual cycle and a whole group of window starts.
 
     python -P benchmarks/hybrid_step.py --batch 32 --prompt 1024 [--config fp16] [--windows]
 
@@ -71,13 +76,13 @@ def main() -> None:
     ap.add_argument("--windows", action="store_true", help="quantize the sliding layers' windows too")
     args = ap.parse_args()
     static_path_of = cost.static_path_of
-    short, long = 17, 81
+    lengths = {"dynamic": (17, 81), "static": (145, 273)}
     ms: dict[tuple[str, bool], float] = {}
     for hybrid in (True, False):
         model = model_of(hybrid)
         for path in ("dynamic", "static"):
             cost.static_path_of = static_path_of if path == "static" else (lambda *a, **k: None)
-            ms[path, hybrid] = step_ms(model, args.config, args.batch, args.prompt, short, long, args.windows)
+            ms[path, hybrid] = step_ms(model, args.config, args.batch, args.prompt, *lengths[path], args.windows)
         del model
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch}, prompt {args.prompt}, "
