@@ -29,6 +29,7 @@ from test_kernels_decode import CASES, Case, build, fresh_generator, garble_past
 from pnmix.backend import decode_reference  # noqa: E402
 from pnmix.kernels.gluon import block, launch  # noqa: E402
 from pnmix.kernels.plan import length_bucket  # noqa: E402
+from pnmix.models import model_names  # noqa: E402
 
 
 def emulated(q: torch.Tensor, cache, scale: float, splits: int | None, n_tail: int | None = None,
@@ -275,26 +276,24 @@ def test_value_group_limits_send_other_configs_to_the_triton_kernel(value_group,
     assert launch.shape_supported(cache, q) is admitted_here
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m", "qwen3-8b-shape", "llama3-8b-shape",
-                                   "gemma3-12b-shape"])
+@pytest.mark.parametrize("model", model_names())
 def test_every_searched_config_of_the_products_models_takes_the_gluon_kernels(model):
     # `PNMIX_DECODE_KERNEL=auto` falls back to the Triton kernel (below SDPA's speed) only where
     # `shape_supported` refuses: on these models no config the tuner searches (every G, every value
-    # format that divides the head; the bit pair changes no limit) is refused.
+    # format the search space offers at the head dim; the bit pair changes no limit) is refused.
     from pnmix.config import GROUP_SIZES
     from pnmix.models import model_shape
-    from pnmix.tuner.search.axes import VALUE_BITS, VALUE_GROUPS
+    from pnmix.tuner.search.space import SearchSpace
 
     shape = model_shape(model)
     d, gqa = shape.head_dim, shape.num_heads // shape.num_kv_heads
     refused = []
     for g in GROUP_SIZES:
-        for bits in VALUE_BITS:
-            for group in (vg for vg in VALUE_GROUPS if d % vg == 0):
-                case = Case(group_size=g, head_dim=d, gqa=gqa, value_bits=bits, value_group=group, ratio=0.25)
-                q, cache = build(case, torch.Generator().manual_seed(0))
-                if not launch.shape_supported(cache, q):
-                    refused.append((g, bits, group))
+        for bits, group in SearchSpace().value_choices(d):
+            case = Case(group_size=g, head_dim=d, gqa=gqa, value_bits=bits, value_group=group, ratio=0.25)
+            q, cache = build(case, torch.Generator().manual_seed(0))
+            if not launch.shape_supported(cache, q):
+                refused.append((g, bits, group))
     assert not refused, f"{model} (d {d}, {gqa} query heads a KV head): G, value bits, value group {refused}"
     # the check itself: a shape past the kernels' limits is refused
     q, cache = build(Case(head_dim=d, gqa=9), torch.Generator().manual_seed(0))
